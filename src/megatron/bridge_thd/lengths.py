@@ -1,0 +1,203 @@
+"""Which tokens of a padded batch are real, and the cu_seqlens that describe them.
+
+Datasets hand the step one of three mask conventions; this module turns each of them into a
+keep mask ``(B, T)`` (True = real token) or straight into cu_seqlens:
+
+* a 2D keep mask ``(B, T)`` (bool, int or float; non-zero = real) with real tokens at any
+  positions: right padding, left padding, or VERL's left-padded prompt + right-padded response;
+* a 4D Megatron mask ``(B|1, 1, T, T)``, True = masked: causal plus key (and optionally query)
+  padding, as ``get_ltor_masks_and_position_ids`` builds it;
+* a sample-ID mask ``(1, L)`` of an already packed row, ``[[1, 1, 2, 2, 2, 0, 0]]`` style:
+  sample k's tokens carry id k, padding carries 0 (Megatron-Energon / LLaVA-OneVision2).
+
+Data-dependent validity checks are returned as :class:`DeferredCheck` flags instead of being
+evaluated here, so that the packer can fold all of them into its one host synchronisation
+(or into asynchronous device asserts when it must not synchronise at all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "DeferredCheck",
+    "keep_mask_from_attention_mask",
+    "keep_mask_from_real_lengths",
+    "real_lengths",
+    "cu_seqlens_from_lengths",
+    "cu_seqlens_from_sample_ids",
+]
+
+
+@dataclass(frozen=True)
+class DeferredCheck:
+    """A validity condition that needs the data to decide.
+
+    ``failed`` is a 0-dim bool tensor on the data's device, True when the input is bad;
+    ``message`` is the error text (it names the argument and the fix).
+    """
+
+    failed: torch.Tensor
+    message: str
+
+
+def keep_mask_from_attention_mask(
+    attention_mask: torch.Tensor, batch_size: int, seq_len: int
+) -> tuple[torch.Tensor, list[DeferredCheck]]:
+    """Keep mask from a 2D keep mask or a 4D Megatron mask.
+
+    Args:
+        attention_mask: ``(B, T)`` keep mask, non-zero = real token, at any positions; or
+            ``(B|1, 1, T, T)`` Megatron mask, True (non-zero) = masked, causal with padding.
+        batch_size: B, the batch the mask must describe.
+        seq_len: T.
+
+    Returns:
+        keep: ``(B, T)`` bool, True where the token is real.
+        checks: data-dependent checks (the 4D mask must be causal-with-padding).
+
+    Raises:
+        ValueError: on a mask whose shape matches neither convention.
+    """
+    if attention_mask.dim() == 2:
+        if tuple(attention_mask.shape) != (batch_size, seq_len):
+            raise ValueError(
+                f"attention_mask: 2D keep mask has shape {tuple(attention_mask.shape)} but input_ids is "
+                f"({batch_size}, {seq_len}); pass the dataset's (B, T) mask for this very batch"
+            )
+        return attention_mask != 0, []
+    if attention_mask.dim() == 4:
+        b, heads, s1, s2 = attention_mask.shape
+        if b not in (1, batch_size) or heads != 1 or s1 != seq_len or s2 != seq_len:
+            raise ValueError(
+                f"attention_mask: 4D mask has shape {tuple(attention_mask.shape)}, expected "
+                f"({batch_size} or 1, 1, {seq_len}, {seq_len}) (True = masked); pass the mask built for "
+                "this batch, or the dataset's 2D (B, T) keep mask"
+            )
+        masked = (attention_mask[:, 0] != 0).expand(batch_size, seq_len, seq_len)
+        # A token is real iff it may attend to itself: causal masks never hide the diagonal,
+        # padding masks hide the padded key column (and possibly its row).
+        keep = ~torch.diagonal(masked, dim1=1, dim2=2)
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=masked.device).triu(1)
+        key_padding = future | ~keep[:, None, :]
+        key_and_query_padding = key_padding | ~keep[:, :, None]
+        is_causal_with_padding = (masked == key_padding).all() | (masked == key_and_query_padding).all()
+        check = DeferredCheck(
+            ~is_causal_with_padding,
+            "attention_mask: the 4D mask is not causal-with-padding (True = masked, future keys masked, "
+            "padding keys masked); packing cannot recover per-sample lengths from it. Pass the "
+            "dataset's 2D (B, T) keep mask instead (set dataset.skip_getting_attention_mask_from_dataset="
+            "False in Megatron-Bridge)",
+        )
+        return keep, [check]
+    raise ValueError(
+        f"attention_mask: expected a 2D (B, T) keep mask or a 4D (B|1, 1, T, T) Megatron mask, got "
+        f"{attention_mask.dim()}D shape {tuple(attention_mask.shape)}"
+    )
+
+
+def keep_mask_from_real_lengths(
+    real_lengths: torch.Tensor, batch_size: int, seq_len: int
+) -> tuple[torch.Tensor, list[DeferredCheck]]:
+    """Keep mask for right-padded samples given their real lengths.
+
+    Args:
+        real_lengths: ``(B,)`` integer; sample i's first ``real_lengths[i]`` tokens are real.
+
+    Returns:
+        keep: ``(B, T)`` bool; checks: lengths must lie in ``[0, T]``.
+    """
+    if real_lengths.dim() != 1 or real_lengths.numel() != batch_size:
+        raise ValueError(
+            f"real_lengths: expected shape ({batch_size},) (one length per sample of input_ids), got "
+            f"{tuple(real_lengths.shape)}"
+        )
+    if real_lengths.is_floating_point() or real_lengths.dtype == torch.bool:
+        raise ValueError(f"real_lengths: expected an integer tensor, got dtype {real_lengths.dtype}")
+    positions = torch.arange(seq_len, device=real_lengths.device)
+    keep = positions[None, :] < real_lengths[:, None]
+    out_of_range = ((real_lengths < 0) | (real_lengths > seq_len)).any()
+    check = DeferredCheck(
+        out_of_range,
+        f"real_lengths: every length must lie in [0, {seq_len}] (the row width T of input_ids); "
+        "clip the lengths to the truncated row or pass the attention_mask instead",
+    )
+    return keep, [check]
+
+
+def real_lengths(keep: torch.Tensor) -> torch.Tensor:
+    """Per-sample real token counts.
+
+    Args:
+        keep: ``(B, T)`` bool keep mask.
+
+    Returns:
+        ``(B,)`` int64 number of real tokens of each sample.
+    """
+    return keep.sum(dim=1, dtype=torch.int64)
+
+
+def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """Cumulative boundaries ``[0, l0, l0+l1, ...]``.
+
+    Args:
+        lengths: ``(B,)`` integer segment lengths.
+
+    Returns:
+        ``(B + 1,)`` int64 cumulative sum starting at 0 (callers cast to int32 after checking
+        the total fits).
+    """
+    return F.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
+
+
+def cu_seqlens_from_sample_ids(sample_ids: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens of an already packed row given as a sample-ID mask.
+
+    Example: ``[[1, 1, 2, 2, 2, 3, 3, 4, 5, 5, 5, 0, 0]]`` -> ``[0, 2, 5, 7, 8, 11, 13]``: one
+    segment per sample id, and the padding tail (id 0) as one extra segment, so the last entry
+    is always the row length.
+
+    Args:
+        sample_ids: ``(1, L)`` or ``(L,)`` integer; ids 1..K in non-decreasing order, each id
+            used at least once, zeros only as a trailing tail. A packed row needs micro-batch 1.
+
+    Returns:
+        ``(K + 1,)`` int32, or ``(K + 2,)`` when the row has a padding tail.
+
+    Raises:
+        ValueError: on any other layout (one host synchronisation reads the ids' summary).
+    """
+    if sample_ids.dim() == 2:
+        if sample_ids.size(0) != 1:
+            raise ValueError(
+                f"sample_ids: a packed row has micro-batch 1, got shape {tuple(sample_ids.shape)}; "
+                "pack each row separately"
+            )
+        sample_ids = sample_ids[0]
+    if sample_ids.dim() != 1 or sample_ids.is_floating_point():
+        raise ValueError(f"sample_ids: expected a (1, L) or (L,) integer tensor, got {tuple(sample_ids.shape)}")
+    ids = sample_ids.to(torch.int64)
+    row_length = ids.numel()
+    is_padding = ids == 0
+    steps = ids[1:] - ids[:-1]
+    real_steps_ok = ((steps == 0) | (steps == 1) | is_padding[1:]).all()
+    # Padding may only be followed by padding: a 0 followed by a sample id means a gap.
+    tail_ok = ~(is_padding[:-1] & ~is_padding[1:]).any()
+    first_ok = (ids[:1] <= 1).all()
+    summary = torch.stack([ids.max() if row_length else ids.new_zeros(()),
+                           (real_steps_ok & tail_ok & first_ok & (ids >= 0).all()).long(),
+                           is_padding.sum()]).tolist()
+    num_samples, well_formed, num_padding = summary
+    if not well_formed:
+        raise ValueError(
+            "sample_ids: ids must start at 1, grow by 0 or 1 from token to token, and use 0 only for a "
+            f"trailing padding tail (got {sample_ids.tolist()[:32]}...); renumber the samples 1..K in row order"
+        )
+    counts = torch.bincount(ids, minlength=num_samples + 1)[1:]
+    cu_seqlens = cu_seqlens_from_lengths(counts)
+    if num_padding:
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), row_length)])
+    return cu_seqlens.to(torch.int32)

@@ -1,0 +1,288 @@
+"""Pack a padded ``(B, T)`` batch into one THD row of real tokens, and back.
+
+Sample i's real tokens are laid out in order at ``[cu_seqlens_padded[i],
+cu_seqlens_padded[i] + len_i)``; the rest of its physical slot (alignment padding) and, in
+static mode, the tail of the row are padding the attention kernel skips. Everything is one
+gather/scatter over integer indices: the number of torch ops does not depend on B, and the only
+host synchronisation (dynamic mode) reads the row length and the validity flags in one go.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron.bridge_thd.lengths import (
+    DeferredCheck,
+    cu_seqlens_from_lengths,
+    keep_mask_from_attention_mask,
+    keep_mask_from_real_lengths,
+)
+from megatron.bridge_thd.lengths import real_lengths as lengths_of_keep_mask
+
+__all__ = ["PackedBatch", "pack_bshd_to_thd", "unpack_thd_to_bshd", "required_alignment"]
+
+INT32_MAX = torch.iinfo(torch.int32).max
+LABEL_PAD = -100
+POSITION_PAD = 0
+
+
+@dataclass
+class PackedBatch:
+    """One packed THD row and the metadata that describes it.
+
+    Shapes: N is the row length, B the number of samples packed, T the padded input width.
+
+    Attributes:
+        input_ids: ``(1, N)`` token ids; padding slots hold ``pad_token_id``.
+        labels: ``(1, N)`` or None; padding slots hold -100.
+        loss_mask: ``(1, N)`` or None; padding slots hold 0.
+        position_ids: ``(1, N)`` or ``(3, 1, N)`` (MRoPE) or None; padding slots hold 0.
+        cu_seqlens: ``(S + 1,)`` int32 real boundaries (cumulative real lengths).
+        cu_seqlens_padded: ``(S + 1,)`` int32 physical boundaries, last entry N. S = B, or
+            B + 1 in static mode, where the row tail is one extra segment with no real token.
+        max_seqlen: int, the longest physical slot of a real sample (>= every real length,
+            a multiple of the alignment).
+        padding_mask: ``(1, N)`` bool, True at every slot that holds no real token (the MoE
+            router's padding mask).
+        packed_seq_params: Megatron-Core ``PackedSeqParams`` (``qkv_format="thd"``) carrying
+            the real and padded pairs for q and kv.
+        packed_index: ``(B, T)`` int64, the row slot of each input position; N where the
+            position is padding. ``unpack_thd_to_bshd`` gathers with it.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    padding_mask: torch.Tensor
+    packed_seq_params: PackedSeqParams
+    packed_index: torch.Tensor
+
+
+def required_alignment(
+    tp_size: int = 1, cp_size: int = 1, *, sequence_parallel: bool = False, fp8: bool = False
+) -> int:
+    """Physical slot alignment Megatron needs for a THD row.
+
+    Context parallelism (TE) needs every segment divisible by ``2 * cp`` (each rank holds two
+    chunks of every segment); sequence parallelism needs the row divisible by TP, which aligning
+    every slot guarantees (times ``2 * cp`` so each CP rank's share stays divisible); FP8 GEMMs
+    need multiples of 16.
+
+    Returns:
+        The alignment, an int >= 1, to pass as ``align_to``.
+    """
+    for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    align = 2 * cp_size if cp_size > 1 else 1
+    if sequence_parallel and tp_size > 1:
+        align *= tp_size
+    return math.lcm(align, 16) if fp8 else align
+
+
+def _round_up(x, multiple):
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _check_int(name: str, value, minimum: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}; {hint}")
+
+
+def _check_companion(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    if tensor is not None and tuple(tensor.shape) != shape:
+        raise ValueError(
+            f"{name}: shape {tuple(tensor.shape)} does not match input_ids; expected {shape}"
+        )
+
+
+def _raise_deferred(checks: list[DeferredCheck], flags: list) -> None:
+    for check, failed in zip(checks, flags):
+        if failed:
+            raise ValueError(check.message)
+
+
+def _scatter_into_row(values: torch.Tensor, packed_index: torch.Tensor, row_length: int, fill) -> torch.Tensor:
+    """Scatter ``(..., B, T)`` values into a ``(..., 1, N)`` row; padding positions go to a
+    trash slot N that is cut off, so no boolean indexing (a host sync) is needed."""
+    lead = values.shape[:-2]
+    flat_values = values.reshape(*lead, -1)
+    flat_index = packed_index.reshape(-1).expand(*lead, -1)
+    row = flat_values.new_full((*lead, row_length + 1), fill)
+    row.scatter_(-1, flat_index, flat_values)
+    return row[..., :row_length].unsqueeze(-2)
+
+
+def pack_bshd_to_thd(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    labels: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    real_lengths: torch.Tensor | None = None,
+    align_to: int = 1,
+    total_length: int | None = None,
+    pad_token_id: int = 0,
+) -> PackedBatch:
+    """Pack the real tokens of a padded batch into one THD row.
+
+    Args:
+        input_ids: ``(B, T)`` token ids.
+        attention_mask: ``(B, T)`` keep mask (non-zero = real, at any positions) or a 4D
+            Megatron mask ``(B|1, 1, T, T)`` (True = masked). None with ``real_lengths`` None
+            means every token is real.
+        labels: ``(B, T)``, packed with -100 in padding slots.
+        loss_mask: ``(B, T)``, packed with 0 in padding slots.
+        position_ids: ``(B, T)`` or MRoPE ``(3, B, T)``, packed to ``(1, N)`` / ``(3, 1, N)``.
+        real_lengths: ``(B,)`` instead of a mask: sample i's first ``real_lengths[i]`` tokens
+            are real.
+        align_to: every sample's physical slot is a multiple of this (see
+            :func:`required_alignment`).
+        total_length: static mode: the row is exactly this long, the tail after the last
+            sample forming one extra segment with no real token. Keeps shapes static for
+            pipeline p2p and CUDA graphs; no host synchronisation happens.
+        pad_token_id: the id written into padding slots of ``input_ids``.
+
+    Returns:
+        A :class:`PackedBatch`.
+
+    Raises:
+        ValueError: on bad shapes or arguments, naming the argument and the fix. Data-dependent
+            problems (lengths out of range, a 4D mask that is not causal-with-padding, an int32
+            overflow, a row that does not fit ``total_length``) raise ValueError in dynamic
+            mode; in static mode they are device-side asserts (RuntimeError on the CPU) so that
+            no host synchronisation is needed.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids: expected a (B, T) tensor, got {shape}; add a batch dimension")
+    batch_size, seq_len = input_ids.shape
+    device = input_ids.device
+    _check_int("align_to", align_to, 1, "use required_alignment(tp, cp, sequence_parallel=..., fp8=...)")
+    _check_companion("labels", labels, (batch_size, seq_len))
+    _check_companion("loss_mask", loss_mask, (batch_size, seq_len))
+    if position_ids is not None and tuple(position_ids.shape) not in ((batch_size, seq_len), (3, batch_size, seq_len)):
+        raise ValueError(
+            f"position_ids: shape {tuple(position_ids.shape)} does not match input_ids; expected "
+            f"({batch_size}, {seq_len}) or MRoPE (3, {batch_size}, {seq_len})"
+        )
+    if attention_mask is not None and real_lengths is not None:
+        raise ValueError("attention_mask, real_lengths: pass one of them, not both")
+
+    if attention_mask is not None:
+        keep, checks = keep_mask_from_attention_mask(attention_mask.to(device), batch_size, seq_len)
+    elif real_lengths is not None:
+        keep, checks = keep_mask_from_real_lengths(real_lengths.to(device), batch_size, seq_len)
+    else:
+        keep, checks = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device), []
+
+    lengths = lengths_of_keep_mask(keep)
+    slots = _round_up(lengths, align_to)
+    cu_seqlens = cu_seqlens_from_lengths(lengths)
+    cu_seqlens_padded = cu_seqlens_from_lengths(slots)
+    worst_case_length = batch_size * _round_up(seq_len, align_to)
+
+    if total_length is None:
+        checks = checks + [
+            DeferredCheck(
+                cu_seqlens_padded[-1] > INT32_MAX,
+                f"input_ids: the packed row would exceed {INT32_MAX} tokens, which int32 cu_seqlens cannot "
+                "describe; use a smaller micro-batch",
+            )
+        ]
+        # The one host synchronisation: the row length sizes the output, and the validity flags
+        # ride along so that checking costs nothing extra.
+        host = torch.stack(
+            [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(())]
+            + [check.failed.to(torch.int64) for check in checks]
+        ).tolist()
+        _raise_deferred(checks, host[2:])
+        row_length, max_seqlen = host[0], host[1]
+    else:
+        _check_int("total_length", total_length, 0, "pass micro_batch_size * seq_length rounded up to align_to")
+        if total_length % align_to:
+            raise ValueError(
+                f"total_length: {total_length} is not a multiple of align_to={align_to}; round it up to "
+                f"{_round_up(total_length, align_to)}"
+            )
+        if total_length > INT32_MAX:
+            raise ValueError(f"total_length: {total_length} exceeds int32 cu_seqlens ({INT32_MAX}); use a smaller row")
+        if total_length < worst_case_length:
+            checks = checks + [
+                DeferredCheck(
+                    cu_seqlens_padded[-1] > total_length,
+                    f"total_length: the batch's aligned real tokens do not fit in {total_length}; raise it "
+                    f"(B * round_up(T, align_to) = {worst_case_length} always fits)",
+                )
+            ]
+        for check in checks:
+            torch._assert_async(~check.failed, check.message)
+        row_length = total_length
+        max_seqlen = _round_up(seq_len, align_to)
+        # The tail after the last sample is its own segment with no real token, so no real
+        # sample's physical slot grows and max_seqlen stays a bound for every real segment.
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:]])
+        cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((1,), total_length)])
+
+    rank_in_sample = keep.cumsum(dim=1) - 1
+    packed_index = torch.where(keep, cu_seqlens_padded[:batch_size, None] + rank_in_sample, row_length)
+
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    cu_seqlens_padded = cu_seqlens_padded.to(torch.int32)
+    padding_mask = _scatter_into_row(~keep, packed_index, row_length, True)
+    packed_seq_params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
+    return PackedBatch(
+        input_ids=_scatter_into_row(input_ids, packed_index, row_length, pad_token_id),
+        labels=None if labels is None else _scatter_into_row(labels, packed_index, row_length, LABEL_PAD),
+        loss_mask=None if loss_mask is None else _scatter_into_row(loss_mask, packed_index, row_length, 0),
+        position_ids=None
+        if position_ids is None
+        else _scatter_into_row(position_ids, packed_index, row_length, POSITION_PAD),
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_padded=cu_seqlens_padded,
+        max_seqlen=max_seqlen,
+        padding_mask=padding_mask,
+        packed_seq_params=packed_seq_params,
+        packed_index=packed_index,
+    )
+
+
+def unpack_thd_to_bshd(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """Scatter per-slot values of a packed row back to the padded batch layout.
+
+    Args:
+        values: ``(1, N, ...)`` or ``(N, ...)`` per-slot values (logits, per-token losses,
+            hidden states).
+        packed: the :class:`PackedBatch` the row came from.
+
+    Returns:
+        ``(B, T, ...)``: each real position gets its slot's value, padding positions get 0.
+        Differentiable: gradients flow back to ``values`` at real slots.
+    """
+    row_length = packed.padding_mask.shape[-1]
+    if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == row_length:
+        values = values[0]
+    if values.dim() < 1 or values.shape[0] != row_length:
+        raise ValueError(
+            f"values: expected (1, {row_length}, ...) or ({row_length}, ...) to match the packed row, got "
+            f"{tuple(values.shape)}"
+        )
+    with_trash = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
+    return with_trash[packed.packed_index]
