@@ -1,0 +1,83 @@
+"""Load Megatron-Bridge's pure-torch helpers, with or without Transformer Engine.
+
+``import megatron.bridge`` imports Transformer Engine, which cannot be installed without CUDA.
+The helper modules we reuse (the masked next-token loss, the packed-sequence utilities, the
+Qwen3-VL rope) import fine on their own. Where the real package can be imported (a GPU
+container) it is used as is; otherwise its parent packages are registered as bare namespace
+modules that point at the installed folders, so a submodule loads without the ``__init__``
+chain.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+
+__all__ = ["load_bridge_module", "bridge_available"]
+
+_BRIDGE = "megatron.bridge"
+
+
+def bridge_available() -> bool:
+    """True when a megatron-bridge installation is present (importable or not)."""
+    return importlib.util.find_spec(_BRIDGE) is not None
+
+
+def _full_package_importable() -> bool:
+    if _BRIDGE in sys.modules:
+        return True
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+class _BarePackageFinder(importlib.abc.MetaPathFinder):
+    """Resolves ``megatron.bridge`` and its sub-packages to namespace packages over the
+    installed folders, so no ``__init__.py`` (and so no Transformer Engine import) runs; plain
+    modules are left to the normal finders."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _BRIDGE and not fullname.startswith(_BRIDGE + "."):
+            return None
+        folder = os.path.join(self.root, *fullname.split(".")[2:])
+        if not os.path.isdir(folder):
+            return None
+        spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
+        spec.submodule_search_locations = [folder]
+        return spec
+
+
+def _install_bare_package_finder() -> None:
+    if any(isinstance(finder, _BarePackageFinder) for finder in sys.meta_path):
+        return
+    root_spec = importlib.util.find_spec(_BRIDGE)
+    if root_spec is None or not root_spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "megatron.bridge is not installed; install it with 'pip install --no-deps megatron-bridge==0.6.2' "
+            "(CPU) or 'pip install megatron-bridge' (GPU container)"
+        )
+    sys.meta_path.insert(0, _BarePackageFinder(list(root_spec.submodule_search_locations)[0]))
+
+
+def load_bridge_module(relative_name: str) -> types.ModuleType:
+    """Import ``megatron.bridge.<relative_name>``.
+
+    Args:
+        relative_name: dotted path below ``megatron.bridge``, e.g. ``"training.losses"``.
+
+    Returns:
+        The module. In a CPU-only environment its parents are bare namespace modules, so only
+        submodules whose own imports avoid Transformer Engine can be loaded this way.
+    """
+    module_name = f"{_BRIDGE}.{relative_name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    if not _full_package_importable():
+        _install_bare_package_finder()
+    return importlib.import_module(module_name)
