@@ -23,7 +23,7 @@ from megatron.bridge_thd.lengths import (
 )
 from megatron.bridge_thd.lengths import real_lengths as lengths_of_keep_mask
 
-__all__ = ["PackedBatch", "pack_bshd_to_thd", "unpack_thd_to_bshd", "required_alignment"]
+__all__ = ["PackedBatch", "pack_bshd_to_thd", "unpack_thd_to_bshd", "required_alignment", "segment_index"]
 
 INT32_MAX = torch.iinfo(torch.int32).max
 LABEL_PAD = -100
@@ -286,3 +286,31 @@ def unpack_thd_to_bshd(values: torch.Tensor, packed: PackedBatch) -> torch.Tenso
         )
     with_trash = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
     return with_trash[packed.packed_index]
+
+
+def segment_index(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None,
+    *,
+    row_length: int,
+    max_seqlen: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-segment view of a packed row, from its metadata alone.
+
+    Args:
+        cu_seqlens: ``(S + 1,)`` real boundaries.
+        cu_seqlens_padded: ``(S + 1,)`` physical boundaries, or None when equal to the real ones.
+        row_length: N, the row length.
+        max_seqlen: an upper bound of the real segment lengths (the view's width L).
+
+    Returns:
+        index: ``(S, L)`` int64, the row slot of token j of segment s, or N where j is past
+            the segment's real length (gather from a row extended by one trash slot).
+        valid: ``(S, L)`` bool, True at real tokens.
+    """
+    starts = (cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded)[:-1].to(torch.int64)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    offsets = torch.arange(max_seqlen, device=cu_seqlens.device)
+    valid = offsets[None, :] < lengths[:, None]
+    index = torch.where(valid, starts[:, None] + offsets[None, :], row_length)
+    return index, valid

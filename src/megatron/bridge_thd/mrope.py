@@ -1,0 +1,150 @@
+"""Qwen3-VL 3D MRoPE positions, per sample, for any padding layout.
+
+Qwen3-VL's rule (Hugging Face ``Qwen3VLModel.get_rope_index``, Megatron-Bridge
+``modelling_qwen3_vl/rope.get_rope_index``), applied to the real tokens of each sample:
+
+* a text token takes position p on all three channels (temporal, height, width), then p += 1;
+* the ``t*h*w`` tokens of one image (or one video frame: Qwen3-VL separates frames with
+  timestamp text, so a ``(t, h, w)`` video is t frames of ``(1, h, w)``) take
+  ``(p + t_i, p + h_i, p + w_i)`` in raster order over the merged grid
+  ``(t, h / merge, w / merge)``; afterwards p += max(h, w) / merge.
+
+Every sample starts at 0. Packed through ``pack_bshd_to_thd`` the result becomes ``(3, 1, N)``
+positions that restart per sample, never the degenerate 1D expansion (three equal channels)
+that silently drops the image layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["qwen3_vl_position_ids", "PADDING_POSITION"]
+
+PADDING_POSITION = 0
+"""Position written at padding positions (the value Hugging Face uses); attention never reads it."""
+
+
+def _expand_video_frames(video_grid_thw: torch.Tensor) -> torch.Tensor:
+    """``(V, 3)`` video grids -> ``(sum t, 3)`` one ``(1, h, w)`` grid per frame."""
+    frames = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
+    frames[:, 0] = 1
+    return frames
+
+
+def _vision_positions(
+    is_vision_token: torch.Tensor, grid_thw: torch.Tensor, spatial_merge_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token layout of the vision items (images, or video frames) of a batch.
+
+    Items are consumed in order: row by row, left to right, as the vision tower emits them.
+
+    Args:
+        is_vision_token: ``(B, T)`` bool, real tokens of this modality.
+        grid_thw: ``(K, 3)`` patch grid of each item.
+
+    Returns:
+        offsets: ``(3, B, T)`` (t, h, w) of each token inside its item's merged grid (0 elsewhere).
+        advance: ``(B, T)`` how far the item moves the text position, put on its last token.
+        first_token: ``(B, T)`` bool, the first token of each item.
+        token_count_error: 0-dim bool, True when the tokens do not match the grids.
+    """
+    grid = grid_thw.to(device=is_vision_token.device, dtype=torch.int64)
+    merged_h = grid[:, 1] // spatial_merge_size
+    merged_w = grid[:, 2] // spatial_merge_size
+    tokens_per_item = grid[:, 0] * merged_h * merged_w
+    item_end = tokens_per_item.cumsum(0)
+
+    rank = is_vision_token.flatten().cumsum(0).view_as(is_vision_token) - 1
+    item = torch.searchsorted(item_end, rank.clamp(min=0), right=True).clamp(max=max(len(grid) - 1, 0))
+    if len(grid) == 0:
+        zeros = torch.zeros_like(rank)
+        error = is_vision_token.any()
+        return torch.stack([zeros, zeros, zeros]), zeros, torch.zeros_like(is_vision_token), error
+    offset = rank - (item_end[item] - tokens_per_item[item])
+    width, height = merged_w[item], merged_h[item]
+    offsets = torch.stack([offset // (height * width), offset // width % height, offset % width])
+    offsets = torch.where(is_vision_token, offsets, 0)
+    is_last = is_vision_token & (offset == tokens_per_item[item] - 1)
+    advance = torch.where(is_last, torch.maximum(height, width), 0)
+    first_token = is_vision_token & (offset == 0)
+    token_count_error = is_vision_token.sum() != item_end[-1]
+    return offsets, advance, first_token, token_count_error
+
+
+def qwen3_vl_position_ids(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    vision_start_token_id: int,
+    spatial_merge_size: int = 2,
+) -> torch.Tensor:
+    """Qwen3-VL MRoPE positions of every sample of a padded batch.
+
+    Args:
+        input_ids: ``(B, T)`` token ids, image/video placeholders already expanded (one token
+            per merged patch, as Qwen3-VL's processor emits them).
+        attention_mask: ``(B, T)`` keep mask (non-zero = real) at any positions; None = all real.
+        image_grid_thw: ``(I, 3)`` patch grids of the batch's images in order of appearance.
+        video_grid_thw: ``(V, 3)`` patch grids of the batch's videos in order of appearance.
+        image_token_id, video_token_id, vision_start_token_id: the model config's ids.
+        spatial_merge_size: the vision config's patch merge size.
+
+    Returns:
+        ``(3, B, T)`` int64 positions (temporal, height, width); each sample starts at 0;
+        padding positions hold :data:`PADDING_POSITION`.
+
+    Raises:
+        ValueError: when the placeholder tokens do not match the grids (an image cut by
+            truncation, a missing grid) or an image does not follow a vision-start token. This
+            check reads one summary tensor on the host.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected (B, T), got {tuple(input_ids.shape)}")
+    keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
+    if keep.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask: shape {tuple(keep.shape)} does not match input_ids {tuple(input_ids.shape)}"
+        )
+    is_image = keep & (input_ids == image_token_id)
+    is_video = keep & (input_ids == video_token_id)
+    empty_grid = torch.zeros(0, 3, dtype=torch.int64, device=input_ids.device)
+    image_grids = empty_grid if image_grid_thw is None else image_grid_thw
+    video_frames = empty_grid if video_grid_thw is None else _expand_video_frames(video_grid_thw)
+
+    image_offsets, image_advance, image_first, image_error = _vision_positions(
+        is_image, image_grids, spatial_merge_size
+    )
+    video_offsets, video_advance, video_first, video_error = _vision_positions(
+        is_video, video_frames, spatial_merge_size
+    )
+    is_text = keep & ~is_image & ~is_video
+    advance = is_text.long() + image_advance + video_advance
+    # Exclusive prefix sum: the position where each token's text run or vision item starts.
+    start = advance.cumsum(dim=1) - advance
+    positions = start.unsqueeze(0) + image_offsets + video_offsets
+    positions = torch.where(keep, positions, PADDING_POSITION)
+
+    previous_token = torch.nn.functional.pad(input_ids[:, :-1], (1, 0), value=-1)
+    orphan_item = ((image_first | video_first) & (previous_token != vision_start_token_id)).any()
+    image_mismatch, video_mismatch, orphan = torch.stack([image_error, video_error, orphan_item]).tolist()
+    if image_mismatch:
+        raise ValueError(
+            f"image_grid_thw: the batch holds {int(is_image.sum())} real image tokens but the grids describe "
+            f"{int((image_grids[:, 0] * (image_grids[:, 1] // spatial_merge_size) * (image_grids[:, 2] // spatial_merge_size)).sum())}; "
+            "pass one grid per image in order of appearance, and never truncate inside an image"
+        )
+    if video_mismatch:
+        raise ValueError(
+            f"video_grid_thw: the batch holds {int(is_video.sum())} real video tokens but the grids describe "
+            "a different number; pass one grid per video in order of appearance, and never truncate inside a video"
+        )
+    if orphan:
+        raise ValueError(
+            f"input_ids: an image or video starts without a vision-start token ({vision_start_token_id}) right "
+            "before it; check image_token_id / vision_start_token_id against the model config"
+        )
+    return positions
