@@ -1,0 +1,126 @@
+"""Synthetic receipt-like VLM micro-batches in Megatron-Bridge's batch format.
+
+cord_v2 (receipt photos with JSON parses) cannot be downloaded here, so the embedded default
+draws samples from a documented distribution shaped like it at ``seq_length`` 2048:
+
+* one receipt photo per sample, tall: merged grid height ``h' ~ U{14..34}`` and width
+  ``w' ~ U{8..16}`` LLM tokens (the vision tower sees ``2h' x 2w'`` patches), so
+  112-544 image tokens;
+* a prompt of ``U{12..24}`` text tokens before the image, 2 after it;
+* an answer (the JSON parse) of ``clip(lognormal(median 200, sigma 0.6), 32, 1100)`` tokens,
+  the only supervised tokens.
+
+Samples are ``[prompt] <vision_start> <image>*n <vision_end> [2 tokens] [answer] [eos]``,
+labels are the next token (Megatron convention: already shifted), ``loss_mask`` is 1 where the
+label is an answer or eos token. Batches are right padded to the longest sample (as
+Megatron-Bridge's collate does) or, with ``left_padding=True``, left padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["VisualInputs", "ReceiptSpec", "synthetic_receipt_batch"]
+
+
+@dataclass
+class VisualInputs:
+    """The ``visual_inputs`` entry of a Megatron-Bridge VLM batch.
+
+    Attributes:
+        pixel_values: ``(P, C * temporal_patch * patch * patch)`` flattened patches of all images.
+        image_grid_thw: ``(I, 3)`` patch grid of each image, in order of appearance.
+    """
+
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    def normalized_for_model(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in (("pixel_values", self.pixel_values), ("image_grid_thw", self.image_grid_thw)) if v is not None}
+
+
+@dataclass(frozen=True)
+class ReceiptSpec:
+    """Token ids and vision geometry of the model the batch is for (defaults: ``ReferenceQwen3VL.tiny``)."""
+
+    image_token_id: int = 250
+    vision_start_token_id: int = 252
+    vision_end_token_id: int = 253
+    eos_token_id: int = 254
+    pad_token_id: int = 0
+    text_vocab: int = 240
+    spatial_merge_size: int = 2
+    patch_features: int = 3 * 2 * 4 * 4
+
+
+def _sample(generator: torch.Generator, spec: ReceiptSpec) -> tuple[list[int], list[int], tuple[int, int, int]]:
+    def randint(low, high):
+        return int(torch.randint(low, high + 1, (1,), generator=generator))
+
+    def text(n):
+        return torch.randint(1, spec.text_vocab, (n,), generator=generator).tolist()
+
+    merged_h, merged_w = randint(14, 34), randint(8, 16)
+    answer_length = int(torch.empty(1).log_normal_(mean=torch.tensor(200.0).log().item(), std=0.6, generator=generator))
+    answer_length = min(max(answer_length, 32), 1100)
+    prompt = text(randint(12, 24))
+    image = [spec.vision_start_token_id] + [spec.image_token_id] * (merged_h * merged_w) + [spec.vision_end_token_id]
+    answer = text(answer_length) + [spec.eos_token_id]
+    tokens = prompt + image + text(2) + answer
+    # label[t] = token[t + 1]; supervised where that next token belongs to the answer
+    supervised = [0] * (len(tokens) - len(answer) - 1) + [1] * len(answer) + [0]
+    grid = (1, merged_h * spec.spatial_merge_size, merged_w * spec.spatial_merge_size)
+    return tokens, supervised, grid
+
+
+def synthetic_receipt_batch(
+    batch_size: int,
+    *,
+    seed: int = 0,
+    spec: ReceiptSpec = ReceiptSpec(),
+    left_padding: bool = False,
+    pad_to: int | None = None,
+) -> dict:
+    """One Megatron-Bridge VLM micro-batch of receipt-like samples.
+
+    Args:
+        batch_size: B.
+        seed: samples are a pure function of the seed.
+        left_padding: pad on the left instead of the right.
+        pad_to: pad to this width instead of the longest sample (must be >= it).
+
+    Returns:
+        dict with ``tokens``, ``labels`` (-100 at padding), ``loss_mask`` (float),
+        ``attention_mask`` (bool keep mask), ``position_ids`` (``(B, T)`` arange, as datasets emit
+        them), ``visual_inputs`` (:class:`VisualInputs`), all ``(B, T)`` unless stated.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    samples = [_sample(generator, spec) for _ in range(batch_size)]
+    width = max(len(tokens) for tokens, _, _ in samples)
+    if pad_to is not None:
+        if pad_to < width:
+            raise ValueError(f"pad_to: {pad_to} is shorter than the longest sample ({width}); raise it")
+        width = pad_to
+    tokens = torch.full((batch_size, width), spec.pad_token_id, dtype=torch.long)
+    labels = torch.full((batch_size, width), -100, dtype=torch.long)
+    loss_mask = torch.zeros(batch_size, width)
+    keep = torch.zeros(batch_size, width, dtype=torch.bool)
+    for i, (sample_tokens, supervised, _) in enumerate(samples):
+        n = len(sample_tokens)
+        columns = slice(width - n, width) if left_padding else slice(0, n)
+        tokens[i, columns] = torch.tensor(sample_tokens)
+        labels[i, columns] = torch.tensor(sample_tokens[1:] + [-100])
+        loss_mask[i, columns] = torch.tensor(supervised, dtype=torch.float)
+        keep[i, columns] = True
+    grids = torch.tensor([grid for _, _, grid in samples], dtype=torch.long)
+    pixel_values = torch.randn(int(grids.prod(-1).sum()), spec.patch_features, generator=generator)
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "attention_mask": keep,
+        "position_ids": torch.arange(width).expand(batch_size, -1).clone(),
+        "visual_inputs": VisualInputs(pixel_values=pixel_values, image_grid_thw=grids),
+    }

@@ -1,0 +1,442 @@
+"""Drop-in ``forward_step`` for Megatron-Bridge's Qwen3-VL training with real THD packing.
+
+Replaces ``megatron.bridge.models.qwen_vl.qwen3_vl_step.forward_step``::
+
+    from megatron.bridge_thd.qwen3_vl_step import forward_step
+    finetune(config, forward_step_func=forward_step)
+
+With ``dataset.pack_sequences_in_batch`` (0.6.x: ``enable_in_batch_packing``) on, the padded
+micro-batch becomes one THD row of real tokens; ``dataset.packing_layout`` picks the layout:
+
+* ``"thd"`` (default): a ``(1, N)`` row, each sample's slot aligned for TP / CP / SP / FP8;
+* ``"thd_static"``: the same row padded to ``micro_batch_size * round_up(seq_length, align)``
+  so pipeline p2p shapes and CUDA graphs stay static;
+* ``"bshd"``: the padded ``(B, T)`` layout, for HybridEP and anything that needs fixed
+  per-sample token counts.
+
+Data flow: batch -> keep mask (captured before any pad/truncate helper) -> truncation check ->
+MRoPE positions per sample -> packed row -> model -> Megatron-Bridge's masked loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Iterable
+
+import torch
+
+from megatron.bridge_thd.lengths import keep_mask_from_attention_mask
+from megatron.bridge_thd.mrope import qwen3_vl_position_ids
+from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment
+from megatron.bridge_thd.upstream import load_bridge_module
+
+__all__ = ["forward_step", "PackingStats", "LAYOUTS", "prepare_micro_batch", "PreparedMicroBatch"]
+
+logger = logging.getLogger(__name__)
+
+LAYOUTS = ("thd", "thd_static", "bshd")
+# Extras a model may take under these exact parameter names; never passed into **kwargs.
+OPTIONAL_MODEL_EXTRAS = ("padding_mask", "rope_cu_seqlens")
+_logged_once: set[str] = set()
+
+
+def _log_once(key: str, message: str, level: int = logging.INFO) -> None:
+    if key not in _logged_once:
+        _logged_once.add(key)
+        logger.log(level, message)
+
+
+@dataclass
+class PackingStats:
+    """Per micro-batch bookkeeping for logging (tensors stay on the device: no sync).
+
+    Attributes:
+        layout: the layout that ran.
+        real_tokens: 0-dim, real tokens in the micro-batch (after truncation).
+        processed_tokens: int, token slots the model processes (row length or B * T).
+        padded_tokens: int, token slots of the padded BSHD layout, ``B * T_bshd``.
+        attention_work: 0-dim, sum over samples of ``s_i ** 2`` actually computed
+            (``B * T_bshd ** 2`` for BSHD).
+        padded_attention_work: int, ``B * T_bshd ** 2``, what the padded layout computes.
+        truncated_tokens: 0-dim, real tokens cut because a sample exceeded ``seq_length``.
+    """
+
+    layout: str
+    real_tokens: torch.Tensor
+    processed_tokens: int
+    padded_tokens: int
+    attention_work: torch.Tensor
+    padded_attention_work: int
+    truncated_tokens: torch.Tensor
+
+
+@dataclass
+class PreparedMicroBatch:
+    """What the step hands the model and the loss, built by :func:`prepare_micro_batch`."""
+
+    forward_args: dict[str, Any]
+    loss_mask: torch.Tensor
+    stats: PackingStats
+
+
+def _cfg(state, section: str, name: str, default=None):
+    return getattr(getattr(state.cfg, section, None), name, default)
+
+
+def _model_setting(model_config, state, name: str, default=None):
+    """A model setting from the model's config, else ``state.cfg.model``."""
+    value = getattr(model_config, name, None)
+    return value if value is not None else _cfg(state, "model", name, default)
+
+
+def _unwrap(model):
+    model = model[0] if isinstance(model, list) else model
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _vision_token_ids(model_config) -> dict[str, int]:
+    vision_config = getattr(model_config, "vision_config", None)
+    merge = getattr(model_config, "spatial_merge_size", None) or getattr(vision_config, "spatial_merge_size", 2)
+    return dict(
+        image_token_id=model_config.image_token_id,
+        video_token_id=model_config.video_token_id,
+        vision_start_token_id=model_config.vision_start_token_id,
+        spatial_merge_size=merge,
+    )
+
+
+def declared_extras(model) -> tuple[list[str], list[str]]:
+    """Which optional extras the model's ``forward`` declares by name, and which it cannot take.
+
+    A name that would only land in ``**kwargs`` counts as not accepted: Megatron-Bridge 0.6.2's
+    ``Qwen3VLModel.forward`` swallows unknown names silently.
+    """
+    parameters = inspect.signature(_unwrap(model).forward).parameters
+    named = {name for name, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    accepted = [name for name in OPTIONAL_MODEL_EXTRAS if name in named]
+    return accepted, [name for name in OPTIONAL_MODEL_EXTRAS if name not in named]
+
+
+def _sizes(pg_collection) -> dict[str, int]:
+    def size(name):
+        group = getattr(pg_collection, name, None)
+        return group.size() if group is not None else 1
+
+    return {name: size(name) for name in ("tp", "cp", "pp", "ep")}
+
+
+def resolve_layout(state, pp_size: int, variable_seq_lengths: bool) -> str:
+    """The layout this step runs, from ``dataset.pack_sequences_in_batch`` / ``enable_in_batch_packing``
+    and ``dataset.packing_layout``."""
+    packing = bool(
+        _cfg(state, "dataset", "pack_sequences_in_batch", False) or _cfg(state, "dataset", "enable_in_batch_packing", False)
+    )
+    if not packing:
+        return "bshd"
+    layout = _cfg(state, "dataset", "packing_layout", None) or "thd"
+    if layout not in LAYOUTS:
+        raise ValueError(f"dataset.packing_layout: {layout!r} is not one of {LAYOUTS}")
+    if layout == "thd" and pp_size > 1 and not variable_seq_lengths:
+        # Pipeline stages exchange fixed-shape buffers; a row whose length changes every
+        # micro-batch would make send and recv disagree and hang.
+        _log_once(
+            "pp_static",
+            "bridge_thd: pipeline parallelism without model.variable_seq_lengths: switching packing_layout "
+            "'thd' -> 'thd_static' (fixed row length). Set variable_seq_lengths=True to keep 'thd'.",
+            logging.WARNING,
+        )
+        layout = "thd_static"
+    return layout
+
+
+def capture_keep_mask(batch: dict, tokens: torch.Tensor, state, model_config) -> torch.Tensor:
+    """The ``(B, T)`` keep mask, taken from the dataset's mask before any pad/truncate helper.
+
+    Without a mask, lengths are derived from the pad token only when the user opted in with
+    ``dataset.packing_length_fallback = "pad_token"``; the pad id comes from the tokenizer or the
+    model config, never a guess.
+    """
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None:
+        keep, checks = keep_mask_from_attention_mask(attention_mask.to(tokens.device), *tokens.shape)
+        for check in checks:
+            if bool(check.failed):
+                raise ValueError(check.message)
+        return keep
+    if _cfg(state, "dataset", "packing_length_fallback", None) != "pad_token":
+        raise ValueError(
+            "attention_mask: the batch carries no attention mask, so real sample lengths are unknown. Set "
+            "dataset.skip_getting_attention_mask_from_dataset=False so the dataset's 2D mask reaches the step "
+            "(recommended), or set dataset.packing_length_fallback='pad_token' to derive right-padded lengths "
+            "from the tokenizer's pad id."
+        )
+    tokenizer = getattr(state, "tokenizer", None)
+    pad_id = getattr(tokenizer, "pad_id", None)
+    if pad_id is None:
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_id is None:
+        text_config = getattr(model_config, "text_config", model_config)
+        pad_id = getattr(text_config, "pad_token_id", None)
+    if pad_id is None:
+        raise ValueError(
+            "dataset.packing_length_fallback: 'pad_token' needs a pad id from state.tokenizer (pad_id / "
+            "pad_token_id) or the model config (pad_token_id); none is set. Enable the dataset mask instead."
+        )
+    _log_once("fallback", f"bridge_thd: no attention mask; lengths = 1 + last position whose id != pad id {pad_id}")
+    is_content = tokens != pad_id
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    real_length = torch.where(is_content, positions + 1, 0).amax(dim=1)
+    return positions[None, :] < real_length[:, None]
+
+
+def truncate_to_seq_length(keep: torch.Tensor, tokens: torch.Tensor, seq_length: int, vision_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep each sample's first ``seq_length`` real tokens, unless that would cut an image.
+
+    Returns:
+        keep: ``(B, T)`` the truncated keep mask; truncated: ``(B,)`` real tokens dropped.
+
+    Raises:
+        ValueError: naming the samples whose cut part holds image or video tokens (the vision
+            tower would emit embeddings for placeholders that no longer exist).
+    """
+    if tokens.shape[1] <= seq_length:
+        return keep, torch.zeros(tokens.shape[0], dtype=torch.int64, device=tokens.device)
+    rank = keep.cumsum(dim=1) - 1
+    kept = keep & (rank < seq_length)
+    dropped = keep & ~kept
+    is_vision = (tokens == vision_ids["image_token_id"]) | (tokens == vision_ids["video_token_id"])
+    cut_vision = (dropped & is_vision).any(dim=1)
+    truncated = dropped.sum(dim=1)
+    if bool(cut_vision.any()):
+        samples = cut_vision.nonzero().flatten().tolist()
+        raise ValueError(
+            f"seq_length: samples {samples} of this micro-batch are longer than seq_length={seq_length} and "
+            "truncating them would cut an image or video. Raise seq_length, lower the image resolution "
+            "(max_pixels), or filter these samples in the dataset."
+        )
+    if bool(truncated.any()):
+        logger.warning(
+            "bridge_thd: truncated %s real tokens (per sample: %s) to seq_length=%d; no image was cut",
+            int(truncated.sum()), truncated.tolist(), seq_length,
+        )
+    return kept, truncated
+
+
+def relay_right_padded(values: torch.Tensor, keep: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """``(..., B, T)`` -> ``(..., B, width)``: each sample's real tokens first, then ``fill``.
+
+    One scatter; a sample's k-th real token lands in column k. Used by the BSHD layout so that
+    left-padded or truncated samples reach the model in the causal-safe right-padded form.
+    """
+    batch_size = keep.shape[0]
+    rank = keep.cumsum(dim=1) - 1
+    trash = batch_size * width
+    flat_index = torch.where(keep, torch.arange(batch_size, device=keep.device)[:, None] * width + rank, trash)
+    lead = values.shape[:-2]
+    out = values.new_full((*lead, trash + 1), fill)
+    out.scatter_(-1, flat_index.reshape(-1).expand(*lead, -1), values.reshape(*lead, -1))
+    return out[..., :trash].reshape(*lead, batch_size, width)
+
+
+def prepare_micro_batch(
+    batch: dict,
+    model,
+    state,
+    pg_collection,
+    *,
+    is_last_stage: bool = True,
+) -> PreparedMicroBatch:
+    """Everything between the data iterator and ``model(**forward_args)``.
+
+    Args:
+        batch: Megatron-Bridge's VLM micro-batch dict: ``tokens``/``input_ids`` ``(B, T)``,
+            ``labels``, ``loss_mask``, ``attention_mask`` (2D keep mask or 4D), ``position_ids``,
+            ``visual_inputs`` (with ``normalized_for_model()``).
+        model: the model (or its wrapper / list of chunks); its device and ``forward`` signature
+            are used.
+        state: Megatron-Bridge ``GlobalState`` (only ``state.cfg`` and ``state.tokenizer`` are read).
+        pg_collection: process groups (``tp``, ``cp``, ``pp``, ``ep``).
+    """
+    if batch.get("cu_seqlens_q") is not None or batch.get("cu_seqlens") is not None:
+        raise ValueError(
+            "batch: this step packs the micro-batch itself; use an unpacked collate (no cu_seqlens in the batch)"
+        )
+    core_model = _unwrap(model)
+    model_config = getattr(core_model, "config", None)
+    device = next(core_model.parameters()).device
+    tokens = batch.get("tokens")
+    if tokens is None:
+        tokens = batch.get("input_ids")
+    if tokens is None or tokens.dim() != 2:
+        raise ValueError("batch: expected 'tokens' or 'input_ids' of shape (B, T)")
+    tokens = tokens.to(device)
+    labels = batch.get("labels")
+    loss_mask = batch.get("loss_mask")
+    labels = labels.to(device) if labels is not None and is_last_stage else None
+    loss_mask = loss_mask.to(device) if loss_mask is not None else torch.ones_like(tokens, dtype=torch.float)
+    visual = batch.get("visual_inputs")
+    multi_modal = visual.normalized_for_model() if visual is not None else {}
+    multi_modal = {k: v.to(device) for k, v in multi_modal.items() if v is not None}
+
+    sizes = _sizes(pg_collection)
+    seq_length = _model_setting(model_config, state, "seq_length") or _cfg(state, "dataset", "seq_length")
+    if seq_length is None:
+        raise ValueError("model.seq_length: not set; the step needs it to bound sample lengths")
+    variable_seq_lengths = bool(_model_setting(model_config, state, "variable_seq_lengths", False))
+    fp8 = _model_setting(model_config, state, "fp8", None) is not None
+    sequence_parallel = bool(_model_setting(model_config, state, "sequence_parallel", False))
+    layout = resolve_layout(state, sizes["pp"], variable_seq_lengths)
+    vision_ids = _vision_token_ids(model_config)
+
+    # The keep mask is captured here, before any pad/truncate helper could drop a 2D mask.
+    keep = capture_keep_mask(batch, tokens, state, model_config)
+    keep, truncated = truncate_to_seq_length(keep, tokens, seq_length, vision_ids)
+    mrope = qwen3_vl_position_ids(
+        tokens, keep, multi_modal.get("image_grid_thw"), multi_modal.get("video_grid_thw"), **vision_ids
+    )
+    lengths = keep.sum(dim=1)
+    batch_size = tokens.shape[0]
+    # The padded layout Megatron-Bridge would run: batch width aligned (seq_length when PP/EP force it).
+    bshd_align = math.lcm(sizes["tp"] * sizes["cp"] * 2 if sizes["cp"] > 1 else sizes["tp"], 16 if fp8 else 1)
+    bshd_width = math.ceil(min(tokens.shape[1], seq_length) / bshd_align) * bshd_align
+    if sizes["pp"] > 1 or sizes["ep"] > 1:
+        bshd_width = max(bshd_width, seq_length)
+
+    forward_args: dict[str, Any] = dict(multi_modal)
+    if layout == "bshd":
+        forward_args.update(
+            input_ids=relay_right_padded(tokens, keep, bshd_width, 0),
+            labels=None if labels is None else relay_right_padded(labels, keep, bshd_width, -100),
+            position_ids=relay_right_padded(mrope, keep, bshd_width, 0),
+            attention_mask=None,
+            packed_seq_params=None,
+        )
+        loss_mask = relay_right_padded(loss_mask, keep, bshd_width, 0)
+        extras = {"padding_mask": ~relay_right_padded(keep, keep, bshd_width, False)}
+        attention_work = torch.tensor(batch_size * bshd_width**2, device=device)
+        processed = batch_size * bshd_width
+    else:
+        align = required_alignment(sizes["tp"], sizes["cp"], sequence_parallel=sequence_parallel, fp8=fp8)
+        total_length = None
+        if layout == "thd_static":
+            micro_batch_size = _cfg(state, "train", "micro_batch_size", None) or batch_size
+            total_length = max(micro_batch_size, batch_size) * math.ceil(seq_length / align) * align
+        packed = pack_bshd_to_thd(
+            tokens,
+            keep,
+            labels=labels,
+            loss_mask=loss_mask,
+            position_ids=mrope,
+            align_to=align,
+            total_length=total_length,
+        )
+        forward_args.update(
+            input_ids=packed.input_ids,
+            labels=packed.labels,
+            position_ids=packed.position_ids,
+            attention_mask=None,
+            packed_seq_params=packed.packed_seq_params,
+        )
+        loss_mask = packed.loss_mask
+        extras = {"padding_mask": packed.padding_mask, "rope_cu_seqlens": packed.cu_seqlens_padded}
+        attention_work = (lengths.to(torch.int64) ** 2).sum()
+        processed = packed.input_ids.shape[1]
+
+    accepted, not_accepted = declared_extras(model)
+    for name in accepted:
+        if name in extras:
+            forward_args[name] = extras[name]
+    _log_once(
+        f"extras:{type(core_model).__name__}",
+        f"bridge_thd: layout={layout}; extras passed to {type(core_model).__name__}.forward: {accepted or 'none'}; "
+        f"not declared by it (so not passed, never into **kwargs): {not_accepted or 'none'}"
+        + (" - this model's MoE router will count padding slots as tokens" if "padding_mask" in not_accepted else ""),
+    )
+    stats = PackingStats(
+        layout=layout,
+        real_tokens=lengths.sum(),
+        processed_tokens=processed,
+        padded_tokens=batch_size * bshd_width,
+        attention_work=attention_work,
+        padded_attention_work=batch_size * bshd_width**2,
+        truncated_tokens=truncated.sum(),
+    )
+    return PreparedMicroBatch(forward_args=forward_args, loss_mask=loss_mask, stats=stats)
+
+
+def _timer(state, name: str):
+    timers = getattr(state, "timers", None)
+    if timers is None:
+        return contextlib.nullcontext()
+    timer = timers(name, log_level=2)
+
+    @contextlib.contextmanager
+    def running():
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.stop()
+
+    return running()
+
+
+def forward_step(
+    state,
+    data_iterator: Iterable,
+    model,
+    return_schedule_plan: bool = False,
+) -> tuple[torch.Tensor, partial]:
+    """Megatron-Bridge forward step for Qwen3-VL with real THD packing.
+
+    Args:
+        state: Megatron-Bridge ``GlobalState``.
+        data_iterator: yields Megatron-Bridge VLM batch dicts.
+        model: the Qwen3-VL model (Megatron-Bridge ``Qwen3VLModel`` or any module with its
+            ``forward`` signature, e.g. :class:`~megatron.bridge_thd.reference.ReferenceQwen3VL`).
+        return_schedule_plan: MoE overlap scheduling; BSHD layout only.
+
+    Returns:
+        ``(output_tensor, loss_function)``; ``loss_function`` is Megatron-Bridge's
+        ``create_masked_next_token_loss_function`` over the packed loss mask. The micro-batch's
+        :class:`PackingStats` is appended to ``state.bridge_thd_stats`` when that list exists.
+    """
+    pg_utils = load_bridge_module("training.utils.pg_utils")
+    losses = load_bridge_module("training.losses")
+    from megatron.core.pipeline_parallel.utils import is_pp_last_stage
+
+    pg_collection = pg_utils.get_pg_collection(model)
+    with _timer(state, "batch-generator"):
+        batch = next(data_iterator)
+    prepared = prepare_micro_batch(batch, model, state, pg_collection, is_last_stage=is_pp_last_stage(pg_collection.pp))
+    stats_log = getattr(state, "bridge_thd_stats", None)
+    if isinstance(stats_log, list):
+        stats_log.append(prepared.stats)
+
+    check_nan = bool(_cfg(state, "rerun_state_machine", "check_for_nan_in_loss", True))
+    check_spiky = bool(_cfg(state, "rerun_state_machine", "check_for_spiky_loss", False))
+    loss_mask = prepared.loss_mask
+    args = prepared.forward_args
+    if return_schedule_plan:
+        if args["packed_seq_params"] is not None:
+            raise ValueError(
+                "return_schedule_plan: MoE overlap schedule plans take the padded layout; set "
+                "dataset.packing_layout='bshd' with overlap_moe_expert_parallel_comm"
+            )
+        plan = _unwrap(model).build_schedule_plan(
+            args["input_ids"], args["position_ids"], None, labels=args["labels"], loss_mask=loss_mask
+        )
+        return plan, losses.create_masked_next_token_loss_function(loss_mask, check_nan, check_spiky)
+
+    output = model(**args)
+    if isinstance(output, tuple):
+        # Under CP the model shards the row itself and returns the matching local loss mask.
+        output, loss_mask = output
+    return output, losses.create_masked_next_token_loss_function(loss_mask, check_nan, check_spiky)

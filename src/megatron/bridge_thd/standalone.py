@@ -1,0 +1,80 @@
+"""Run the forward step outside Megatron-Bridge's trainer: one process, gloo, CPU.
+
+Used by the demo, the tests and users checking packing on their own data on a laptop: it sets
+up real Megatron-Core process groups of world size 1 and the few parts of Megatron-Bridge's
+``GlobalState`` that the step reads.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from types import SimpleNamespace
+
+import torch
+
+__all__ = ["init_single_process_groups", "minimal_state"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_single_process_groups():
+    """Initialise torch.distributed (gloo, world size 1) and Megatron-Core's model-parallel groups.
+
+    Returns:
+        ``megatron.core.process_groups_config.ProcessGroupCollection`` (all sizes 1).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def minimal_state(
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    packing: bool = True,
+    packing_layout: str | None = None,
+    skip_getting_attention_mask_from_dataset: bool = False,
+    tokenizer=None,
+    **model_settings,
+) -> SimpleNamespace:
+    """The parts of Megatron-Bridge's ``GlobalState`` the step reads.
+
+    Args:
+        seq_length: ``model.seq_length``.
+        micro_batch_size: ``train.micro_batch_size``.
+        packing: ``dataset.pack_sequences_in_batch``.
+        packing_layout: ``dataset.packing_layout`` (None = the default, ``"thd"``).
+        model_settings: extra ``cfg.model`` attributes (``variable_seq_lengths``, ``fp8``,
+            ``sequence_parallel``).
+
+    Returns:
+        A namespace with ``cfg.dataset``, ``cfg.model``, ``cfg.train``, ``cfg.rerun_state_machine``,
+        ``tokenizer`` and an empty ``bridge_thd_stats`` list the step appends to.
+    """
+    dataset = SimpleNamespace(
+        pack_sequences_in_batch=packing,
+        skip_getting_attention_mask_from_dataset=skip_getting_attention_mask_from_dataset,
+        packing_layout=packing_layout,
+        seq_length=seq_length,
+    )
+    model = SimpleNamespace(seq_length=seq_length, **model_settings)
+    cfg = SimpleNamespace(
+        dataset=dataset,
+        model=model,
+        train=SimpleNamespace(micro_batch_size=micro_batch_size),
+        rerun_state_machine=SimpleNamespace(check_for_nan_in_loss=True, check_for_spiky_loss=False),
+    )
+    return SimpleNamespace(cfg=cfg, tokenizer=tokenizer, timers=None, bridge_thd_stats=[])
