@@ -128,7 +128,11 @@ def qwen3_vl_position_ids(
     positions = start.unsqueeze(0) + image_offsets + video_offsets
     positions = torch.where(keep, positions, PADDING_POSITION)
 
-    previous_token = torch.nn.functional.pad(input_ids[:, :-1], (1, 0), value=-1)
+    # The token before an item is the previous *real* token: padding may sit anywhere.
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    last_real = torch.where(keep, columns, -1).cummax(dim=1).values
+    previous_real = torch.nn.functional.pad(last_real[:, :-1], (1, 0), value=-1)
+    previous_token = torch.where(previous_real >= 0, input_ids.gather(1, previous_real.clamp(min=0)), -1)
     orphan_item = ((image_first | video_first) & (previous_token != vision_start_token_id)).any()
     image_mismatch, video_mismatch, orphan = torch.stack([image_error, video_error, orphan_item]).tolist()
     if image_mismatch:

@@ -1,0 +1,243 @@
+"""Qwen3-VL MRoPE positions: ``qwen3_vl_position_ids`` against Hugging Face and Megatron-Bridge.
+
+Every sample's positions must equal Hugging Face's ``Qwen3VLModel.get_rope_index`` run on that
+sample alone (the positions an unpacked, unpadded forward uses), whatever the padding; packed
+into a THD row they must equal Megatron-Bridge 0.6.2's own packed ``get_rope_index``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _vlm_samples import (
+    IMAGE_TOKEN,
+    VIDEO_TOKEN,
+    VISION_START,
+    collate,
+    make_batch,
+    sample_from_layout,
+)
+from megatron.bridge_thd import pack_bshd_to_thd
+from megatron.bridge_thd.mrope import PADDING_POSITION, qwen3_vl_position_ids
+from megatron.bridge_thd.reference import ReferenceQwen3VL
+from megatron.bridge_thd.upstream import load_bridge_module
+
+TOKEN_IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START)
+
+LAYOUTS = {
+    "text_only": [17],
+    "one_image": [5, ("image", 4, 4), 6],
+    "image_first": [("image", 8, 4), 3],
+    "image_last": [4, ("image", 4, 8)],
+    "several_images": [3, ("image", 8, 8), 2, ("image", 8, 8), 4, ("image", 8, 8), 1],
+    "mixed_image_sizes": [2, ("image", 4, 12), ("image", 12, 4), 5, ("image", 12, 8), 3],
+    "video": [4, ("video", 3, 4, 8), 5],
+    "video_square_frames": [("video", 2, 8, 8), 2],
+    "image_and_video": [3, ("image", 8, 4), 2, ("video", 2, 4, 4), 3],
+    "video_then_image": [2, ("video", 1, 8, 4), 4, ("image", 12, 12), 2, ("image", 4, 4), 1],
+}
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return ReferenceQwen3VL.tiny(seed=0).hf_model
+
+
+@pytest.fixture(scope="module")
+def bridge_rope():
+    return load_bridge_module("models.qwen_vl.modelling_qwen3_vl.rope")
+
+
+def hf_positions(hf_model, sample) -> torch.Tensor:
+    """Hugging Face's positions of one sample alone: ``(3, L)``."""
+    kw = sample.vision_kwargs()
+    positions, _ = hf_model.model.get_rope_index(
+        sample.ids(),
+        sample.mm_token_type_ids(),
+        image_grid_thw=kw["image_grid_thw"],
+        video_grid_thw=kw["video_grid_thw"],
+    )
+    return positions[:, 0]
+
+
+def our_positions(batch) -> torch.Tensor:
+    return qwen3_vl_position_ids(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.image_grid_thw,
+        batch.video_grid_thw,
+        **TOKEN_IDS,
+        spatial_merge_size=2,
+    )
+
+
+def degenerate_1d(length: int) -> torch.Tensor:
+    return torch.arange(length)[None].expand(3, -1)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_single_sample_matches_hugging_face(hf_model, name):
+    sample = sample_from_layout(LAYOUTS[name], seed=1)
+    ours = our_positions(collate([sample]))
+    assert ours.shape == (3, 1, len(sample))
+    assert ours.dtype == torch.int64
+    expected = hf_positions(hf_model, sample)
+    assert torch.equal(ours[:, 0], expected), (name, ours[:, 0], expected)
+    # Without a mask (every token real) gives the same.
+    kw = sample.vision_kwargs()
+    unmasked = qwen3_vl_position_ids(sample.ids(), None, kw["image_grid_thw"], kw["video_grid_thw"], **TOKEN_IDS)
+    assert torch.equal(unmasked[:, 0], expected)
+
+
+def test_video_frames_are_separate_items(hf_model):
+    """A (t, h, w) video is t frames of (1, h, w) with text in between: the temporal channel
+    does not count frames, each frame restarts at the running text position."""
+    sample = sample_from_layout([1, ("video", 2, 4, 4)], seed=3)
+    positions = our_positions(collate([sample]))[:, 0]
+    assert torch.equal(positions, hf_positions(hf_model, sample))
+    ids = torch.tensor(sample.input_ids)
+    frame_starts = (ids == VIDEO_TOKEN).nonzero().flatten()[[0, 4]]
+    # frame 1 starts after 1 text + 3 timestamp + vision_start = position 5; frame 2 after
+    # frame 1 (advance 2) + vision_end + 3 timestamp + vision_start = 5 + 2 + 5 = 12.
+    assert positions[:, frame_starts[0]].tolist() == [5, 5, 5]
+    assert positions[:, frame_starts[1]].tolist() == [12, 12, 12]
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_padded_batch_matches_hugging_face_per_sample(hf_model, padding_side):
+    samples = [sample_from_layout(layout, seed=i) for i, layout in enumerate(LAYOUTS.values())]
+    batch = collate(samples, padding_side, row_length=max(len(s) for s in samples) + 3)
+    ours = our_positions(batch)
+    keep = batch.attention_mask.bool()
+    assert torch.all(ours[:, ~keep] == PADDING_POSITION)
+    for i, sample in enumerate(samples):
+        assert torch.equal(ours[:, i, batch.token_slices[i]], hf_positions(hf_model, sample)), i
+    # Hugging Face run on the padded batch itself agrees everywhere (it writes 0 at padding too).
+    hf_batch, _ = hf_model.model.get_rope_index(
+        batch.input_ids,
+        batch.mm_token_type_ids(),
+        image_grid_thw=batch.image_grid_thw,
+        video_grid_thw=batch.video_grid_thw,
+        attention_mask=batch.attention_mask,
+    )
+    assert torch.equal(ours, hf_batch)
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_batch_matches_hugging_face_per_sample(hf_model, padding_side, seed):
+    batch = make_batch(seed, 16, 120, padding_side=padding_side, video_prob=0.4)
+    assert any(s.image_grids for s in batch.samples) and any(not s.has_vision for s in batch.samples)
+    ours = our_positions(batch)
+    assert torch.all(ours[:, batch.attention_mask == 0] == PADDING_POSITION)
+    for i, sample in enumerate(batch.samples):
+        assert torch.equal(ours[:, i, batch.token_slices[i]], hf_positions(hf_model, sample)), i
+
+
+def test_padding_holes_inside_text(hf_model):
+    """The keep mask may hold padding anywhere (VERL packs a left-padded prompt and a
+    right-padded response in one row): real tokens still get their per-sample positions."""
+    sample = sample_from_layout([4, ("image", 8, 4), 3, ("video", 2, 4, 4), 3], seed=5)
+    ids = sample.input_ids
+    # Insert padding slots after text tokens that are neither a vision start nor in an item.
+    holes_after = {1, 3, len(ids) - 2}
+    row, keep = [], []
+    for t, token in enumerate(ids):
+        row.append(token)
+        keep.append(1)
+        if t in holes_after:
+            assert token not in (IMAGE_TOKEN, VIDEO_TOKEN, VISION_START)
+            row += [0, 0]
+            keep += [0, 0]
+    kw = sample.vision_kwargs()
+    ours = qwen3_vl_position_ids(
+        torch.tensor([row]), torch.tensor([keep]), kw["image_grid_thw"], kw["video_grid_thw"], **TOKEN_IDS
+    )
+    keep_t = torch.tensor(keep).bool()
+    assert torch.equal(ours[:, 0, keep_t], hf_positions(hf_model, sample))
+    assert torch.all(ours[:, 0, ~keep_t] == PADDING_POSITION)
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_packed_row_matches_megatron_bridge(bridge_rope, padding_side, seed):
+    batch = make_batch(seed, 16, 120, padding_side=padding_side, video_prob=0.4)
+    extra = sample_from_layout(LAYOUTS["image_and_video"], seed=9)
+    batch = collate(batch.samples + [extra], padding_side)
+    packed = pack_bshd_to_thd(
+        batch.input_ids, batch.attention_mask, position_ids=our_positions(batch), align_to=4
+    )
+    assert packed.padding_mask.any(), "the test needs alignment padding slots"
+    bridge_positions, _ = bridge_rope.get_rope_index(
+        2,
+        IMAGE_TOKEN,
+        VIDEO_TOKEN,
+        VISION_START,
+        input_ids=packed.input_ids,
+        image_grid_thw=batch.image_grid_thw,
+        video_grid_thw=batch.video_grid_thw,
+        packed_seq_params=packed.packed_seq_params,
+    )
+    assert bridge_positions.shape == packed.position_ids.shape == (3, 1, packed.input_ids.shape[1])
+    real = ~packed.padding_mask[0]
+    assert torch.equal(packed.position_ids[:, 0, real], bridge_positions[:, 0, real])
+    assert torch.all(packed.position_ids[:, 0, ~real] == PADDING_POSITION)
+
+
+def test_degenerate_1d_positions_differ_from_hugging_face(hf_model):
+    """The check above can fail: plain 1D positions (arange per sample on all three channels,
+    what a packer that ignores MRoPE produces) are wrong as soon as a sample holds an image."""
+    text = sample_from_layout(LAYOUTS["text_only"], seed=0)
+    assert torch.equal(degenerate_1d(len(text)), hf_positions(hf_model, text))
+    for name in ("one_image", "mixed_image_sizes", "video"):
+        sample = sample_from_layout(LAYOUTS[name], seed=1)
+        assert not torch.equal(degenerate_1d(len(sample)), hf_positions(hf_model, sample)), name
+
+
+def test_truncated_image_raises():
+    sample = sample_from_layout([3, ("image", 8, 8), 2, ("image", 4, 4), 2], seed=2)
+    cut = sample.input_ids.index(IMAGE_TOKEN) + 5  # inside the first image
+    ids = torch.tensor([sample.input_ids[:cut]])
+    grids = torch.tensor(sample.image_grids)
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        qwen3_vl_position_ids(ids, None, grids, None, **TOKEN_IDS)
+    # One grid missing for two images.
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        qwen3_vl_position_ids(sample.ids(), None, grids[:1], None, **TOKEN_IDS)
+    # Image tokens and no grid at all.
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        qwen3_vl_position_ids(sample.ids(), None, None, None, **TOKEN_IDS)
+
+
+def test_truncated_video_raises():
+    sample = sample_from_layout([3, ("video", 2, 4, 8), 2], seed=2)
+    ids = torch.tensor([sample.input_ids[:-6]])  # cut inside the last frame
+    with pytest.raises(ValueError, match="video_grid_thw"):
+        qwen3_vl_position_ids(ids, None, None, torch.tensor(sample.video_grids), **TOKEN_IDS)
+
+
+def test_image_truncated_by_padding_raises():
+    """An image whose tail is masked out as padding is a truncated image too."""
+    sample = sample_from_layout([3, ("image", 8, 8), 2], seed=4)
+    batch = collate([sample])
+    mask = batch.attention_mask.clone()
+    mask[0, sample.input_ids.index(IMAGE_TOKEN) + 3 :] = 0
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        qwen3_vl_position_ids(batch.input_ids, mask, batch.image_grid_thw, None, **TOKEN_IDS)
+
+
+def test_padding_hole_between_vision_start_and_image(hf_model):
+    """A padding slot between the vision-start token and its image is still "any position":
+    the image follows its vision-start token among the real tokens, so the positions are
+    Hugging Face's (no ValueError)."""
+    sample = sample_from_layout([3, ("image", 4, 8), 2], seed=6)
+    ids = list(sample.input_ids)
+    hole = ids.index(VISION_START) + 1
+    row = ids[:hole] + [0] + ids[hole:]
+    keep = [1] * hole + [0] + [1] * (len(ids) - hole)
+    ours = qwen3_vl_position_ids(
+        torch.tensor([row]), torch.tensor([keep]), torch.tensor(sample.image_grids), None, **TOKEN_IDS
+    )
+    keep_t = torch.tensor(keep).bool()
+    assert torch.equal(ours[:, 0, keep_t], hf_positions(hf_model, sample))
