@@ -84,7 +84,10 @@ def keep_mask_from_attention_mask(
         future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=masked.device).triu(1)
         key_padding = future | ~keep[:, None, :]
         key_and_query_padding = key_padding | ~keep[:, :, None]
-        is_causal_with_padding = (masked == key_padding).all() | (masked == key_and_query_padding).all()
+        # Per sample: some collates mask padded query rows too, others only padded keys.
+        is_causal_with_padding = (
+            (masked == key_padding).flatten(1).all(dim=1) | (masked == key_and_query_padding).flatten(1).all(dim=1)
+        ).all()
         check = DeferredCheck(
             ~is_causal_with_padding,
             "attention_mask: the 4D mask is not causal-with-padding (True = masked, future keys masked, "

@@ -80,8 +80,7 @@ def required_alignment(
         The alignment, an int >= 1, to pass as ``align_to``.
     """
     for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        _check_int(name, value, 1, "pass the parallel group size")
     align = 2 * cp_size if cp_size > 1 else 1
     if sequence_parallel and tp_size > 1:
         align *= tp_size
@@ -97,7 +96,13 @@ def _check_int(name: str, value, minimum: int, hint: str) -> None:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}; {hint}")
 
 
+def _check_tensor(name: str, value) -> None:
+    if value is not None and not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}; convert it with torch.as_tensor")
+
+
 def _check_companion(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    _check_tensor(name, tensor)
     if tensor is not None and tuple(tensor.shape) != shape:
         raise ValueError(
             f"{name}: shape {tuple(tensor.shape)} does not match input_ids; expected {shape}"
@@ -170,11 +175,14 @@ def pack_bshd_to_thd(
     _check_int("align_to", align_to, 1, "use required_alignment(tp, cp, sequence_parallel=..., fp8=...)")
     _check_companion("labels", labels, (batch_size, seq_len))
     _check_companion("loss_mask", loss_mask, (batch_size, seq_len))
+    _check_tensor("position_ids", position_ids)
     if position_ids is not None and tuple(position_ids.shape) not in ((batch_size, seq_len), (3, batch_size, seq_len)):
         raise ValueError(
             f"position_ids: shape {tuple(position_ids.shape)} does not match input_ids; expected "
             f"({batch_size}, {seq_len}) or MRoPE (3, {batch_size}, {seq_len})"
         )
+    _check_tensor("attention_mask", attention_mask)
+    _check_tensor("real_lengths", real_lengths)
     if attention_mask is not None and real_lengths is not None:
         raise ValueError("attention_mask, real_lengths: pass one of them, not both")
 
@@ -271,6 +279,9 @@ def unpack_thd_to_bshd(values: torch.Tensor, packed: PackedBatch) -> torch.Tenso
         values: ``(1, N, ...)`` or ``(N, ...)`` per-slot values (logits, per-token losses,
             hidden states).
         packed: the :class:`PackedBatch` the row came from.
+
+    A ``(1, N, ...)`` tensor is read as one row; so is ``(1, 1)`` when N == 1 (use
+    ``values[None]`` for a ``(N, 1)`` tensor then, to be unambiguous).
 
     Returns:
         ``(B, T, ...)``: each real position gets its slot's value, padding positions get 0.
