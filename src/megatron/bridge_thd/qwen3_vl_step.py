@@ -95,7 +95,6 @@ def _model_setting(model_config, state, name: str, default=None):
 
 
 def _unwrap(model):
-    model = model[0] if isinstance(model, list) else model
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -259,8 +258,8 @@ def prepare_micro_batch(
         batch: Megatron-Bridge's VLM micro-batch dict: ``tokens``/``input_ids`` ``(B, T)``,
             ``labels``, ``loss_mask``, ``attention_mask`` (2D keep mask or 4D), ``position_ids``,
             ``visual_inputs`` (with ``normalized_for_model()``).
-        model: the model (or its wrapper / list of chunks); its device and ``forward`` signature
-            are used.
+        model: the model chunk (or its DDP / Float16Module wrapper); its device and ``forward``
+            signature are used.
         state: Megatron-Bridge ``GlobalState`` (only ``state.cfg`` and ``state.tokenizer`` are read).
         pg_collection: process groups (``tp``, ``cp``, ``pp``, ``ep``).
     """
@@ -290,7 +289,7 @@ def prepare_micro_batch(
     if seq_length is None:
         raise ValueError("model.seq_length: not set; the step needs it to bound sample lengths")
     variable_seq_lengths = bool(_model_setting(model_config, state, "variable_seq_lengths", False))
-    fp8 = _model_setting(model_config, state, "fp8", None) is not None
+    fp8 = bool(_model_setting(model_config, state, "fp8", None))  # Megatron: a recipe name or None
     sequence_parallel = bool(_model_setting(model_config, state, "sequence_parallel", False))
     layout = resolve_layout(state, sizes["pp"], variable_seq_lengths)
     vision_ids = _vision_token_ids(model_config)
@@ -354,7 +353,7 @@ def prepare_micro_batch(
         if name in extras:
             forward_args[name] = extras[name]
     _log_once(
-        f"extras:{type(core_model).__name__}",
+        f"extras:{type(core_model).__name__}:{layout}",
         f"bridge_thd: layout={layout}; extras passed to {type(core_model).__name__}.forward: {accepted or 'none'}; "
         f"not declared by it (so not passed, never into **kwargs): {not_accepted or 'none'}"
         + (" - this model's MoE router will count padding slots as tokens" if "padding_mask" in not_accepted else ""),
@@ -408,6 +407,8 @@ def forward_step(
         ``create_masked_next_token_loss_function`` over the packed loss mask. The micro-batch's
         :class:`PackingStats` is appended to ``state.bridge_thd_stats`` when that list exists.
     """
+    if isinstance(model, list):
+        raise ValueError("model: forward_step takes one model chunk, as Megatron's schedules pass it, not a list")
     pg_utils = load_bridge_module("training.utils.pg_utils")
     losses = load_bridge_module("training.losses")
     from megatron.core.pipeline_parallel.utils import is_pp_last_stage

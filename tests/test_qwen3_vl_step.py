@@ -1,0 +1,815 @@
+"""Tests of the drop-in Megatron-Bridge forward step ``megatron.bridge_thd.qwen3_vl_step.forward_step``.
+
+Losses are checked against each sample run alone through the unmodified Hugging Face model;
+packing metadata is checked by spy models that record what the step hands them, against values
+computed here from the input batch. Process-group sizes other than 1 are simulated with a fake
+``pg_collection`` attribute on the model (what Megatron-Bridge's ``get_pg_collection`` prefers).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.bridge_thd import qwen3_vl_step
+from megatron.bridge_thd.data import synthetic_receipt_batch
+from megatron.bridge_thd.packing import required_alignment
+from megatron.bridge_thd.qwen3_vl_step import forward_step
+from megatron.bridge_thd.reference import ReferenceQwen3VL
+from megatron.bridge_thd.standalone import init_single_process_groups, minimal_state
+
+IMAGE, VISION_START, VISION_END, EOS, PAD = 250, 252, 253, 254, 0
+LOGGER = "megatron.bridge_thd.qwen3_vl_step"
+SEQ = 2048
+B = 4
+SEED = 1
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures and helpers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_groups():
+    return init_single_process_groups()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return ReferenceQwen3VL.tiny(seed=0)
+
+
+@pytest.fixture(scope="module")
+def right_batch():
+    return synthetic_receipt_batch(B, seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def left_batch():
+    return synthetic_receipt_batch(B, seed=SEED, left_padding=True)
+
+
+@pytest.fixture
+def fresh_log_once(monkeypatch):
+    """Forget which one-time messages were logged, so that this test sees them."""
+    monkeypatch.setattr(qwen3_vl_step, "_logged_once", set())
+
+
+class FakeGroup:
+    """Stands in for a torch.distributed group: only ``size()`` and ``rank()`` are read."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def fake_pg(tp=1, cp=1, pp=1, ep=1, pp_rank=0):
+    return SimpleNamespace(tp=FakeGroup(tp), cp=FakeGroup(cp), pp=FakeGroup(pp, pp_rank), ep=FakeGroup(ep))
+
+
+def real_lengths(batch) -> list[int]:
+    return batch["attention_mask"].sum(1).tolist()
+
+
+def real_tokens(batch, i) -> torch.Tensor:
+    return batch["tokens"][i][batch["attention_mask"][i]]
+
+
+def hf_per_sample_loss(ref, batch) -> float:
+    """Each sample alone through the unmodified HF model; CE of labels summed at loss_mask == 1."""
+    grids = batch["visual_inputs"].image_grid_thw
+    pixels = batch["visual_inputs"].pixel_values
+    patch_ends = [0] + grids.prod(-1).cumsum(0).tolist()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(batch["tokens"].shape[0]):
+            keep = batch["attention_mask"][i]
+            ids = batch["tokens"][i][keep]
+            labels = batch["labels"][i][keep]
+            supervised = batch["loss_mask"][i][keep] == 1
+            logits = ref.hf_model(
+                input_ids=ids[None],
+                pixel_values=pixels[patch_ends[i] : patch_ends[i + 1]],
+                image_grid_thw=grids[i : i + 1],
+                mm_token_type_ids=(ids == IMAGE).int()[None],
+            ).logits[0]
+            ce = F.cross_entropy(logits.float()[supervised], labels[supervised], reduction="sum")
+            total += float(ce)
+    return total
+
+
+def run_step(model, batch, state, **kwargs):
+    with torch.no_grad():
+        output, loss_function = forward_step(state, iter([batch]), model, **kwargs)
+        loss, num_tokens, report = loss_function(output)
+    return SimpleNamespace(output=output, loss_function=loss_function, loss=float(loss), num_tokens=int(num_tokens),
+                           report=report, stats=state.bridge_thd_stats[-1])
+
+
+class RecordingSpy(torch.nn.Module):
+    """Same explicit signature as ``ReferenceQwen3VL.forward``; records kwargs; delegates to
+    the wrapped model when ``delegate`` (else returns zero per-token losses)."""
+
+    def __init__(self, inner, delegate: bool = False):
+        super().__init__()
+        self.inner = inner  # not "module": the step unwraps ".module" chains
+        self.config = inner.config
+        self.delegate = delegate
+        self.calls: list[dict] = []
+
+    def forward(
+        self,
+        input_ids,
+        position_ids=None,
+        attention_mask=None,
+        labels=None,
+        loss_mask=None,
+        packed_seq_params=None,
+        pixel_values=None,
+        image_grid_thw=None,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        padding_mask=None,
+    ):
+        kwargs = dict(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, labels=labels,
+            loss_mask=loss_mask, packed_seq_params=packed_seq_params, pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw, pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
+            padding_mask=padding_mask,
+        )
+        self.calls.append(kwargs)
+        if self.delegate:
+            return self.inner(**kwargs)
+        return torch.zeros(input_ids.shape, dtype=torch.float32)
+
+
+class KwargsOnlySpy(torch.nn.Module):
+    """Declares neither extra: anything else would land in ``**kwargs``."""
+
+    NAMED = {"input_ids", "position_ids", "attention_mask", "labels", "loss_mask", "packed_seq_params",
+             "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"}
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.received: list[set] = []
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, loss_mask=None,
+                packed_seq_params=None, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+                video_grid_thw=None, **kwargs):
+        self.received.append(set(kwargs))
+        self.last = dict(input_ids=input_ids, packed_seq_params=packed_seq_params, **kwargs)
+        return torch.zeros(input_ids.shape)
+
+
+class PaddingMaskOnlySpy(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, position_ids=None, labels=None, packed_seq_params=None, pixel_values=None,
+                image_grid_thw=None, attention_mask=None, padding_mask=None, **kwargs):
+        self.last = dict(input_ids=input_ids, packed_seq_params=packed_seq_params, padding_mask=padding_mask,
+                         kwargs=set(kwargs))
+        return torch.zeros(input_ids.shape)
+
+
+class RopeCuSeqlensSpy(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, position_ids=None, labels=None, packed_seq_params=None, pixel_values=None,
+                image_grid_thw=None, attention_mask=None, rope_cu_seqlens=None, **kwargs):
+        self.last = dict(input_ids=input_ids, packed_seq_params=packed_seq_params, rope_cu_seqlens=rope_cu_seqlens,
+                         kwargs=set(kwargs))
+        return torch.zeros(input_ids.shape)
+
+
+class CPSpy(torch.nn.Module):
+    """Returns ``(output, local_loss_mask)`` as a CP-sharding model does."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, position_ids=None, labels=None, packed_seq_params=None, pixel_values=None,
+                image_grid_thw=None, attention_mask=None):
+        gen = torch.Generator().manual_seed(0)
+        self.output = torch.rand(input_ids.shape, generator=gen)
+        self.mask = (torch.rand(input_ids.shape, generator=gen) < 0.3).float()
+        return self.output, self.mask
+
+
+def slot_bounds(packed_seq_params, i):
+    start = int(packed_seq_params.cu_seqlens_q_padded[i])
+    length = int(packed_seq_params.cu_seqlens_q[i + 1] - packed_seq_params.cu_seqlens_q[i])
+    return start, length
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. loss equality: every layout == bshd == per-sample HF
+
+
+@pytest.fixture(scope="module")
+def per_sample_loss(ref, right_batch):
+    # left_batch holds the same samples (same seed), so one per-sample reference serves both
+    return hf_per_sample_loss(ref, right_batch)
+
+
+@pytest.fixture(scope="module")
+def layout_runs(ref, right_batch, left_batch):
+    runs = {}
+    for padding, batch in (("right", right_batch), ("left", left_batch)):
+        for layout in qwen3_vl_step.LAYOUTS:
+            state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout=layout)
+            runs[layout, padding] = run_step(ref, batch, state)
+    return runs
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("layout", ["thd", "thd_static", "bshd"])
+def test_loss_matches_bshd_and_per_sample(layout, padding, layout_runs, per_sample_loss, right_batch, left_batch):
+    batch = right_batch if padding == "right" else left_batch
+    run = layout_runs[layout, padding]
+    assert run.stats.layout == layout
+    assert run.num_tokens == int(batch["loss_mask"].sum())
+    assert run.loss == pytest.approx(per_sample_loss, rel=1e-5)
+    assert run.loss == pytest.approx(layout_runs["bshd", padding].loss, rel=1e-5)
+    assert run.num_tokens == layout_runs["bshd", padding].num_tokens
+    # the reporting entry carries the same numbers
+    lm = run.report["lm loss"]
+    assert float(lm[0]) == pytest.approx(run.loss) and int(lm[1]) == run.num_tokens
+    # loss_function.args[0] is the mask it used; sum(output * mask) is the loss
+    mask = run.loss_function.args[0]
+    assert mask.numel() == run.output.numel()
+    assert float((run.output.reshape(-1) * mask.reshape(-1)).sum()) == pytest.approx(run.loss, rel=1e-6)
+
+
+def test_loss_is_not_trivially_equal_across_batches(layout_runs, ref):
+    # guard: a different batch gives a different loss (the comparisons above are meaningful)
+    other = synthetic_receipt_batch(2, seed=SEED + 100)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="bshd")
+    assert run_step(ref, other, state).loss != pytest.approx(layout_runs["bshd", "right"].loss, rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. the model receives real cu_seqlens and per-sample MRoPE positions
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_model_receives_real_cu_seqlens_and_positions(padding, ref, right_batch, left_batch, layout_runs):
+    batch = right_batch if padding == "right" else left_batch
+    spy = RecordingSpy(ref, delegate=padding == "right")
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
+    run = run_step(spy, batch, state)
+    assert len(spy.calls) == 1
+    kw = spy.calls[0]
+    psp = kw["packed_seq_params"]
+    assert psp is not None and psp.qkv_format == "thd"
+    lengths = real_lengths(batch)
+    T = batch["tokens"].shape[1]
+    assert psp.cu_seqlens_q.diff().tolist() == lengths
+    assert psp.cu_seqlens_kv.diff().tolist() == lengths
+    assert int(psp.cu_seqlens_q[0]) == 0
+    padded = psp.cu_seqlens_q_padded.diff().tolist()
+    align = required_alignment(1, 1)
+    assert all(s % align == 0 for s in padded)
+    assert not all(s == T for s in padded)
+    assert all(s >= n for s, n in zip(padded, lengths))
+    assert psp.max_seqlen_q >= max(lengths)
+
+    ids = kw["input_ids"]
+    N = ids.shape[1]
+    assert ids.shape == (1, N) and N < B * T
+    assert N == int(psp.cu_seqlens_q_padded[-1])
+    assert kw["attention_mask"] is None
+    pos = kw["position_ids"]
+    assert pos.shape == (3, 1, N)
+
+    grids = batch["visual_inputs"].image_grid_thw
+    for i in range(B):
+        start, length = slot_bounds(psp, i)
+        sample = real_tokens(batch, i)
+        assert torch.equal(ids[0, start : start + length], sample)
+        assert (pos[:, 0, start] == 0).all(), f"sample {i} does not restart at position 0"
+        slot_pos = pos[:, 0, start : start + length]
+        image = sample == IMAGE
+        # the three channels differ at image tokens: not the degenerate 1D expansion
+        assert not torch.equal(slot_pos[1][image], slot_pos[2][image])
+        assert not torch.equal(slot_pos[0][image], slot_pos[1][image])
+        # independent: HF's own get_rope_index on the sample alone
+        hf_pos, _ = ref.hf_model.model.get_rope_index(
+            sample[None], mm_token_type_ids=image.int()[None], image_grid_thw=grids[i : i + 1]
+        )
+        assert torch.equal(slot_pos, hf_pos[:, 0].to(slot_pos.dtype)), f"sample {i}"
+        # labels and loss mask travel with their tokens
+        keep = batch["attention_mask"][i]
+        assert torch.equal(kw["labels"][0, start : start + length], batch["labels"][i][keep])
+    mask = run.loss_function.args[0]
+    assert mask.shape[-1] == N and float(mask.sum()) == float(batch["loss_mask"].sum())
+    if spy.delegate:
+        assert run.loss == pytest.approx(layout_runs["thd", "right"].loss, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. optional extras: passed only by explicit name
+
+
+def test_kwargs_model_gets_no_extras(ref, right_batch, fresh_log_once, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = KwargsOnlySpy(ref.config)
+    for layout in ("thd", "bshd"):
+        state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout=layout)
+        run_step(model, right_batch, state)
+    for received in model.received:
+        assert "padding_mask" not in received and "rope_cu_seqlens" not in received
+        assert received <= KwargsOnlySpy.NAMED, received - KwargsOnlySpy.NAMED
+    messages = [r.getMessage() for r in caplog.records if "KwargsOnlySpy" in r.getMessage()]
+    assert messages, "no log line names the model class"
+    passed, _, not_passed = messages[0].partition("not declared")
+    assert "padding_mask" not in passed and "rope_cu_seqlens" not in passed
+    assert "padding_mask" in not_passed and "rope_cu_seqlens" in not_passed
+
+
+@pytest.mark.parametrize("layout", ["thd", "thd_static", "bshd"])
+def test_padding_mask_model_gets_padding_mask(layout, ref, right_batch, fresh_log_once, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = PaddingMaskOnlySpy(ref.config)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout=layout)
+    run_step(model, right_batch, state)
+    last = model.last
+    assert "rope_cu_seqlens" not in last["kwargs"]
+    mask = last["padding_mask"]
+    ids = last["input_ids"]
+    assert mask is not None and mask.dtype == torch.bool and mask.shape == ids.shape
+    n_real = int(right_batch["attention_mask"].sum())
+    assert int(mask.sum()) == ids.numel() - n_real
+    # False exactly at the real slots
+    expected = torch.ones_like(mask)
+    lengths = real_lengths(right_batch)
+    if layout == "bshd":
+        for i, n in enumerate(lengths):
+            expected[i, :n] = False
+    else:
+        psp = last["packed_seq_params"]
+        for i in range(B):
+            start, length = slot_bounds(psp, i)
+            assert length == lengths[i]
+            expected[0, start : start + length] = False
+    assert torch.equal(mask, expected)
+    messages = [r.getMessage() for r in caplog.records if "PaddingMaskOnlySpy" in r.getMessage()]
+    assert messages
+    passed, _, not_passed = messages[0].partition("not declared")
+    assert "padding_mask" in passed and "rope_cu_seqlens" in not_passed and "padding_mask" not in not_passed
+
+
+def test_rope_cu_seqlens_model_gets_it(ref, right_batch, fresh_log_once, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = RopeCuSeqlensSpy(ref.config)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd", fp8="hybrid")
+    run_step(model, right_batch, state)
+    last = model.last
+    assert "padding_mask" not in last["kwargs"]
+    rope = last["rope_cu_seqlens"]
+    assert rope is not None
+    assert torch.equal(rope, last["packed_seq_params"].cu_seqlens_q_padded)
+    expected = [0]
+    for n in real_lengths(right_batch):
+        expected.append(expected[-1] + round_up(n, 16))
+    assert rope.tolist() == expected
+    messages = [r.getMessage() for r in caplog.records if "RopeCuSeqlensSpy" in r.getMessage()]
+    assert messages
+    passed, _, not_passed = messages[0].partition("not declared")
+    assert "rope_cu_seqlens" in passed and "padding_mask" in not_passed and "padding_mask" not in passed
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. thd_static and pipeline parallelism
+
+
+def test_thd_static_row_length_is_data_independent(ref):
+    align = 4  # cp=2
+    seq = 2001
+    model = RecordingSpy(ref)
+    model.pg_collection = fake_pg(cp=2)
+    rows = []
+    for seed in (21, 22):
+        batch = synthetic_receipt_batch(B, seed=seed)
+        state = minimal_state(seq_length=seq, micro_batch_size=B, packing_layout="thd_static")
+        run = run_step(model, batch, state)
+        rows.append(model.calls[-1]["input_ids"].shape[1])
+        assert run.stats.layout == "thd_static"
+        assert run.stats.processed_tokens == rows[-1]
+        psp = model.calls[-1]["packed_seq_params"]
+        assert psp.cu_seqlens_q.diff()[:B].tolist() == real_lengths(batch)
+        assert int(psp.cu_seqlens_q_padded[-1]) == rows[-1]
+    assert rows[0] == rows[1] == B * round_up(seq, align)
+
+
+def test_pp_without_variable_seq_lengths_switches_to_static(ref, right_batch, fresh_log_once, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = RecordingSpy(ref)
+    model.pg_collection = fake_pg(pp=2, pp_rank=0)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
+    run = run_step(model, right_batch, state)
+    assert run.stats.layout == "thd_static"
+    assert model.calls[-1]["input_ids"].shape == (1, B * SEQ)
+    # first stage: no labels
+    assert model.calls[-1]["labels"] is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "thd_static" in r.getMessage()]
+    assert warnings, [r.getMessage() for r in caplog.records]
+    # a second batch of different lengths keeps the same row length
+    run_step(model, synthetic_receipt_batch(B, seed=40), state)
+    assert model.calls[-1]["input_ids"].shape == (1, B * SEQ)
+
+
+def test_pp_last_stage_gets_labels(ref, right_batch):
+    model = RecordingSpy(ref)
+    model.pg_collection = fake_pg(pp=2, pp_rank=1)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd", variable_seq_lengths=False)
+    run_step(model, right_batch, state)
+    assert model.calls[-1]["labels"] is not None
+    assert model.calls[-1]["input_ids"].shape == (1, B * SEQ)
+
+
+def test_pp_with_variable_seq_lengths_stays_thd(ref, right_batch):
+    model = RecordingSpy(ref)
+    model.pg_collection = fake_pg(pp=2)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd", variable_seq_lengths=True)
+    run = run_step(model, right_batch, state)
+    assert run.stats.layout == "thd"
+    assert model.calls[-1]["input_ids"].shape == (1, sum(real_lengths(right_batch)))
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. alignment for TP+SP, CP, FP8
+
+
+@pytest.mark.parametrize(
+    "pg_kwargs, settings, expected_align",
+    [
+        (dict(tp=2), dict(sequence_parallel=True), 2),
+        (dict(cp=2), {}, 4),
+        ({}, dict(fp8="hybrid"), 16),
+        (dict(tp=2, cp=2), dict(sequence_parallel=True), 8),
+        (dict(tp=4), dict(sequence_parallel=True, fp8="hybrid"), 16),
+    ],
+    ids=["tp2_sp", "cp2", "fp8", "tp2_sp_cp2", "tp4_sp_fp8"],
+)
+@pytest.mark.parametrize("layout", ["thd", "thd_static"])
+def test_alignment(layout, pg_kwargs, settings, expected_align, ref, right_batch):
+    model = RecordingSpy(ref)
+    model.pg_collection = fake_pg(**pg_kwargs)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout=layout, **settings)
+    run_step(model, right_batch, state)
+    align = required_alignment(
+        pg_kwargs.get("tp", 1), pg_kwargs.get("cp", 1),
+        sequence_parallel=settings.get("sequence_parallel", False), fp8="fp8" in settings,
+    )
+    assert align == expected_align
+    kw = model.calls[-1]
+    psp = kw["packed_seq_params"]
+    N = kw["input_ids"].shape[1]
+    assert N % align == 0
+    lengths = real_lengths(right_batch)
+    slots = psp.cu_seqlens_q_padded.diff().tolist()
+    assert all(s % align == 0 for s in slots), slots
+    assert psp.cu_seqlens_q.diff()[:B].tolist() == lengths
+    if layout == "thd":
+        # minimal padding: each slot is the length rounded up
+        assert slots == [round_up(n, align) for n in lengths]
+        assert N == sum(round_up(n, align) for n in lengths)
+    else:
+        assert N == B * round_up(SEQ, align)
+    assert psp.max_seqlen_q % align == 0 and psp.max_seqlen_q >= max(lengths)
+
+
+def test_tp_without_sequence_parallel_needs_no_alignment(ref, right_batch):
+    model = RecordingSpy(ref)
+    model.pg_collection = fake_pg(tp=2)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
+    run_step(model, right_batch, state)
+    assert model.calls[-1]["input_ids"].shape[1] == sum(real_lengths(right_batch))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. truncation to seq_length
+
+
+def _image_end(batch, i) -> int:
+    """Rank (among real tokens) of the vision-end token of sample i."""
+    return int((real_tokens(batch, i) == VISION_END).nonzero()[0])
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("layout", ["thd", "bshd"])
+def test_truncation_of_answer_text(layout, padding, ref, caplog):
+    batch = synthetic_receipt_batch(B, seed=SEED, left_padding=padding == "left")
+    lengths = real_lengths(batch)
+    image_ends = [_image_end(batch, i) for i in range(B)]
+    seq = max(max(image_ends) + 10, sorted(lengths)[1])  # cuts at least the two longest... answer text only
+    assert seq < max(lengths)
+    excess = sum(max(0, n - seq) for n in lengths)
+    assert excess > 0
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = RecordingSpy(ref)
+    state = minimal_state(seq_length=seq, micro_batch_size=B, packing_layout=layout)
+    run = run_step(model, batch, state)
+    assert int(run.stats.truncated_tokens) == excess
+    assert int(run.stats.real_tokens) == sum(min(n, seq) for n in lengths)
+    kw = model.calls[-1]
+    if layout == "thd":
+        got = kw["packed_seq_params"].cu_seqlens_q.diff().tolist()
+        assert got == [min(n, seq) for n in lengths]
+        assert max(got) <= seq
+    else:
+        assert kw["input_ids"].shape[1] <= seq
+        # each row holds the sample's first min(n, seq) real tokens, right padded
+        for i, n in enumerate(lengths):
+            keep_n = min(n, seq)
+            assert torch.equal(kw["input_ids"][i, :keep_n], real_tokens(batch, i)[:keep_n])
+            assert (kw["input_ids"][i, keep_n:] == PAD).all()
+    # supervised tokens: those among each sample's first seq real tokens
+    expected_supervised = sum(
+        int(batch["loss_mask"][i][batch["attention_mask"][i]][:seq].sum()) for i in range(B)
+    )
+    assert run.num_tokens == expected_supervised
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "truncat" in r.getMessage()]
+    assert warnings
+    assert str(excess) in warnings[-1].getMessage()
+
+
+def test_truncation_that_cuts_an_image_raises(ref, right_batch):
+    lengths = real_lengths(right_batch)
+    starts = [int((real_tokens(right_batch, i) == IMAGE).nonzero()[0]) for i in range(B)]
+    ends = [_image_end(right_batch, i) for i in range(B)]
+    # cut inside the image of the sample whose image ends last
+    victim = max(range(B), key=lambda i: ends[i])
+    seq = ends[victim] - 5
+    assert seq > starts[victim]
+    expected = [i for i in range(B) if lengths[i] > seq and ends[i] - 1 >= seq]
+    assert victim in expected
+    state = minimal_state(seq_length=seq, micro_batch_size=B, packing_layout="thd")
+    with pytest.raises(ValueError) as info:
+        run_step(RecordingSpy(ref), right_batch, state)
+    message = str(info.value)
+    assert "seq_length" in message and str(seq) in message
+    assert str(expected) in message
+
+
+def test_truncation_that_cuts_all_images_names_every_sample(ref, left_batch):
+    state = minimal_state(seq_length=30, micro_batch_size=B, packing_layout="bshd")
+    with pytest.raises(ValueError) as info:
+        run_step(RecordingSpy(ref), left_batch, state)
+    assert "seq_length" in str(info.value) and str(list(range(B))) in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. missing attention mask
+
+
+def _without_mask(batch):
+    return {k: v for k, v in batch.items() if k != "attention_mask"}
+
+
+def test_missing_mask_raises(ref, right_batch):
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
+    with pytest.raises(ValueError, match="skip_getting_attention_mask_from_dataset"):
+        run_step(RecordingSpy(ref), _without_mask(right_batch), state)
+
+
+def test_missing_mask_pad_token_fallback(ref, right_batch, layout_runs):
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd",
+                          tokenizer=SimpleNamespace(pad_id=0))
+    state.cfg.dataset.packing_length_fallback = "pad_token"
+    spy = RecordingSpy(ref, delegate=True)
+    run = run_step(spy, _without_mask(right_batch), state)
+    assert spy.calls[-1]["packed_seq_params"].cu_seqlens_q.diff().tolist() == real_lengths(right_batch)
+    assert run.num_tokens == int(right_batch["loss_mask"].sum())
+    assert run.loss == pytest.approx(layout_runs["thd", "right"].loss, rel=1e-6)
+
+
+def test_missing_mask_fallback_uses_model_config_pad_id(ref, right_batch):
+    # no tokenizer: the tiny model's text config has pad_token_id=0
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="bshd")
+    state.cfg.dataset.packing_length_fallback = "pad_token"
+    run = run_step(RecordingSpy(ref), _without_mask(right_batch), state)
+    assert int(run.stats.real_tokens) == sum(real_lengths(right_batch))
+
+
+def test_missing_mask_fallback_without_pad_id_raises(ref, right_batch):
+    config = SimpleNamespace(
+        image_token_id=250, video_token_id=251, vision_start_token_id=252, spatial_merge_size=2,
+        text_config=SimpleNamespace(),
+    )
+    model = KwargsOnlySpy(ref.config)
+    model.config = config
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd", tokenizer=SimpleNamespace())
+    state.cfg.dataset.packing_length_fallback = "pad_token"
+    with pytest.raises(ValueError, match="pad"):
+        run_step(model, _without_mask(right_batch), state)
+    # sanity: the same model works with a pad id on the tokenizer
+    state.tokenizer = SimpleNamespace(pad_token_id=0)
+    run = run_step(model, _without_mask(right_batch), state)
+    assert int(run.stats.real_tokens) == sum(real_lengths(right_batch))
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. CP path: the model returns its own local loss mask
+
+
+def test_model_returned_loss_mask_is_used(ref, right_batch):
+    model = CPSpy(ref.config)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
+    run = run_step(model, right_batch, state)
+    assert torch.equal(run.output, model.output)
+    assert run.loss_function.args[0] is model.mask
+    assert run.loss == pytest.approx(float((model.output * model.mask).sum()), rel=1e-6)
+    assert run.num_tokens == int(model.mask.sum())
+    assert run.num_tokens != int(right_batch["loss_mask"].sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. FLOPs / token bookkeeping
+
+
+@pytest.mark.parametrize("layout", ["thd", "thd_static", "bshd"])
+def test_stats(layout, ref, right_batch):
+    model = RecordingSpy(ref)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout=layout)
+    run_step(model, right_batch, state)
+    assert len(state.bridge_thd_stats) == 1
+    stats = state.bridge_thd_stats[0]
+    lengths = real_lengths(right_batch)
+    W = right_batch["tokens"].shape[1]
+    assert stats.layout == layout
+    assert int(stats.real_tokens) == int(right_batch["attention_mask"].sum())
+    assert int(stats.truncated_tokens) == 0
+    assert stats.padded_tokens == B * W
+    assert stats.padded_attention_work == B * W**2
+    N = model.calls[-1]["input_ids"].numel()
+    assert stats.processed_tokens == N
+    if layout == "bshd":
+        assert int(stats.attention_work) == B * W**2
+        assert N == B * W
+    else:
+        assert int(stats.attention_work) == sum(n * n for n in lengths)
+    if layout == "thd":
+        assert N == sum(lengths)
+    # micro-batches accumulate
+    run_step(model, right_batch, state)
+    assert len(state.bridge_thd_stats) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# 10-12. schedule plan, layout selection, pre-packed batches
+
+
+def test_return_schedule_plan_with_thd_raises(ref, right_batch):
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
+    with pytest.raises(ValueError, match="return_schedule_plan"):
+        run_step(RecordingSpy(ref), right_batch, state, return_schedule_plan=True)
+
+
+def test_return_schedule_plan_with_bshd_builds_plan(ref, right_batch):
+    class PlanSpy(RecordingSpy):
+        def build_schedule_plan(self, input_ids, position_ids, attention_mask, labels=None, loss_mask=None):
+            self.plan_args = dict(input_ids=input_ids, position_ids=position_ids, labels=labels, loss_mask=loss_mask)
+            return "plan"
+
+    model = PlanSpy(ref)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="bshd")
+    with torch.no_grad():
+        plan, loss_function = forward_step(state, iter([right_batch]), model, return_schedule_plan=True)
+    assert plan == "plan" and not model.calls
+    assert model.plan_args["input_ids"].shape == right_batch["tokens"].shape
+    assert torch.equal(loss_function.args[0], right_batch["loss_mask"])
+
+
+def test_packing_off_is_bshd(ref, right_batch):
+    model = RecordingSpy(ref)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing=False, packing_layout="thd")
+    run = run_step(model, right_batch, state)
+    assert run.stats.layout == "bshd"
+    assert model.calls[-1]["packed_seq_params"] is None
+    assert model.calls[-1]["input_ids"].shape == right_batch["tokens"].shape
+
+
+@pytest.mark.parametrize("enabled, expected", [(True, "thd"), (False, "bshd")])
+def test_enable_in_batch_packing_old_name(enabled, expected, ref, right_batch):
+    model = RecordingSpy(ref)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B)
+    del state.cfg.dataset.pack_sequences_in_batch
+    state.cfg.dataset.enable_in_batch_packing = enabled
+    run = run_step(model, right_batch, state)
+    assert run.stats.layout == expected
+    assert (model.calls[-1]["packed_seq_params"] is not None) == (expected == "thd")
+
+
+def test_unknown_layout_raises(ref, right_batch):
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="sbhd")
+    with pytest.raises(ValueError, match="packing_layout"):
+        run_step(RecordingSpy(ref), right_batch, state)
+
+
+@pytest.mark.parametrize("key", ["cu_seqlens", "cu_seqlens_q"])
+def test_prepacked_batch_raises(key, ref, right_batch):
+    batch = dict(right_batch)
+    batch[key] = torch.tensor([0, 5, 9], dtype=torch.int32)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        run_step(RecordingSpy(ref), batch, state)
+
+
+def test_input_ids_key_and_wrapped_model(ref, right_batch):
+    """``input_ids`` instead of ``tokens``, and a DDP-style ``.module`` wrapper, work alike."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kwargs):
+            return self.module(**kwargs)
+
+    spy = RecordingSpy(ref)
+    batch = {("input_ids" if k == "tokens" else k): v for k, v in right_batch.items()}
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
+    run = run_step(Wrapper(spy), batch, state)
+    assert spy.calls[-1]["packed_seq_params"].cu_seqlens_q.diff().tolist() == real_lengths(right_batch)
+    assert spy.calls[-1]["padding_mask"] is not None  # declared by the unwrapped model
+    assert run.num_tokens == int(right_batch["loss_mask"].sum())
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_4d_megatron_mask_gives_the_same_lengths(padding, ref, right_batch, left_batch):
+    """A 4D causal-with-padding mask (True = masked) describes the same real tokens as the 2D one."""
+    batch = dict(right_batch if padding == "right" else left_batch)
+    keep = batch["attention_mask"]
+    T = keep.shape[1]
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    batch["attention_mask"] = (future[None] | ~keep[:, None, :])[:, None]
+    model = RecordingSpy(ref)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
+    run = run_step(model, batch, state)
+    psp = model.calls[-1]["packed_seq_params"]
+    assert psp.cu_seqlens_q.diff().tolist() == real_lengths(right_batch)
+    for i in range(B):
+        start, length = slot_bounds(psp, i)
+        assert torch.equal(model.calls[-1]["input_ids"][0, start : start + length], real_tokens(right_batch, i))
+    assert run.num_tokens == int(right_batch["loss_mask"].sum())
+
+
+@pytest.mark.parametrize("layout", ["thd", "bshd"])
+def test_wide_padding_without_long_samples_truncates_nothing(layout, ref, caplog):
+    """A batch padded past seq_length whose samples all fit loses no token and logs no warning."""
+    seq = 1800
+    batch = synthetic_receipt_batch(B, seed=SEED, pad_to=seq + 200)
+    lengths = real_lengths(batch)
+    assert max(lengths) <= seq
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    model = RecordingSpy(ref)
+    state = minimal_state(seq_length=seq, micro_batch_size=B, packing_layout=layout)
+    run = run_step(model, batch, state)
+    assert int(run.stats.truncated_tokens) == 0
+    assert int(run.stats.real_tokens) == sum(lengths)
+    assert run.num_tokens == int(batch["loss_mask"].sum())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "truncat" in r.getMessage()]
+    if layout == "bshd":
+        assert model.calls[-1]["input_ids"].shape == (B, seq)
+    else:
+        assert model.calls[-1]["input_ids"].shape == (1, sum(lengths))
+
+
+@pytest.mark.parametrize("fp8", [False, None])
+def test_fp8_off_needs_no_fp8_alignment(fp8, ref, right_batch):
+    # Megatron's fp8 setting is a recipe name or None; False must not switch on 16-alignment.
+    model = RecordingSpy(ref)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd", fp8=fp8)
+    run_step(model, right_batch, state)
+    assert model.calls[-1]["input_ids"].shape[1] == sum(real_lengths(right_batch))
+
+
+def test_list_of_model_chunks_is_rejected(ref, right_batch):
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B)
+    with pytest.raises(ValueError, match="^model: forward_step takes one model chunk"):
+        forward_step(state, iter([right_batch]), [ref])
