@@ -241,8 +241,11 @@ def pack_bshd_to_thd(
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:]])
         cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((1,), total_length)])
 
-    rank_in_sample = keep.cumsum(dim=1) - 1
-    packed_index = torch.where(keep, cu_seqlens_padded[:batch_size, None] + rank_in_sample, row_length)
+    # slot = start of the sample's slot + rank among its real tokens; padding -> trash slot N.
+    # Built in place: on the CPU each (B, T) temporary costs as much as a scatter.
+    packed_index = keep.cumsum(dim=1)
+    packed_index.add_(cu_seqlens_padded[:batch_size, None] - 1)
+    packed_index.masked_fill_(~keep, row_length)
 
     cu_seqlens = cu_seqlens.to(torch.int32)
     cu_seqlens_padded = cu_seqlens_padded.to(torch.int32)
