@@ -7,14 +7,17 @@ PYTHON := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml scripts/setup_venv.sh
 	./scripts/setup_venv.sh
 
+# Megatron-Core warns at import that Transformer Engine / Apex / absl are absent: expected on the CPU.
+QUIET_IMPORTS := -W "ignore:Transformer Engine:UserWarning" -W "ignore:absl:UserWarning"
+
 demo: $(VENV)/.installed
-	$(PYTHON) -m megatron.bridge_thd.cli
+	$(PYTHON) $(QUIET_IMPORTS) -m megatron.bridge_thd.cli
 
 test: $(VENV)/.installed
 	$(PYTHON) -m pytest -q tests
 
 bench: $(VENV)/.installed
-	$(PYTHON) benchmarks/bench_pack.py
+	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_pack.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -13,12 +13,8 @@ import argparse
 import logging
 import sys
 import time
-import warnings
 
-# Megatron-Core warns at import that Transformer Engine / Apex are absent: expected on the CPU.
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl).*")
-
-import torch  # noqa: E402
+import torch
 
 from megatron.bridge_thd.data import synthetic_receipt_batch
 from megatron.bridge_thd.qwen3_vl_step import LAYOUTS, forward_step
