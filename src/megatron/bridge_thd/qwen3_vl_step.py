@@ -356,7 +356,12 @@ def prepare_micro_batch(
         f"extras:{type(core_model).__name__}:{layout}",
         f"bridge_thd: layout={layout}; extras passed to {type(core_model).__name__}.forward: {accepted or 'none'}; "
         f"not declared by it (so not passed, never into **kwargs): {not_accepted or 'none'}"
-        + (" - this model's MoE router will count padding slots as tokens" if "padding_mask" in not_accepted else ""),
+        + (
+            " (Megatron-Bridge <= 0.6.2's Qwen3VLModel declares no padding_mask: an MoE router counts padding "
+            "slots as tokens)"
+            if "padding_mask" in not_accepted
+            else ""
+        ),
     )
     stats = PackingStats(
         layout=layout,
