@@ -276,7 +276,7 @@ def pack_bshd_to_thd(
 
 
 def unpack_thd_to_bshd(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
-    """Scatter per-slot values of a packed row back to the padded batch layout.
+    """Gather per-slot values of a packed row back into the padded batch layout.
 
     Args:
         values: ``(1, N, ...)`` or ``(N, ...)`` per-slot values (logits, per-token losses,
