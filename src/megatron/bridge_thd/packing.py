@@ -23,7 +23,15 @@ from megatron.bridge_thd.lengths import (
 )
 from megatron.bridge_thd.lengths import real_lengths as lengths_of_keep_mask
 
-__all__ = ["PackedBatch", "pack_bshd_to_thd", "unpack_thd_to_bshd", "required_alignment", "segment_index"]
+__all__ = [
+    "PackedBatch",
+    "pack_bshd_to_thd",
+    "unpack_thd_to_bshd",
+    "required_alignment",
+    "segment_index",
+    "scatter_into_row",
+    "gather_from_row",
+]
 
 INT32_MAX = torch.iinfo(torch.int32).max
 LABEL_PAD = -100
@@ -115,15 +123,30 @@ def _raise_deferred(checks: list[DeferredCheck], flags: list) -> None:
             raise ValueError(check.message)
 
 
-def _scatter_into_row(values: torch.Tensor, packed_index: torch.Tensor, row_length: int, fill) -> torch.Tensor:
-    """Scatter ``(..., B, T)`` values into a ``(..., 1, N)`` row; padding positions go to a
-    trash slot N that is cut off, so no boolean indexing (a host sync) is needed."""
+def scatter_into_row(values: torch.Tensor, index: torch.Tensor, row_length: int, fill) -> torch.Tensor:
+    """Scatter ``(..., B, T)`` values into a ``(..., 1, N)`` row at ``index`` ``(B, T)``.
+
+    Positions whose index is N go to a trash slot that is cut off, so padding needs no boolean
+    indexing (a host sync); slots nothing is scattered to hold ``fill``.
+    """
     lead = values.shape[:-2]
     flat_values = values.reshape(*lead, -1)
-    flat_index = packed_index.reshape(-1).expand(*lead, -1)
+    flat_index = index.reshape(-1).expand(*lead, -1)
     row = flat_values.new_full((*lead, row_length + 1), fill)
     row.scatter_(-1, flat_index, flat_values)
     return row[..., :row_length].unsqueeze(-2)
+
+
+def gather_from_row(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` along dim 0, where index N (one past the end) reads zeros.
+
+    Args:
+        values: ``(N, ...)``; index: any integer shape with entries in ``[0, N]``.
+
+    Returns:
+        ``(*index.shape, ...)``; differentiable with respect to ``values``.
+    """
+    return torch.cat([values, values.new_zeros((1, *values.shape[1:]))])[index]
 
 
 def pack_bshd_to_thd(
@@ -249,7 +272,7 @@ def pack_bshd_to_thd(
 
     cu_seqlens = cu_seqlens.to(torch.int32)
     cu_seqlens_padded = cu_seqlens_padded.to(torch.int32)
-    padding_mask = _scatter_into_row(~keep, packed_index, row_length, True)
+    padding_mask = scatter_into_row(~keep, packed_index, row_length, True)
     packed_seq_params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
@@ -260,12 +283,12 @@ def pack_bshd_to_thd(
         max_seqlen_kv=max_seqlen,
     )
     return PackedBatch(
-        input_ids=_scatter_into_row(input_ids, packed_index, row_length, pad_token_id),
-        labels=None if labels is None else _scatter_into_row(labels, packed_index, row_length, LABEL_PAD),
-        loss_mask=None if loss_mask is None else _scatter_into_row(loss_mask, packed_index, row_length, 0),
+        input_ids=scatter_into_row(input_ids, packed_index, row_length, pad_token_id),
+        labels=None if labels is None else scatter_into_row(labels, packed_index, row_length, LABEL_PAD),
+        loss_mask=None if loss_mask is None else scatter_into_row(loss_mask, packed_index, row_length, 0),
         position_ids=None
         if position_ids is None
-        else _scatter_into_row(position_ids, packed_index, row_length, POSITION_PAD),
+        else scatter_into_row(position_ids, packed_index, row_length, POSITION_PAD),
         cu_seqlens=cu_seqlens,
         cu_seqlens_padded=cu_seqlens_padded,
         max_seqlen=max_seqlen,
@@ -298,8 +321,7 @@ def unpack_thd_to_bshd(values: torch.Tensor, packed: PackedBatch) -> torch.Tenso
             f"values: expected (1, {row_length}, ...) or ({row_length}, ...) to match the packed row, got "
             f"{tuple(values.shape)}"
         )
-    with_trash = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])
-    return with_trash[packed.packed_index]
+    return gather_from_row(values, packed.packed_index)
 
 
 def segment_index(

@@ -32,7 +32,7 @@ import torch
 
 from megatron.bridge_thd.lengths import keep_mask_from_attention_mask
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids
-from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment
+from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment, scatter_into_row
 from megatron.bridge_thd.upstream import load_bridge_module
 
 __all__ = ["forward_step", "PackingStats", "LAYOUTS", "prepare_micro_batch", "PreparedMicroBatch"]
@@ -235,13 +235,11 @@ def relay_right_padded(values: torch.Tensor, keep: torch.Tensor, width: int, fil
     left-padded or truncated samples reach the model in the causal-safe right-padded form.
     """
     batch_size = keep.shape[0]
+    row_length = batch_size * width
     rank = keep.cumsum(dim=1) - 1
-    trash = batch_size * width
-    flat_index = torch.where(keep, torch.arange(batch_size, device=keep.device)[:, None] * width + rank, trash)
-    lead = values.shape[:-2]
-    out = values.new_full((*lead, trash + 1), fill)
-    out.scatter_(-1, flat_index.reshape(-1).expand(*lead, -1), values.reshape(*lead, -1))
-    return out[..., :trash].reshape(*lead, batch_size, width)
+    index = torch.where(keep, torch.arange(batch_size, device=keep.device)[:, None] * width + rank, row_length)
+    row = scatter_into_row(values, index, row_length, fill)  # (..., 1, B * width)
+    return row.reshape(*values.shape[:-2], batch_size, width)
 
 
 def prepare_micro_batch(

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron.bridge_thd.lengths import keep_mask_from_attention_mask
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids
-from megatron.bridge_thd.packing import segment_index
+from megatron.bridge_thd.packing import gather_from_row, scatter_into_row, segment_index
 
 __all__ = ["thd_attention", "ReferenceQwen3VL", "ATTENTION_NAME"]
 
@@ -78,11 +78,10 @@ def thd_attention(
     q_index, q_valid = segment_index(cu_seqlens_q, cu_seqlens_q_padded, row_length=num_q, max_seqlen=max_seqlen)
     kv_index, kv_valid = segment_index(cu_seqlens_kv, cu_seqlens_kv_padded, row_length=num_kv, max_seqlen=max_seqlen)
 
-    def per_sample(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        # (N, H, D) -> (S, H, L, D), trash slot N reading zeros
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index].transpose(1, 2)
-
-    q_s, k_s, v_s = per_sample(q, q_index), per_sample(k, kv_index), per_sample(v, kv_index)
+    # (N, H, D) -> (S, H, L, D)
+    q_s = gather_from_row(q, q_index).transpose(1, 2)
+    k_s = gather_from_row(k, kv_index).transpose(1, 2)
+    v_s = gather_from_row(v, kv_index).transpose(1, 2)
     group = heads // kv_heads
     k_s, v_s = k_s.repeat_interleave(group, dim=1), v_s.repeat_interleave(group, dim=1)
     allowed = kv_valid[:, None, :].expand(-1, max_seqlen, -1)
@@ -249,12 +248,8 @@ class ReferenceQwen3VL(torch.nn.Module):
             row_length=row_length,
             max_seqlen=packed_seq_params.max_seqlen_q,
         )
-        row = torch.cat([input_ids[0], input_ids.new_zeros(1)])
-        per_sample = self.position_ids(row[index], valid, image_grid_thw, video_grid_thw)
-        positions = input_ids.new_zeros(3, row_length + 1)
-        positions[:, index.flatten()] = per_sample.reshape(3, -1)
-        positions[:, row_length] = 0
-        return positions[:, None, :row_length]
+        per_sample = self.position_ids(gather_from_row(input_ids[0], index), valid, image_grid_thw, video_grid_thw)
+        return scatter_into_row(per_sample, index, row_length, 0)
 
     def forward(
         self,
