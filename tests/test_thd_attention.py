@@ -227,3 +227,15 @@ def test_check_can_fail_when_padding_counts_as_real():
     assert not torch.allclose(wrong[real], expected[real], atol=1e-3)
     wrong_causal = thd_attention(q, k, v, cu_padded, cu_padded)
     assert (wrong_causal[~real] != 0).any()
+
+
+def test_reference_model_rejects_a_4d_mask_that_is_not_causal_with_padding():
+    # The wrapper reads lengths from a 4D mask; a bidirectional mask carries none and must not
+    # be silently taken as "every token real".
+    from megatron.bridge_thd.reference import ReferenceQwen3VL
+
+    model = ReferenceQwen3VL.tiny()
+    ids = torch.randint(1, 200, (2, 6))
+    bidirectional = torch.zeros(2, 1, 6, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match="^attention_mask: the 4D mask is not causal-with-padding"):
+        model(ids, attention_mask=bidirectional)

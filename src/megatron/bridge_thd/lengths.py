@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "DeferredCheck",
+    "raise_failed_checks",
     "keep_mask_from_attention_mask",
     "keep_mask_from_real_lengths",
     "real_lengths",
@@ -42,6 +43,23 @@ class DeferredCheck:
 
     failed: torch.Tensor
     message: str
+
+
+def raise_failed_checks(checks: list[DeferredCheck], flags: list | None = None) -> None:
+    """Raise ``ValueError`` with the message of the first failed check.
+
+    Args:
+        checks: the deferred checks.
+        flags: their ``failed`` values already read on the host (the packer reads them with the
+            row length); None reads them here, all in one host synchronisation.
+    """
+    if not checks:
+        return
+    if flags is None:
+        flags = torch.stack([check.failed for check in checks]).tolist()
+    for check, failed in zip(checks, flags):
+        if failed:
+            raise ValueError(check.message)
 
 
 def keep_mask_from_attention_mask(

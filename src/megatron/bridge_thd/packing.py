@@ -20,6 +20,7 @@ from megatron.bridge_thd.lengths import (
     cu_seqlens_from_lengths,
     keep_mask_from_attention_mask,
     keep_mask_from_real_lengths,
+    raise_failed_checks,
 )
 from megatron.bridge_thd.lengths import real_lengths as lengths_of_keep_mask
 
@@ -115,12 +116,6 @@ def _check_companion(name: str, tensor: torch.Tensor | None, shape: tuple[int, .
         raise ValueError(
             f"{name}: shape {tuple(tensor.shape)} does not match input_ids; expected {shape}"
         )
-
-
-def _raise_deferred(checks: list[DeferredCheck], flags: list) -> None:
-    for check, failed in zip(checks, flags):
-        if failed:
-            raise ValueError(check.message)
 
 
 def scatter_into_row(values: torch.Tensor, index: torch.Tensor, row_length: int, fill) -> torch.Tensor:
@@ -236,7 +231,7 @@ def pack_bshd_to_thd(
             [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(())]
             + [check.failed.to(torch.int64) for check in checks]
         ).tolist()
-        _raise_deferred(checks, host[2:])
+        raise_failed_checks(checks, host[2:])
         row_length, max_seqlen = host[0], host[1]
     else:
         _check_int("total_length", total_length, 0, "pass micro_batch_size * seq_length rounded up to align_to")

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 import torch
 
-from megatron.bridge_thd.lengths import keep_mask_from_attention_mask
+from megatron.bridge_thd.lengths import keep_mask_from_attention_mask, raise_failed_checks
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids
 from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment, scatter_into_row
 from megatron.bridge_thd.upstream import load_bridge_module
@@ -165,9 +165,7 @@ def capture_keep_mask(batch: dict, tokens: torch.Tensor, state, model_config) ->
     attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
         keep, checks = keep_mask_from_attention_mask(attention_mask.to(tokens.device), *tokens.shape)
-        for check in checks:
-            if bool(check.failed):
-                raise ValueError(check.message)
+        raise_failed_checks(checks)
         return keep
     if _cfg(state, "dataset", "packing_length_fallback", None) != "pad_token":
         raise ValueError(

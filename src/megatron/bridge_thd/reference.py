@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron.bridge_thd.lengths import keep_mask_from_attention_mask
+from megatron.bridge_thd.lengths import keep_mask_from_attention_mask, raise_failed_checks
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids
 from megatron.bridge_thd.packing import gather_from_row, scatter_into_row, segment_index
 
@@ -288,7 +288,8 @@ class ReferenceQwen3VL(torch.nn.Module):
             if input_ids.shape[0] != 1:
                 raise ValueError(f"input_ids: a THD row has shape (1, N), got {tuple(input_ids.shape)}")
         elif attention_mask is not None:
-            keep, _ = keep_mask_from_attention_mask(attention_mask, *input_ids.shape)
+            keep, checks = keep_mask_from_attention_mask(attention_mask, *input_ids.shape)
+            raise_failed_checks(checks)
         if position_ids is None or position_ids.dim() != 3 or position_ids.shape[0] != 3:
             if packed:
                 position_ids = self._packed_position_ids(input_ids, packed_seq_params, image_grid_thw, video_grid_thw)
