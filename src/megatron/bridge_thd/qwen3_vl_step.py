@@ -211,17 +211,19 @@ def truncate_to_seq_length(keep: torch.Tensor, tokens: torch.Tensor, seq_length:
     is_vision = (tokens == vision_ids["image_token_id"]) | (tokens == vision_ids["video_token_id"])
     cut_vision = (dropped & is_vision).any(dim=1)
     truncated = dropped.sum(dim=1)
-    if bool(cut_vision.any()):
-        samples = cut_vision.nonzero().flatten().tolist()
+    # One host read covers both the error and the report.
+    cut_host, truncated_host = torch.stack([cut_vision.long(), truncated]).tolist()
+    if any(cut_host):
+        samples = [i for i, cut in enumerate(cut_host) if cut]
         raise ValueError(
             f"seq_length: samples {samples} of this micro-batch are longer than seq_length={seq_length} and "
             "truncating them would cut an image or video. Raise seq_length, lower the image resolution "
             "(max_pixels), or filter these samples in the dataset."
         )
-    if bool(truncated.any()):
+    if any(truncated_host):
         logger.warning(
             "bridge_thd: truncated %s real tokens (per sample: %s) to seq_length=%d; no image was cut",
-            int(truncated.sum()), truncated.tolist(), seq_length,
+            sum(truncated_host), truncated_host, seq_length,
         )
     return kept, truncated
 
