@@ -316,6 +316,7 @@ def prepare_micro_batch(
             packed_seq_params=None,
         )
         loss_mask = relay_right_padded(loss_mask, keep, bshd_width, 0)
+        forward_args["loss_mask"] = loss_mask
         extras = {"padding_mask": ~relay_right_padded(keep, keep, bshd_width, False)}
         attention_work = torch.tensor(batch_size * bshd_width**2, device=device)
         processed = batch_size * bshd_width
@@ -342,6 +343,7 @@ def prepare_micro_batch(
             packed_seq_params=packed.packed_seq_params,
         )
         loss_mask = packed.loss_mask
+        forward_args["loss_mask"] = loss_mask
         extras = {"padding_mask": packed.padding_mask, "rope_cu_seqlens": packed.cu_seqlens_padded}
         attention_work = (lengths.to(torch.int64) ** 2).sum()
         processed = packed.input_ids.shape[1]
@@ -441,6 +443,13 @@ def forward_step(
 
     output = model(**args)
     if isinstance(output, tuple):
-        # Under CP the model shards the row itself and returns the matching local loss mask.
+        # Under CP Megatron-Bridge's Qwen3VLModel shards the row itself and, because it was given
+        # loss_mask, returns the matching CP-local mask (models/qwen_vl/modelling_qwen3_vl/model.py).
         output, loss_mask = output
+    if output.dim() >= 2 and loss_mask is not None and tuple(output.shape[:2]) != tuple(loss_mask.shape):
+        raise ValueError(
+            f"model: returned an output of shape {tuple(output.shape)} for a loss mask of shape "
+            f"{tuple(loss_mask.shape)}; a model that shards the sequence for context parallelism must return "
+            "(output, local_loss_mask) when it is given loss_mask, as Megatron-Bridge's Qwen3VLModel does"
+        )
     return output, losses.create_masked_next_token_loss_function(loss_mask, check_nan, check_spiky)

@@ -1,0 +1,106 @@
+"""Run a function on N real processes over gloo with Megatron-Core's model-parallel groups.
+
+Parallelism on the CPU is tested with real process groups: :func:`run_on_gloo` spawns
+``world_size`` processes (``torch.multiprocessing``, spawn), each initialises
+``torch.distributed`` with the gloo backend and Megatron-Core's ``parallel_state`` with the
+requested TP / CP / PP / EP sizes, calls ``fn(*args)`` inside :func:`~megatron.bridge_thd.cpu.stack.cpu_stack`,
+and hands its return value back (``torch.save`` through a temporary folder). A rank that fails
+raises in the caller with its traceback; a rank that hangs is killed after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["run_on_gloo"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, sizes, fn, args, folder):
+    path = os.path.join(folder, f"rank{rank}.pt")
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        from megatron.core import parallel_state
+
+        from megatron.bridge_thd.cpu.stack import cpu_stack
+
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes["tp"],
+            pipeline_model_parallel_size=sizes["pp"],
+            context_parallel_size=sizes["cp"],
+            expert_model_parallel_size=sizes["ep"],
+        )
+        with cpu_stack():
+            result = fn(*args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # noqa: BLE001 - reported to the caller with the traceback
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, timeout: float = 300.0) -> list:
+    """Call ``fn(*args)`` on ``tp * cp * pp`` gloo processes and return every rank's result.
+
+    Args:
+        fn: a module-level function (it is pickled by reference); it runs after the process
+            groups exist and inside ``cpu_stack()``.
+        args: picklable arguments (tensors are fine).
+        tp, cp, pp, ep: Megatron-Core model-parallel sizes.
+        timeout: seconds before the processes are killed and an error is raised.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]`` (global ranks).
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message) or did not finish in time.
+    """
+    for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    world_size = tp * cp * pp
+    sizes = dict(tp=tp, cp=cp, pp=pp, ep=ep)
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="bridge_thd_gloo_") as folder:
+        port = _free_port()
+        processes = [
+            context.Process(target=_worker, args=(rank, world_size, port, sizes, fn, args, folder), daemon=False)
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout)
+        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        results, errors = [], []
+        for rank in range(world_size):
+            path = os.path.join(folder, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank}: " + ("did not finish within timeout" if rank in hung else "exited without a result"))
+                continue
+            report = torch.load(path, weights_only=False)
+            if report["ok"]:
+                results.append(report["result"])
+            else:
+                errors.append(f"rank {rank}:\n{report['error']}")
+        if errors:
+            raise RuntimeError(f"run_on_gloo({getattr(fn, '__name__', fn)}, tp={tp}, cp={cp}, pp={pp}): " + "\n".join(errors))
+        return results

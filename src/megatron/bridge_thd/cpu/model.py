@@ -1,0 +1,176 @@
+"""Build Megatron-Bridge 0.6.2's own ``Qwen3VLModel`` (vision tower included) on the CPU.
+
+The model class, its language model, rope, vision tower and CP handling are Megatron-Bridge's
+and Megatron-Core's, untouched; only the modules Transformer Engine would provide are local
+ones (see :mod:`megatron.bridge_thd.cpu.stack`). fp32, dropout 0, CPU initialisation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.bridge_thd.cpu.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
+from megatron.bridge_thd.upstream import load_bridge_module
+
+__all__ = ["tiny_qwen3_vl_config", "tiny_vision_config", "language_layer_spec", "build_qwen3_vl"]
+
+# Token ids of the tiny model (the same as ReferenceQwen3VL.tiny and data.ReceiptSpec).
+IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_TOKEN_ID = 250, 251, 252
+
+
+def tiny_vision_config():
+    """A Hugging Face ``Qwen3VLVisionConfig``: 2 blocks, width 32, patch 4, merge 2, deepstack [0, 1]."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+
+    return Qwen3VLVisionConfig(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        in_channels=3,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0, 1],
+    )
+
+
+def tiny_qwen3_vl_config(
+    *,
+    moe: bool = False,
+    num_layers: int = 3,
+    tp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    seq_length: int = 4096,
+    **overrides,
+):
+    """A Megatron-Bridge ``Qwen3VLTransformerConfig`` for a tiny Qwen3-VL.
+
+    Language model: vocabulary 256, hidden 64, 4 query heads of 16 over 2 KV groups (GQA), QK
+    layernorm, SwiGLU 128 (or, with ``moe``, 4 experts of 32, top-2, allgather dispatcher),
+    MRoPE sections [2, 3, 3]. Token ids: image 250, video 251, vision start 252.
+
+    Args:
+        moe: mixture-of-experts MLP in every layer.
+        tp, cp, pp, ep: parallel sizes (the process groups must exist with these sizes).
+        seq_length: ``seq_length`` / ``language_max_sequence_length``.
+        overrides: any other ``TransformerConfig`` field.
+    """
+    qwen_config = load_bridge_module("models.qwen_vl.modelling_qwen3_vl.transformer_config")
+    vision = tiny_vision_config()
+    settings = dict(
+        num_layers=num_layers,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        vocab_size=256,
+        make_vocab_size_divisible_by=1,
+        language_max_sequence_length=seq_length,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        mrope_section=[2, 3, 3],
+        rotary_base=10000.0,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.05,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        share_embeddings_and_output_weights=False,
+        calculate_per_token_loss=True,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        deallocate_pipeline_outputs=False,
+        patch_size=vision.patch_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        in_channels=vision.in_channels,
+        spatial_merge_size=vision.spatial_merge_size,
+        num_position_embeddings=vision.num_position_embeddings,
+        out_hidden_size=vision.out_hidden_size,
+        deepstack_visual_indexes=list(vision.deepstack_visual_indexes),
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_TOKEN_ID,
+    )
+    if moe:
+        settings.update(
+            num_moe_experts=4,
+            moe_ffn_hidden_size=32,
+            moe_router_topk=2,
+            moe_token_dispatcher_type="allgather",
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+        )
+    settings.update(overrides)
+    config = qwen_config.Qwen3VLTransformerConfig(**settings)
+    config.vision_config = vision
+    config.seq_length = seq_length
+    return config
+
+
+def language_layer_spec(config):
+    """Megatron-Core's local GPT layer spec with the CPU THD core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron.bridge_thd.cpu.attention import THDCoreAttention
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    spec.submodules.self_attention.submodules.core_attention = THDCoreAttention
+    return spec
+
+
+def build_qwen3_vl(config, *, pg_collection=None, pre_process: bool = True, post_process: bool = True, seed: int = 0):
+    """Megatron-Bridge 0.6.2's ``Qwen3VLModel`` built on the CPU.
+
+    Args:
+        config: from :func:`tiny_qwen3_vl_config` (or any ``Qwen3VLTransformerConfig`` with a
+            ``vision_config`` attribute holding the Hugging Face vision config).
+        pg_collection: Megatron-Core ``ProcessGroupCollection``; default: the mpu groups.
+        pre_process / post_process: pipeline stage flags (the vision tower lives on the first).
+        seed: weights are a function of the seed alone (CPU initialisation), whatever the
+            parallel layout.
+
+    Returns:
+        The model in train mode (dropout is 0).
+    """
+    model_module = load_bridge_module(QWEN3_VL_MODEL_MODULE)
+    torch.manual_seed(seed)
+    with cpu_stack():
+        model = model_module.Qwen3VLModel(
+            language_transformer_config=config,
+            language_transformer_layer_spec=language_layer_spec(config),
+            vision_transformer_config=config.vision_config,
+            pre_process=pre_process,
+            post_process=post_process,
+            add_encoder=pre_process,
+            pg_collection=pg_collection,
+        )
+    return model

@@ -1,0 +1,154 @@
+"""The scoped patches that let Megatron-Bridge 0.6.2's real Qwen3-VL run on a machine without CUDA.
+
+Nothing here is applied at import. :func:`cpu_stack` applies every patch for the duration of
+a ``with`` block and restores each name on exit (re-entrant: an inner block is a no-op):
+
+1. ``torch.cuda.current_device`` returns the CPU device. Megatron-Core's
+   ``MultimodalRotaryEmbedding.__init__`` and Megatron-Bridge's Qwen3-VL rope call it
+   unconditionally to place ``inv_freq``.
+2. The four Transformer Engine names that Megatron-Bridge's ``modelling_qwen3_vl/model.py``
+   binds at import (``get_vit_layer_with_transformer_engine_spec``, ``TENorm``,
+   ``TEColumnParallelLinear``, ``TERowParallelLinear``) point at a local ViT spec whose core
+   attention is :class:`~megatron.bridge_thd.cpu.attention.THDCoreAttention` (bidirectional
+   per image), ``WrappedTorchNorm``, ``ColumnParallelLinear`` and ``RowParallelLinear``.
+3. Only when Transformer Engine is absent: Megatron-Core's ``megatron.core.utils.tex`` (None
+   without TE) gets a ``thd_get_partitioned_indices`` implemented by
+   :func:`~megatron.bridge_thd.context_parallel.thd_partition_indices`, so the THD CP split of
+   Megatron-Core's ``get_batch_on_this_cp_rank`` and Megatron-Bridge's
+   ``get_packed_seq_cp_partition_indices`` runs.
+4. Only without CUDA: Megatron-Core 0.19.2's pipeline schedules allocate ``total_num_tokens``
+   with ``device="cuda"`` and ``p2p_communication`` calls ``torch.cuda.synchronize()``; both
+   are redirected to the CPU (``torch.zeros`` in ``schedules`` and the module's ``torch.cuda``
+   seen through a proxy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import threading
+from types import SimpleNamespace
+
+import torch
+
+from megatron.bridge_thd.context_parallel import thd_partition_indices
+from megatron.bridge_thd.upstream import load_bridge_module
+
+__all__ = ["cpu_stack", "local_vit_layer_spec", "QWEN3_VL_MODEL_MODULE"]
+
+QWEN3_VL_MODEL_MODULE = "models.qwen_vl.modelling_qwen3_vl.model"
+
+_lock = threading.RLock()
+_depth = 0
+
+
+def local_vit_layer_spec():
+    """Megatron-Core's local ViT layer spec with the CPU THD core attention (no mask: each image
+    attends to itself bidirectionally, images are separate THD segments)."""
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+
+    from megatron.bridge_thd.cpu.attention import THDCoreAttention
+
+    spec = get_vit_layer_with_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = THDCoreAttention
+    return spec
+
+
+def _te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _cpu_device():
+    return torch.device("cpu")
+
+
+def _thd_get_partitioned_indices(cu_seqlens, total_tokens, world_size, rank):
+    """Transformer Engine's ``tex.thd_get_partitioned_indices`` contract, in pure torch."""
+    return thd_partition_indices(cu_seqlens, int(total_tokens), int(world_size), int(rank))
+
+
+class _CudaWithoutSync:
+    """``torch.cuda`` as ``p2p_communication`` sees it: ``synchronize`` is a no-op on the CPU."""
+
+    def __getattr__(self, name):
+        if name == "synchronize":
+            return lambda *args, **kwargs: None
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """``torch`` as ``schedules`` sees it: tensors asked for on ``"cuda"`` are made on the CPU."""
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name in ("zeros", "ones", "empty", "tensor", "full"):
+            def on_cpu(*args, device=None, **kwargs):
+                if device is not None and str(device).startswith("cuda"):
+                    device = "cpu"
+                return value(*args, device=device, **kwargs)
+            return on_cpu
+        if name == "cuda":
+            return _CudaWithoutSync()
+        return value
+
+
+def _patches() -> list[tuple[object, str, object]]:
+    """(owner, attribute, replacement) for every patch this machine needs."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    model_module = load_bridge_module(QWEN3_VL_MODEL_MODULE)
+    patches: list[tuple[object, str, object]] = [
+        (model_module, "get_vit_layer_with_transformer_engine_spec", local_vit_layer_spec),
+        (model_module, "TENorm", WrappedTorchNorm),
+        (model_module, "TEColumnParallelLinear", ColumnParallelLinear),
+        (model_module, "TERowParallelLinear", RowParallelLinear),
+    ]
+    if not torch.cuda.is_available():
+        import megatron.core.pipeline_parallel.p2p_communication as p2p
+        import megatron.core.pipeline_parallel.schedules as schedules
+
+        patches += [
+            (torch.cuda, "current_device", _cpu_device),
+            (schedules, "torch", _TorchOnCpu()),
+            (p2p, "torch", _TorchOnCpu()),
+        ]
+    if not _te_available():
+        import megatron.core.utils as mcore_utils
+
+        patches.append((mcore_utils, "tex", SimpleNamespace(thd_get_partitioned_indices=_thd_get_partitioned_indices)))
+    return patches
+
+
+@contextlib.contextmanager
+def cpu_stack():
+    """Apply every CPU patch for the duration of the block, then restore each name.
+
+    Use it around building and running Megatron-Bridge's real model on a CPU machine::
+
+        with cpu_stack():
+            model = build_qwen3_vl(tiny_qwen3_vl_config())
+            output = model(**forward_args)
+
+    Re-entrant; on a machine with CUDA and Transformer Engine only the model-spec names of
+    ``modelling_qwen3_vl/model.py`` are swapped (the THD attention is still the CPU one).
+    """
+    global _depth
+    with _lock:
+        if _depth:
+            _depth += 1
+            saved = None
+        else:
+            patches = _patches()
+            saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+            for owner, name, replacement in patches:
+                setattr(owner, name, replacement)
+            _depth = 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if saved is not None:
+                for owner, name, original in reversed(saved):
+                    setattr(owner, name, original)
