@@ -238,6 +238,10 @@ def test_cu_seqlens_invariants(case: Case):
         assert d[-1] == 0  # the tail segment holds no real token
     else:
         assert n == sum(round_up(l, case.align_to) for l in case.lengths)
+    # Transformer Engine's flag: True whenever any slot (the last one included) holds padding.
+    has_padding = any(x != p for x, p in zip(d, dp))
+    assert packed.packed_seq_params.pad_between_seqs is True if case.total_length is not None else (
+        packed.packed_seq_params.pad_between_seqs == has_padding)
     ref_cu, ref_cu_padded = reference_cu_seqlens(case.keep, case.align_to, case.total_length)
     assert cu.tolist() == ref_cu and cu_padded.tolist() == ref_cu_padded
     # max_seqlen bounds every real length and is a Python int.
@@ -308,10 +312,31 @@ def test_gradients_flow_through_unpack_to_source_slots(case: Case, hidden: int):
 
 @pytest.mark.parametrize("align_to", [1, 4])
 def test_all_padding_batch_packs_to_empty_row(align_to):
-    """Dynamic mode with no real token anywhere: an empty row, all-zero cu_seqlens."""
+    """Dynamic mode with no real token anywhere: an empty row, all-zero cu_seqlens (as
+    flash-attn's unpad_input gives)."""
     ids = torch.arange(12).reshape(3, 4)
     packed = pack_bshd_to_thd(ids, torch.zeros(3, 4, dtype=torch.bool), align_to=align_to)
     assert packed.input_ids.shape == (1, 0)
     assert packed.cu_seqlens.tolist() == [0, 0, 0, 0]
     assert packed.cu_seqlens_padded.tolist() == [0, 0, 0, 0]
+    assert packed.packed_seq_params.pad_between_seqs is False
     assert torch.equal(unpack_thd_to_bshd(packed.input_ids, packed), torch.zeros_like(ids))
+
+
+@pytest.mark.parametrize("align_to", [1, 4])
+def test_min_length_extends_an_all_padding_row_by_one_padding_segment(align_to):
+    """What the step asks for: a model cannot take a (1, 0) row, so it becomes one aligned
+    segment of padding after the B empty samples."""
+    ids = torch.arange(12).reshape(3, 4)
+    packed = pack_bshd_to_thd(ids, torch.zeros(3, 4, dtype=torch.bool), align_to=align_to, min_length=align_to,
+                              pad_token_id=7)
+    assert packed.input_ids.tolist() == [[7] * align_to]
+    assert packed.padding_mask.all()
+    assert packed.cu_seqlens.tolist() == [0, 0, 0, 0, 0]
+    assert packed.cu_seqlens_padded.tolist() == [0, 0, 0, 0, align_to]
+    assert packed.packed_seq_params.pad_between_seqs is True
+    assert packed.max_seqlen >= 1
+    assert torch.equal(unpack_thd_to_bshd(packed.input_ids, packed), torch.zeros_like(ids))
+    # A row already long enough is left alone.
+    keep = torch.ones(3, 4, dtype=torch.bool)
+    assert torch.equal(pack_bshd_to_thd(ids, keep, min_length=4).input_ids, pack_bshd_to_thd(ids, keep).input_ids)

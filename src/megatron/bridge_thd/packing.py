@@ -52,7 +52,8 @@ class PackedBatch:
         position_ids: ``(1, N)`` or ``(3, 1, N)`` (MRoPE) or None; padding slots hold 0.
         cu_seqlens: ``(S + 1,)`` int32 real boundaries (cumulative real lengths).
         cu_seqlens_padded: ``(S + 1,)`` int32 physical boundaries, last entry N. S = B, or
-            B + 1 in static mode, where the row tail is one extra segment with no real token.
+            B + 1 in static mode, where the row tail is one extra segment with no real token,
+            and when a dynamic row is extended to ``min_length``.
         max_seqlen: int, the longest physical slot of a real sample (>= every real length,
             a multiple of the alignment).
         padding_mask: ``(1, N)`` bool, True at every slot that holds no real token (the MoE
@@ -154,6 +155,7 @@ def pack_bshd_to_thd(
     real_lengths: torch.Tensor | None = None,
     align_to: int = 1,
     total_length: int | None = None,
+    min_length: int = 0,
     pad_token_id: int = 0,
 ) -> PackedBatch:
     """Pack the real tokens of a padded batch into one THD row.
@@ -173,6 +175,9 @@ def pack_bshd_to_thd(
         total_length: static mode: the row is exactly this long, the tail after the last
             sample forming one extra segment with no real token. Keeps shapes static for
             pipeline p2p and CUDA graphs; no host synchronisation happens.
+        min_length: dynamic mode: a shorter row (e.g. the empty row of a batch with no real
+            token) is extended to this length by one extra segment of padding. A multiple of
+            ``align_to``; the step passes ``align_to`` so that a model always gets a row.
         pad_token_id: the id written into padding slots of ``input_ids``.
 
     Returns:
@@ -191,6 +196,9 @@ def pack_bshd_to_thd(
     batch_size, seq_len = input_ids.shape
     device = input_ids.device
     _check_int("align_to", align_to, 1, "use required_alignment(tp, cp, sequence_parallel=..., fp8=...)")
+    _check_int("min_length", min_length, 0, "pass 0 (no minimum) or align_to")
+    if min_length % align_to:
+        raise ValueError(f"min_length: {min_length} is not a multiple of align_to={align_to}; pass align_to")
     _check_companion("labels", labels, (batch_size, seq_len))
     _check_companion("loss_mask", loss_mask, (batch_size, seq_len))
     _check_tensor("position_ids", position_ids)
@@ -228,11 +236,19 @@ def pack_bshd_to_thd(
         # The one host synchronisation: the row length sizes the output, and the validity flags
         # ride along so that checking costs nothing extra.
         host = torch.stack(
-            [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(())]
+            [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(()), cu_seqlens[-1]]
             + [check.failed.to(torch.int64) for check in checks]
         ).tolist()
-        raise_failed_checks(checks, host[2:])
-        row_length, max_seqlen = host[0], host[1]
+        raise_failed_checks(checks, host[3:])
+        row_length, max_seqlen, real_total = host[0], host[1], host[2]
+        # Padding anywhere (also in the last slot only) makes the padded total exceed the real one.
+        pad_between_seqs = row_length != real_total
+        if row_length < min_length:
+            # e.g. a micro-batch of padding only: a (1, 0) row cannot go through a model (empty
+            # reshapes; Megatron-Bridge's CP code would take N = 0 for a pre-sharded row).
+            row_length, max_seqlen, pad_between_seqs = min_length, max(max_seqlen, min_length), True
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:]])
+            cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((1,), row_length)])
     else:
         _check_int("total_length", total_length, 0, "pass micro_batch_size * seq_length rounded up to align_to")
         if total_length % align_to:
@@ -254,6 +270,8 @@ def pack_bshd_to_thd(
             torch._assert_async(~check.failed, check.message)
         row_length = total_length
         max_seqlen = _round_up(seq_len, align_to)
+        # Known without a host read: True is always correct (TE then honours the padded pair).
+        pad_between_seqs = True
         # The tail after the last sample is its own segment with no real token, so no real
         # sample's physical slot grows and max_seqlen stays a bound for every real segment.
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:]])
@@ -276,6 +294,10 @@ def pack_bshd_to_thd(
         cu_seqlens_kv_padded=cu_seqlens_padded,
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
+        # Set explicitly: left None, Transformer Engine derives it in every attention layer with a
+        # host sync, from all boundaries but the last, so padding only in the last slot goes
+        # unnoticed (TransformerEngine issue 3331: wrong attention under CP).
+        pad_between_seqs=pad_between_seqs,
     )
     return PackedBatch(
         input_ids=scatter_into_row(input_ids, packed_index, row_length, pad_token_id),

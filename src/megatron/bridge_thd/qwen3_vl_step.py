@@ -334,6 +334,8 @@ def prepare_micro_batch(
             position_ids=mrope,
             align_to=align,
             total_length=total_length,
+            # A micro-batch of padding only still reaches the model as one aligned padding segment.
+            min_length=align,
         )
         forward_args.update(
             input_ids=packed.input_ids,
