@@ -1,0 +1,426 @@
+"""``roll_packed_left`` (the MTP per-sample label roll) against a per-sample Python reference.
+
+The reference unpacks every sample's real tokens, rolls them with ``torch.roll``, zeroes the
+last and writes them back into a zero row: it shares nothing with the gather-index
+implementation. Padding slots of the input hold a garbage value that must never reach the
+output. Context parallelism runs on real gloo processes; each rank's local result is put back
+in full-row order with a zigzag split written here (not ``thd_partition_indices``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron.bridge_thd.mtp import megatron_roll_is_exact, roll_packed_left, roll_packed_left_with_megatron
+
+GARBAGE = -7  # every padding slot of an input row; the roll must output 0 there
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers (independent of the code under test)
+
+
+def cumsum0(values: list[int]) -> torch.Tensor:
+    out = [0]
+    for value in values:
+        out.append(out[-1] + value)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def make_params(lengths: list[int], slots: list[int], pad_between_seqs=None) -> PackedSeqParams:
+    cu, cu_padded = cumsum0(lengths), cumsum0(slots)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+        max_seqlen_q=max(slots),
+        max_seqlen_kv=max(slots),
+        pad_between_seqs=pad_between_seqs,
+    )
+
+
+def build_row(lengths, slots, lead=(1,), *, seed=0, dtype=torch.int64) -> torch.Tensor:
+    """A ``(*lead, N)`` row: random non-zero values at real tokens, GARBAGE in padding slots."""
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.full((*lead, sum(slots)), GARBAGE, dtype=dtype)
+    start = 0
+    for length, slot in zip(lengths, slots):
+        row[..., start : start + length] = torch.randint(1, 1000, (*lead, length), generator=gen).to(dtype)
+        start += slot
+    return row
+
+
+def reference_roll(row: torch.Tensor, lengths, slots) -> torch.Tensor:
+    """Per sample: take its real tokens, ``torch.roll`` left, zero the last, put back."""
+    out = torch.zeros_like(row)
+    start = 0
+    for length, slot in zip(lengths, slots):
+        if length:
+            sample = row[..., start : start + length]
+            rolled = torch.roll(sample, shifts=-1, dims=-1)
+            rolled[..., -1] = 0
+            out[..., start : start + length] = rolled
+        start += slot
+    return out
+
+
+def zigzag_indices(slots: list[int], cp: int, rank: int) -> list[int]:
+    """Full-row index of every token of CP rank ``rank``'s local row, by the definition."""
+    out, start = [], 0
+    for slot in slots:
+        c = slot // (2 * cp)
+        for chunk in (rank, 2 * cp - 1 - rank):
+            out.extend(range(start + chunk * c, start + (chunk + 1) * c))
+        start += slot
+    return out
+
+
+def random_metadata(rng: random.Random, align: int, *, tail: bool, max_len: int = 13):
+    count = rng.randint(1, 6)
+    lengths = [rng.choice([0, rng.randint(1, max_len)]) if rng.random() < 0.2 else rng.randint(1, max_len) for _ in range(count)]
+    slots = [round_up(length, align) for length in lengths]
+    if tail:
+        lengths.append(0)
+        slots.append(align * rng.randint(1, 3))
+    if sum(slots) == 0:  # a row needs at least one token
+        lengths.append(0)
+        slots.append(align)
+    return lengths, slots
+
+
+# ---------------------------------------------------------------------------------------------
+# CP = 1: hand-written cases
+
+
+def test_no_padding_matches_hand_roll():
+    params = make_params([3, 2], [3, 2])
+    out = roll_packed_left(torch.tensor([[1, 2, 3, 4, 5]]), params)
+    assert out.tolist() == [[2, 3, 0, 5, 0]]
+
+
+def test_alignment_padding_matches_hand_roll():
+    p = GARBAGE
+    params = make_params([3, 2], [4, 4], pad_between_seqs=True)
+    out = roll_packed_left(torch.tensor([[1, 2, 3, p, 4, 5, p, p]]), params)
+    assert out.tolist() == [[2, 3, 0, 0, 5, 0, 0, 0]]
+
+
+def test_empty_sample_and_single_token_sample():
+    p = GARBAGE
+    # lengths [2, 0, 1, 3], slots [2, 0, 2, 4]: an empty sample with an empty slot, a one-token sample.
+    params = make_params([2, 0, 1, 3], [2, 0, 2, 4], pad_between_seqs=True)
+    row = torch.tensor([[1, 2, 3, p, 4, 5, 6, p]])
+    assert roll_packed_left(row, params).tolist() == [[2, 0, 0, 0, 5, 6, 0, 0]]
+
+
+def test_empty_sample_with_padding_slot():
+    p = GARBAGE
+    params = make_params([0, 2], [4, 4], pad_between_seqs=True)
+    row = torch.tensor([[p, p, p, p, 1, 2, p, p]])
+    assert roll_packed_left(row, params).tolist() == [[0, 0, 0, 0, 2, 0, 0, 0]]
+
+
+def test_static_tail_segment():
+    p = GARBAGE
+    # Two samples, then the row tail as an extra segment with no real token.
+    params = make_params([3, 1, 0], [3, 1, 4], pad_between_seqs=True)
+    row = torch.tensor([[1, 2, 3, 4, p, p, p, p]])
+    assert roll_packed_left(row, params).tolist() == [[2, 3, 0, 0, 0, 0, 0, 0]]
+
+
+def test_missing_padded_boundaries_mean_real_ones():
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cumsum0([2, 3]))
+    assert roll_packed_left(torch.tensor([[1, 2, 3, 4, 5]]), params).tolist() == [[2, 0, 4, 5, 0]]
+
+
+def test_bool_and_float_dtypes_keep_dtype():
+    params = make_params([3, 2], [4, 4], pad_between_seqs=True)
+    mask = torch.tensor([[True, True, True, True, True, True, True, True]])
+    out = roll_packed_left(mask, params)
+    assert out.dtype == torch.bool
+    assert out.tolist() == [[True, True, False, False, True, False, False, False]]
+    values = torch.tensor([[0.5, 1.5, 2.5, float("nan"), 3.5, 4.5, float("inf"), 1.0]])
+    out = roll_packed_left(values, params)
+    assert out.dtype == torch.float32
+    assert out.tolist() == [[1.5, 2.5, 0.0, 0.0, 4.5, 0.0, 0.0, 0.0]]
+
+
+# ---------------------------------------------------------------------------------------------
+# CP = 1: random metadata against the reference
+
+
+@pytest.mark.parametrize("align", [1, 4, 8])
+@pytest.mark.parametrize("lead", [(1,), (2, 1)])
+def test_random_metadata_matches_reference(align, lead):
+    rng = random.Random(1000 * align + len(lead))
+    for case in range(60):
+        lengths, slots = random_metadata(rng, align, tail=case % 2 == 1)
+        row = build_row(lengths, slots, lead, seed=case)
+        params = make_params(lengths, slots, pad_between_seqs=lengths != slots)
+        out = roll_packed_left(row, params)
+        expected = reference_roll(row, lengths, slots)
+        assert out.shape == row.shape
+        assert torch.equal(out, expected), (lengths, slots)
+
+
+def test_packer_output_rolls_like_each_sample():
+    """End to end: labels packed by ``pack_bshd_to_thd`` roll like each sample's own labels."""
+    from megatron.bridge_thd.packing import pack_bshd_to_thd
+
+    gen = torch.Generator().manual_seed(3)
+    real_lengths = torch.tensor([5, 0, 3, 7])
+    labels = torch.randint(1, 1000, (4, 8), generator=gen)
+    batch = pack_bshd_to_thd(torch.ones(4, 8, dtype=torch.long), labels=labels, real_lengths=real_lengths, align_to=4)
+    out = roll_packed_left(batch.labels, batch.packed_seq_params)
+    starts = batch.cu_seqlens_padded.tolist()
+    expected = torch.zeros_like(batch.labels)
+    for b, length in enumerate(real_lengths.tolist()):
+        if length:
+            sample = labels[b, :length]
+            expected[0, starts[b] : starts[b] + length] = torch.cat([sample[1:], sample.new_zeros(1)])
+    assert torch.equal(out, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Core's roll_tensor
+
+
+def megatron_roll(tensor, params, cp_group=None):
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    rolled, _ = roll_tensor(tensor, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=params)
+    return rolled
+
+
+def test_megatron_roll_equals_ours_without_padding():
+    rng = random.Random(7)
+    for case in range(30):
+        lengths, slots = random_metadata(rng, 1, tail=False)
+        lengths = [length for length in lengths if length] or [1]
+        row = build_row(lengths, lengths, (2, 1), seed=case)
+        params = make_params(lengths, lengths, pad_between_seqs=False)
+        ours = roll_packed_left(row, params)
+        assert torch.equal(megatron_roll(row, params), ours)
+        assert torch.equal(ours, reference_roll(row, lengths, lengths))
+
+
+@pytest.mark.parametrize(
+    "lengths, slots",
+    [
+        ([3, 2], [4, 4]),  # alignment padding in every slot
+        ([4, 2], [4, 4]),  # padding only in the last slot: the row tail is left unzeroed
+        ([3, 0], [3, 4]),  # a static tail segment with no real token
+    ],
+)
+def test_megatron_roll_is_wrong_with_alignment_padding(lengths, slots):
+    row = build_row(lengths, slots, seed=1)
+    params = make_params(lengths, slots, pad_between_seqs=True)
+    expected = reference_roll(row, lengths, slots)
+    assert not torch.equal(megatron_roll(row, params), expected)
+    assert torch.equal(roll_packed_left(row, params), expected)
+
+
+def test_megatron_roll_moves_next_sample_token_into_padding():
+    """Where exactly it goes wrong: slicing at real boundaries [0, 3, 5] of a row whose samples
+    start at [0, 4], the padding slot 3 receives sample 1's first token and sample 1's first
+    real token receives 0 (a lost training target)."""
+    p = GARBAGE
+    params = make_params([3, 2], [4, 4], pad_between_seqs=True)
+    row = torch.tensor([[1, 2, 3, p, 4, 5, p, p]])
+    wrong = megatron_roll(row, params)
+    assert wrong[0, 3].item() == row[0, 4].item()  # padding slot gets sample 1's first token
+    assert wrong[0, 4].item() == 0  # sample 1's first token should see its successor (5)
+    assert wrong[0, 6].item() == p  # padding is not zeroed
+
+
+def test_megatron_roll_is_exact_decisions():
+    same = make_params([3, 2], [3, 2])
+    differ = make_params([3, 2], [4, 4])
+    assert megatron_roll_is_exact(make_params([3, 2], [3, 2], pad_between_seqs=False))
+    # The flag is trusted and conservative: True means "may differ", no tensor read.
+    assert not megatron_roll_is_exact(make_params([3, 2], [3, 2], pad_between_seqs=True))
+    # None: decided by comparing the boundaries.
+    assert megatron_roll_is_exact(same)
+    assert not megatron_roll_is_exact(differ)
+    assert megatron_roll_is_exact(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cumsum0([3, 2])))
+
+
+@pytest.mark.parametrize("lengths, slots, delegates", [([3, 2], [3, 2], True), ([3, 2], [4, 4], False)])
+def test_roll_with_megatron_delegates_only_where_exact(monkeypatch, lengths, slots, delegates):
+    import megatron.core.transformer.multi_token_prediction as mtp_module
+
+    calls = []
+    original = mtp_module.roll_tensor
+
+    def counting_roll_tensor(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mtp_module, "roll_tensor", counting_roll_tensor)
+    row = build_row(lengths, slots, (2, 1), seed=5)
+    out = roll_packed_left_with_megatron(row, make_params(lengths, slots))
+    assert bool(calls) == delegates
+    assert torch.equal(out, reference_roll(row, lengths, slots))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("fn", [roll_packed_left, roll_packed_left_with_megatron])
+def test_wrong_row_length_names_tensor(fn):
+    params = make_params([3, 2], [4, 4], pad_between_seqs=True)
+    with pytest.raises(ValueError, match="tensor"):
+        fn(torch.zeros(1, 7), params)
+
+
+def test_bad_arguments_are_named():
+    params = make_params([3, 2], [4, 4], pad_between_seqs=True)
+    with pytest.raises(ValueError, match="^tensor"):
+        roll_packed_left(torch.tensor(1), params)
+    with pytest.raises(ValueError, match="^packed_seq_params"):
+        roll_packed_left(torch.zeros(1, 8), None)
+    with pytest.raises(ValueError, match="cu_seqlens_q_padded"):
+        bad = make_params([3, 2], [4, 4])
+        bad.cu_seqlens_q_padded = cumsum0([4, 4, 0])
+        roll_packed_left(torch.zeros(1, 8), bad)
+    with pytest.raises(ValueError, match="cu_seqlens_q:"):
+        roll_packed_left(torch.zeros(1, 8), make_params([5, 2], [4, 4]))
+    with pytest.raises(ValueError, match="qkv_format"):
+        bad = make_params([3, 2], [4, 4])
+        bad.qkv_format = "sbhd"
+        roll_packed_left(torch.zeros(1, 8), bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# CP = 2 and 4 over gloo
+
+
+def _cp_worker(cases):
+    """Runs on every CP rank: take the local part of each case's rows, roll, return the results."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    from megatron.bridge_thd.context_parallel import thd_partition_indices
+
+    group = parallel_state.get_context_parallel_group()
+    cp = torch.distributed.get_world_size(group)
+    rank = torch.distributed.get_rank(group)
+    results = []
+    for case in cases:
+        lengths, slots = case["lengths"], case["slots"]
+        params = make_params(lengths, slots, pad_between_seqs=lengths != slots)
+        if case.get("expect_error"):
+            try:
+                roll_packed_left(torch.zeros(1, sum(slots) // cp), params, cp_group=group)
+            except ValueError as error:
+                results.append({"error": str(error)})
+            else:
+                results.append({"error": None})
+            continue
+        index = thd_partition_indices(params.cu_seqlens_q_padded, sum(slots), cp, rank)
+        result = {
+            name: roll_packed_left(row[..., index], params, cp_group=group) for name, row in case["rows"].items()
+        }
+        result["wrapper"] = roll_packed_left_with_megatron(case["rows"]["labels"][..., index], params, cp_group=group)
+        results.append(result)
+    # Megatron-Core's own CP roll last: on padded metadata it can raise after posting an isend,
+    # which would leave an unmatched message in front of any later exchange. So it runs after
+    # ours, and stops at its first failure.
+    for case, result in zip(cases, results):
+        if case.get("expect_error"):
+            continue
+        lengths, slots = case["lengths"], case["slots"]
+        params = make_params(lengths, slots, pad_between_seqs=lengths != slots)
+        index = thd_partition_indices(params.cu_seqlens_q_padded, sum(slots), cp, rank)
+        try:
+            result["megatron"], _ = roll_tensor(
+                case["rows"]["labels"][..., index], shifts=-1, dims=-1, cp_group=group, packed_seq_params=params
+            )
+        except Exception as error:  # noqa: BLE001 - reported: Megatron-Core fails on this metadata
+            result["megatron_error"] = f"{type(error).__name__}: {error}"
+            break
+    return {"rank": rank, "results": results}
+
+
+def _cp_cases(cp: int) -> list[dict]:
+    a = 2 * cp  # the CP alignment
+    rng = random.Random(cp)
+    # Megatron-Core's CP roll runs over these in order and stops at its first failure: the
+    # cases it must be shown wrong on come first.
+    metadata = [
+        ("no padding", [2 * a, a, 3 * a], [2 * a, a, 3 * a]),
+        ("padding in every slot", [a + 1, 2 * a - 1, 1], [2 * a, 2 * a, a]),
+        ("padding only in the last slot", [2 * a, a, a + 3], [2 * a, a, 2 * a]),
+        ("static tail", [a - 1, 2 * a, 0], [a, 2 * a, 3 * a]),
+        ("zero-length samples", [0, a - 1, 0, 3], [0, a, a, a]),
+        ("one-chunk segments", [1, a, 2], [a, a, a]),
+    ]
+    for i in range(4):
+        lengths, slots = random_metadata(rng, a, tail=i % 2 == 0, max_len=5 * a)
+        metadata.append((f"random {i}", lengths, slots))
+    cases = []
+    for seed, (name, lengths, slots) in enumerate(metadata):
+        rows = {
+            "labels": build_row(lengths, slots, (1,), seed=seed),
+            "loss_mask": build_row(lengths, slots, (1,), seed=seed + 100) > 500,
+            "hidden": build_row(lengths, slots, (2, 1), seed=seed + 200, dtype=torch.float32),
+        }
+        cases.append({"name": name, "lengths": lengths, "slots": slots, "rows": rows})
+    # Segment lengths not divisible by 2 * cp: every rank raises before any message is posted.
+    cases.append({"name": "bad alignment", "lengths": [1, 1], "slots": [cp, cp], "expect_error": True})
+    return cases
+
+
+def _gather_full(per_rank: list, slots: list[int], cp: int, key: str, case_index: int) -> torch.Tensor:
+    first = per_rank[0]["results"][case_index][key]
+    full = torch.full((*first.shape[:-1], sum(slots)), 12345, dtype=first.dtype)
+    for report in per_rank:
+        index = torch.tensor(zigzag_indices(slots, cp, report["rank"]), dtype=torch.long)
+        full[..., index] = report["results"][case_index][key]
+    return full
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_roll_matches_reference(cp):
+    from megatron.bridge_thd.cpu.launcher import run_on_gloo
+
+    cases = _cp_cases(cp)
+    per_rank = run_on_gloo(_cp_worker, cases, cp=cp, timeout=240.0)
+    assert sorted(report["rank"] for report in per_rank) == list(range(cp))
+    megatron_wrong = []
+    for i, case in enumerate(cases):
+        lengths, slots = case["lengths"], case["slots"]
+        if case.get("expect_error"):
+            for report in per_rank:
+                message = report["results"][i]["error"]
+                assert message is not None and "cu_seqlens_q_padded" in message and str(2 * cp) in message
+            continue
+        for name, row in case["rows"].items():
+            got = _gather_full(per_rank, slots, cp, name, i)
+            assert torch.equal(got, reference_roll(row, lengths, slots)), (case["name"], name)
+        expected = reference_roll(case["rows"]["labels"], lengths, slots)
+        assert torch.equal(_gather_full(per_rank, slots, cp, "wrapper", i), expected), case["name"]
+        if any("megatron_error" in report["results"][i] for report in per_rank):
+            megatron_wrong.append(case["name"])
+            continue
+        if "megatron" not in per_rank[0]["results"][i]:
+            continue  # not run: an earlier case made Megatron-Core's roll fail
+        megatron = _gather_full(per_rank, slots, cp, "megatron", i)
+        if lengths == slots:
+            assert torch.equal(megatron, expected), case["name"]
+        elif not torch.equal(megatron, expected):
+            megatron_wrong.append(case["name"])
+    # Megatron-Core's CP roll is exact without padding and wrong (or fails) on the padded cases.
+    assert "no padding" not in megatron_wrong
+    assert {"padding in every slot", "padding only in the last slot", "static tail"} <= set(megatron_wrong)
