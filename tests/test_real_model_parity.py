@@ -9,6 +9,7 @@ counts and gradients. Dense and MoE (4 experts, top-2, allgather dispatcher).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from _real_model import (
     worst_relative_gradient_error,
 )
 
+from megatron.bridge_thd import qwen3_vl_step
 from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.cpu.stack import cpu_stack
 from megatron.bridge_thd.packing import pack_bshd_to_thd
@@ -163,12 +165,17 @@ def test_all_padding_micro_batch_trains_on_nothing(model, layout):
     model.zero_grad(set_to_none=True)
 
 
-def test_bridge_model_gets_no_undeclared_extras(model, batches):
+def test_bridge_model_gets_no_undeclared_extras(model, batches, monkeypatch, caplog):
     """0.6.2's Qwen3VLModel declares no padding_mask: its **kwargs go on to the language model,
-    which raises TypeError on the name, so the step must not pass it."""
+    which raises TypeError on the name, so the step must not pass it, and says so once."""
+    monkeypatch.setattr(qwen3_vl_step, "_logged_once", set())
+    caplog.set_level(logging.INFO, logger="megatron.bridge_thd.qwen3_vl_step")
     batch = batches["right"]
     with torch.no_grad():
         run = step_run(model, batch, "thd")
+        message = next(r.getMessage() for r in caplog.records if "Qwen3VLModel" in r.getMessage())
+        passed, _, not_passed = message.partition("not declared")
+        assert "padding_mask" not in passed and "padding_mask" in not_passed
         assert "padding_mask" not in run.args and "rope_cu_seqlens" not in run.args
         with pytest.raises(TypeError, match="padding_mask"):
             model(**run.args, padding_mask=torch.zeros_like(run.args["input_ids"], dtype=torch.bool))

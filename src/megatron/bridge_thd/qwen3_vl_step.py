@@ -115,7 +115,8 @@ def declared_extras(model) -> tuple[list[str], list[str]]:
     """Which optional extras the model's ``forward`` declares by name, and which it cannot take.
 
     A name that would only land in ``**kwargs`` counts as not accepted: Megatron-Bridge 0.6.2's
-    ``Qwen3VLModel.forward`` swallows unknown names silently.
+    ``Qwen3VLModel.forward`` hands its ``**kwargs`` on to the language model
+    (``Qwen3VLGPTModel.forward``), which raises ``TypeError`` on a name it does not declare.
     """
     parameters = inspect.signature(_unwrap(model).forward).parameters
     named = {name for name, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
