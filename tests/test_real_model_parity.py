@@ -18,6 +18,7 @@ from _real_model import (
     all_padding_batch,
     gradients,
     last_slot_batch,
+    max_abs_dlogp,
     per_sample_from_output,
     per_sample_token_losses,
     receipt_batch,
@@ -62,17 +63,6 @@ def alone(model, batches):
         return per_sample_token_losses(model, batches["right"])
 
 
-def _supervisable(batch, i):
-    keep = batch["attention_mask"][i].bool()
-    return batch["labels"][i][keep] != -100
-
-
-def _max_dlogp(packed, alone, batch):
-    return max(
-        float((p - a)[_supervisable(batch, i)].abs().max()) for i, (p, a) in enumerate(zip(packed, alone))
-    )
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_per_token_logp_equals_each_sample_alone(model, batches, alone, layout, padding):
@@ -81,7 +71,7 @@ def test_per_token_logp_equals_each_sample_alone(model, batches, alone, layout, 
         run = step_run(model, batch, layout)
     packed = per_sample_from_output(run, batch)
     assert [p.numel() for p in packed] == [a.numel() for a in alone]
-    assert _max_dlogp(packed, alone, batch) <= DLOGP_TOLERANCE
+    assert max_abs_dlogp(packed, alone, batch) <= DLOGP_TOLERANCE
     # Loss sum and token count: what Megatron-Bridge's loss function reports.
     expected_loss = sum(float((a * batch["loss_mask"][i][batch["attention_mask"][i]]).sum()) for i, a in enumerate(alone))
     assert float(run.loss) == pytest.approx(expected_loss, rel=1e-6)
@@ -148,7 +138,7 @@ def test_degenerate_positions_control_fails(model, batches):
     run.output = degenerate
     alone = per_sample_token_losses(model, batch)
     assert all(int((batch["tokens"][i] == IMAGE).sum()) > 0 for i in range(batch["tokens"].shape[0]))
-    assert _max_dlogp(per_sample_from_output(run, batch), alone, batch) > 1e-3
+    assert max_abs_dlogp(per_sample_from_output(run, batch), alone, batch) > 1e-3
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

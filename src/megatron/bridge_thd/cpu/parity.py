@@ -1,0 +1,127 @@
+"""Check packing on your own batches against Megatron-Bridge's real model, on a laptop.
+
+Runs the replacement ``forward_step`` on a model built by :mod:`megatron.bridge_thd.cpu.model`
+(or any Megatron-Bridge ``Qwen3VLModel``) and each sample alone through the same model, and
+compares per-token log-probabilities and gradients. Used by the tests and the parity report
+(``benchmarks/parity_report.py``). Run it inside :func:`~megatron.bridge_thd.cpu.stack.cpu_stack`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from megatron.bridge_thd.qwen3_vl_step import forward_step
+from megatron.bridge_thd.standalone import minimal_state
+
+__all__ = [
+    "Recorder",
+    "sample_inputs",
+    "per_sample_token_losses",
+    "step_run",
+    "per_sample_from_output",
+    "max_abs_dlogp",
+    "gradients",
+    "worst_relative_gradient_error",
+]
+
+IMAGE_TOKEN_ID = 250
+SEQ_LENGTH = 2048
+
+
+class Recorder(torch.nn.Module):
+    """A wrapper like Megatron's DDP / Float16Module: the step unwraps ``.module`` for the config
+    and the signature and calls the wrapper, which records the arguments and delegates."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.calls: list[dict] = []
+
+    def forward(self, **kwargs):
+        self.calls.append(kwargs)
+        return self.module(**kwargs)
+
+
+def sample_inputs(batch: dict, i: int, image_token_id: int = IMAGE_TOKEN_ID, merge: int = 2) -> dict:
+    """Sample i of a Megatron-Bridge VLM batch alone, as the model takes an unpacked batch of one
+    (``input_ids``, ``labels``, ``loss_mask`` ``(1, n_i)``; its images in order of appearance)."""
+    keep = batch["attention_mask"][i].bool()
+    ids = batch["tokens"][i][keep]
+    grids = batch["visual_inputs"].image_grid_thw
+    pixels = batch["visual_inputs"].pixel_values
+    args = dict(input_ids=ids[None], labels=batch["labels"][i][keep][None], loss_mask=batch["loss_mask"][i][keep][None])
+    if grids is not None:
+        # Images in order of appearance: sample i's are those after the image tokens of samples < i.
+        tokens_per_image = grids.prod(-1) // merge**2
+        image_tokens = [
+            int((batch["tokens"][j][batch["attention_mask"][j].bool()] == image_token_id).sum()) for j in range(i + 1)
+        ]
+        ends = tokens_per_image.cumsum(0).tolist()
+        first = sum(1 for e in ends if e <= sum(image_tokens[:i]))
+        last = sum(1 for e in ends if e <= sum(image_tokens))
+        patch_ends = [0] + grids.prod(-1).cumsum(0).tolist()
+        if last > first:
+            args.update(pixel_values=pixels[patch_ends[first] : patch_ends[last]], image_grid_thw=grids[first:last])
+    return args
+
+
+def per_sample_token_losses(model, batch: dict) -> list[torch.Tensor]:
+    """Each sample alone through the model (it computes its own MRoPE positions): per-token
+    -log p(label) at every real token, ``(n_i,)`` each."""
+    return [model(**sample_inputs(batch, i))[0] for i in range(batch["tokens"].shape[0])]
+
+
+def step_run(model, batch: dict, layout: str, *, seq_length: int = SEQ_LENGTH, micro_batch_size: int | None = None,
+             **settings):
+    """``forward_step`` on the model (through a DDP-like recorder).
+
+    Returns:
+        loss: the loss function's sum; num_tokens; output; loss_mask; args: the forward
+        arguments the model got; state.
+    """
+    recorder = Recorder(model)
+    state = minimal_state(seq_length=seq_length, micro_batch_size=micro_batch_size or batch["tokens"].shape[0],
+                          packing_layout=layout, **settings)
+    output, loss_function = forward_step(state, iter([batch]), recorder)
+    loss, num_tokens, _ = loss_function(output)
+    return SimpleNamespace(loss=loss, num_tokens=num_tokens, output=output, loss_mask=loss_function.args[0],
+                           args=recorder.calls[-1], state=state)
+
+
+def per_sample_from_output(run, batch: dict) -> list[torch.Tensor]:
+    """Sample i's per-token values from the step's output, in order of its real tokens."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    params = run.args["packed_seq_params"]
+    if params is None:  # bshd: right-aligned re-lay, sample i in row i
+        return [run.output[i, :n] for i, n in enumerate(lengths)]
+    starts = params.cu_seqlens_q_padded.tolist()
+    return [run.output[0, s : s + n] for s, n in zip(starts, lengths)]
+
+
+def max_abs_dlogp(packed: list[torch.Tensor], alone: list[torch.Tensor], batch: dict) -> float:
+    """max |dlogp| over every real token that has a label (per-token losses are -log p)."""
+    worst = 0.0
+    for i, (p, a) in enumerate(zip(packed, alone)):
+        labelled = batch["labels"][i][batch["attention_mask"][i].bool()] != -100
+        if labelled.any():
+            worst = max(worst, float((p - a)[labelled].abs().max()))
+    return worst
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {name: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for name, p in model.named_parameters()}
+
+
+def worst_relative_gradient_error(grads: dict, reference: dict) -> tuple[float, str]:
+    """max over parameters of ||g - g_ref|| / ||g_ref|| (parameters with a zero reference
+    gradient must have a zero gradient: their error is ||g||)."""
+    worst, where = 0.0, ""
+    for name, ref in reference.items():
+        diff = float((grads[name] - ref).norm())
+        scale = float(ref.norm())
+        error = diff / scale if scale > 0 else diff
+        if error > worst:
+            worst, where = error, name
+    return worst, where
