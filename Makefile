@@ -18,6 +18,7 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_pack.py
+	$(PYTHON) $(QUIET_IMPORTS) benchmarks/parity_report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
