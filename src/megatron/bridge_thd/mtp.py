@@ -22,20 +22,22 @@ that reads only ``cu_seqlens_q``, the *real* boundaries:
   cu_seqlens_q_padded``, or no ``cu_seqlens_q_padded``): no alignment padding anywhere, and
   (under CP) every real length divisible by ``2 * cp``. Our packer marks that case with
   ``pad_between_seqs=False``.
-* It is wrong as soon as one slot has padding: it slices the row at the real boundaries
-  while the tokens sit at the padded ones, so samples after the first padded slot are rolled
-  across the wrong spans (the last real token of a sample can receive a padding value or the
-  next sample's first token), and the padding slots are left unzeroed. Padding only in the
-  last slot is enough to leave the row tail unzeroed. Under CP it divides the real boundaries
-  by cp, which is not where any rank's chunks start.
-* It returns ``(rolled, rolled.sum())``, and on an accelerator each ``cu_seqlens_q[i]`` used
-  as a slice bound is a host synchronisation (one per sample); under CP it exchanges four
-  one-token messages per sample.
+* It is wrong as soon as a slot has padding. It slices the row at the real boundaries while
+  the tokens sit at the padded ones: with real ``[0, 3, 5]`` and padded ``[0, 4, 8]`` it rolls
+  ``[1, 2, 3, p, 4, 5, p, p]`` into ``[2, 3, 0, 4, 0, 5, p, p]``: the padding slot 3 receives
+  sample 1's first token (a rolled loss mask trains on a padding slot), sample 1's first token
+  loses its target, and padding slots past ``cu_seqlens_q[-1]`` keep their values (padding
+  only in the last slot, or a static tail segment, is enough for that). Under CP it divides
+  the real boundaries by cp, which is not where any rank's chunks start, and it raises
+  ``IndexError`` where such a slice holds a single token (``tensor.chunk(2)`` then returns
+  one chunk) -- after some ranks have already posted an ``isend``.
+* It returns ``(rolled, rolled.sum())``; on an accelerator every ``cu_seqlens_q[i]`` used as
+  a slice bound is a host synchronisation (one per sample); under CP every rank sends two
+  one-token messages per sample and waits for them before the next sample.
 
 :func:`roll_packed_left` reads both boundary sets, builds one gather index for the whole
-local row (no loop over samples, no host synchronisation on the CPU path of the index), and
-under CP exchanges one message per neighbour that carries the boundary tokens of every
-segment. :func:`roll_packed_left_with_megatron` delegates to Megatron-Core where it is exact
+local row (no loop over samples, no host synchronisation), and under CP exchanges one
+message per neighbour that carries the boundary tokens of every segment. :func:`roll_packed_left_with_megatron` delegates to Megatron-Core where it is exact
 (decided by :func:`megatron_roll_is_exact`) and uses :func:`roll_packed_left` elsewhere.
 
 Validation. Shapes and the CP size are checked on the host (a ``ValueError`` naming the
@@ -252,7 +254,7 @@ def _cp_size_and_rank(cp_group) -> tuple[int, int]:
 
 def _exchange_boundaries(
     to_prev: torch.Tensor, to_next: torch.Tensor, cp_group, cp_size: int, cp_rank: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Send ``to_prev`` to rank r-1 and ``to_next`` to rank r+1; receive their counterparts.
 
     Args:
@@ -262,6 +264,7 @@ def _exchange_boundaries(
     Returns:
         from_next: ``(..., S)`` rank r+1's ``to_prev`` (zeros on the last rank, which needs none).
         from_prev: ``(..., S)`` rank r-1's ``to_next`` (zeros on rank 0, which needs none).
+        requests: the pending requests; wait on them before reading ``from_next`` / ``from_prev``.
 
     One message per neighbour and direction, all segments at once. Rank r-1 always needs
     rank r's first-chunk tokens (r-1 < cp-1) and rank r+1 always needs its second-chunk
@@ -278,9 +281,7 @@ def _exchange_boundaries(
     if cp_rank < cp_size - 1:
         ops.append(P2POp(torch.distributed.isend, to_next, peers[cp_rank + 1], cp_group))
         ops.append(P2POp(torch.distributed.irecv, from_next, peers[cp_rank + 1], cp_group))
-    for request in torch.distributed.batch_isend_irecv(ops):
-        request.wait()
-    return from_next, from_prev
+    return from_next, from_prev, torch.distributed.batch_isend_irecv(ops)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,19 +332,24 @@ def roll_packed_left(tensor: torch.Tensor, packed_seq_params, cp_group=None) -> 
     """
     cu_real, cu_padded, cp_size, cp_rank = _validated(tensor, packed_seq_params, cp_group)
     n_local = tensor.shape[-1]
+    if n_local == 0:
+        # An empty row (the same N on every rank, so no rank waits for a message).
+        return tensor.clone()
 
     if cp_size > 1:
-        # Post the exchange first: the index construction below overlaps with the transfer.
+        # Post the exchange first, so that building the gather index overlaps with the transfer.
         first_of_first, first_of_second = _boundary_send_indices(cu_padded, n_local, cp_size)
         to_prev = tensor.index_select(-1, first_of_first).contiguous()
         to_next = tensor.index_select(-1, first_of_second).contiguous()
-        from_next, from_prev = _exchange_boundaries(to_prev, to_next, cp_group, cp_size, cp_rank)
+        from_next, from_prev, requests = _exchange_boundaries(to_prev, to_next, cp_group, cp_size, cp_rank)
+    source, valid = _successor_index(cu_real, cu_padded, n_local, cp_size, cp_rank)
+    if cp_size > 1:
+        for request in requests:
+            request.wait()
         source_row = torch.cat([tensor, from_next, from_prev], dim=-1)
     else:
         # One spare slot: the last token's default source (n_local) must stay in bounds.
         source_row = torch.cat([tensor, tensor.new_zeros(tensor.shape[:-1] + (1,))], dim=-1)
-
-    source, valid = _successor_index(cu_real, cu_padded, n_local, cp_size, cp_rank)
     rolled = source_row.index_select(-1, source)
     return torch.where(valid, rolled, rolled.new_zeros(()))
 
