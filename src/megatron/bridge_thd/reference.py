@@ -19,7 +19,22 @@ from megatron.bridge_thd.lengths import keep_mask_from_attention_mask, raise_fai
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids
 from megatron.bridge_thd.packing import gather_from_row, scatter_into_row, segment_index
 
-__all__ = ["thd_attention", "ReferenceQwen3VL", "ATTENTION_NAME"]
+__all__ = ["thd_attention", "ReferenceQwen3VL", "ATTENTION_NAME", "TINY_VISION_CONFIG"]
+
+TINY_VISION_CONFIG = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    out_hidden_size=64,
+    num_position_embeddings=64,
+    deepstack_visual_indexes=[0, 1],
+)
+"""The tiny vision tower shared by :meth:`ReferenceQwen3VL.tiny` and the CPU build of
+Megatron-Bridge's model (``megatron.bridge_thd.cpu.model``)."""
 
 ATTENTION_NAME = "megatron_bridge_thd_reference"
 """Name under which :func:`thd_attention` is registered with ``transformers.AttentionInterface``."""
@@ -187,18 +202,7 @@ class ReferenceQwen3VL(torch.nn.Module):
         )
         if moe:
             text_config.update(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1)
-        vision_config = dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            patch_size=4,
-            temporal_patch_size=2,
-            spatial_merge_size=2,
-            out_hidden_size=64,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[0, 1],
-        )
+        vision_config = dict(TINY_VISION_CONFIG, deepstack_visual_indexes=list(TINY_VISION_CONFIG["deepstack_visual_indexes"]))
         config_cls, model_cls = (
             (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe else (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
         )

@@ -20,22 +20,14 @@ IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_TOKEN_ID = 250, 251, 252
 
 
 def tiny_vision_config():
-    """A Hugging Face ``Qwen3VLVisionConfig``: 2 blocks, width 32, patch 4, merge 2, deepstack [0, 1]."""
+    """A Hugging Face ``Qwen3VLVisionConfig``: 2 blocks, width 32, patch 4, merge 2, deepstack [0, 1]
+    (the same tower as ``ReferenceQwen3VL.tiny``)."""
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 
-    return Qwen3VLVisionConfig(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        in_channels=3,
-        patch_size=4,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        out_hidden_size=64,
-        num_position_embeddings=64,
-        deepstack_visual_indexes=[0, 1],
-    )
+    from megatron.bridge_thd.reference import TINY_VISION_CONFIG
+
+    settings = dict(TINY_VISION_CONFIG, deepstack_visual_indexes=list(TINY_VISION_CONFIG["deepstack_visual_indexes"]))
+    return Qwen3VLVisionConfig(in_channels=3, **settings)
 
 
 def tiny_qwen3_vl_config(
