@@ -663,6 +663,9 @@ def test_return_schedule_plan_with_thd_raises(ref, right_batch):
 
 def test_return_schedule_plan_with_bshd_builds_plan(ref, right_batch):
     class PlanSpy(RecordingSpy):
+        """Has Megatron-Core's ``GPTModel.build_schedule_plan(input_ids, position_ids,
+        attention_mask, ..., labels, loss_mask)`` signature (``models/gpt/gpt_model.py``)."""
+
         def build_schedule_plan(self, input_ids, position_ids, attention_mask, labels=None, loss_mask=None):
             self.plan_args = dict(input_ids=input_ids, position_ids=position_ids, labels=labels, loss_mask=loss_mask)
             return "plan"

@@ -185,3 +185,17 @@ def test_pad_between_seqs_catches_padding_in_the_last_slot_only():
     # No padding anywhere: False, so TE may keep its faster path.
     aligned = pack_bshd_to_thd(batch["tokens"][:-1], batch["attention_mask"][:-1], align_to=8)
     assert aligned.packed_seq_params.pad_between_seqs is False
+
+
+def test_schedule_plan_on_a_model_without_one_is_refused_clearly(model, batches):
+    """0.6.2's Qwen3VLModel has no build_schedule_plan: a clear error, not an AttributeError."""
+    with pytest.raises(ValueError, match="build_schedule_plan"):
+        step_run_with_plan(model, batches["right"])
+
+
+def step_run_with_plan(model, batch):
+    from megatron.bridge_thd.qwen3_vl_step import forward_step
+    from megatron.bridge_thd.standalone import minimal_state
+
+    state = minimal_state(seq_length=2048, micro_batch_size=batch["tokens"].shape[0], packing_layout="bshd")
+    return forward_step(state, iter([batch]), model, return_schedule_plan=True)

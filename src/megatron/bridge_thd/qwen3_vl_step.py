@@ -439,7 +439,14 @@ def forward_step(
                 "return_schedule_plan: MoE overlap schedule plans take the padded layout; set "
                 "dataset.packing_layout='bshd' with overlap_moe_expert_parallel_comm"
             )
-        plan = _unwrap(model).build_schedule_plan(
+        core_model = _unwrap(model)
+        if not hasattr(core_model, "build_schedule_plan"):
+            raise ValueError(
+                f"return_schedule_plan: {type(core_model).__name__} has no build_schedule_plan (Megatron-Core's "
+                "GPTModel has one; Megatron-Bridge 0.6.2's Qwen3VLModel does not), so MoE overlap schedule plans "
+                "cannot be built for it; turn off overlap_moe_expert_parallel_comm"
+            )
+        plan = core_model.build_schedule_plan(
             args["input_ids"], args["position_ids"], None, labels=args["labels"], loss_mask=loss_mask
         )
         return plan, losses.create_masked_next_token_loss_function(loss_mask, check_nan, check_spiky)
