@@ -144,7 +144,8 @@ def build_qwen3_vl(config, *, pg_collection=None, pre_process: bool = True, post
 
     Args:
         config: from :func:`tiny_qwen3_vl_config` (or any ``Qwen3VLTransformerConfig`` with a
-            ``vision_config`` attribute holding the Hugging Face vision config).
+            ``vision_config`` attribute holding the Hugging Face vision config). With
+            ``mtp_num_layers`` set the model carries Megatron-Core's MTP block (local spec).
         pg_collection: Megatron-Core ``ProcessGroupCollection``; default: the mpu groups.
         pre_process / post_process: pipeline stage flags (the vision tower lives on the first).
         seed: weights are a function of the seed alone (CPU initialisation), whatever the
@@ -153,12 +154,19 @@ def build_qwen3_vl(config, *, pg_collection=None, pre_process: bool = True, post
     Returns:
         The model in train mode (dropout is 0).
     """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
     model_module = load_bridge_module(QWEN3_VL_MODEL_MODULE)
     torch.manual_seed(seed)
     with cpu_stack():
+        layer_spec = language_layer_spec(config)
+        mtp_block_spec = (
+            get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False) if config.mtp_num_layers else None
+        )
         model = model_module.Qwen3VLModel(
             language_transformer_config=config,
-            language_transformer_layer_spec=language_layer_spec(config),
+            language_transformer_layer_spec=layer_spec,
+            mtp_block_spec=mtp_block_spec,
             vision_transformer_config=config.vision_config,
             pre_process=pre_process,
             post_process=post_process,
