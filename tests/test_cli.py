@@ -14,9 +14,12 @@ def _table(report: str) -> dict[str, list[str]]:
     return {cells[0].strip(): [c.strip() for c in cells] for cells in body}
 
 
-@pytest.fixture(scope="module")
-def report():
-    return cli.run_demo(micro_batches=1, micro_batch_size=3, seq_length=2048, seed=3, progress=False)
+@pytest.fixture(scope="module", params=["bridge", "hf"])
+def report(request):
+    text = cli.run_demo(micro_batches=1, micro_batch_size=3, seq_length=2048, seed=3, progress=False,
+                        model_kind=request.param)
+    assert cli.MODELS[request.param] in text.splitlines()[0]
+    return text
 
 
 def test_report_lists_every_layout(report):
@@ -43,6 +46,11 @@ def test_thd_processes_only_real_tokens_and_less_attention_work(report):
     assert int(table["thd_static"][4]) == 3 * 2048
     work = {layout: int(cells[5].replace(",", "")) for layout, cells in table.items()}
     assert work["thd"] == work["thd_static"] < work["bshd"]
+
+
+def test_run_demo_rejects_an_unknown_model():
+    with pytest.raises(ValueError, match="model_kind"):
+        cli.run_demo(1, 1, 2048, 0, False, model_kind="llava")
 
 
 def test_main_rejects_bad_arguments(capsys):

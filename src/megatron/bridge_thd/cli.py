@@ -1,15 +1,18 @@
 """The main job (``make demo``): the replacement forward step on a tiny Qwen3-VL, three layouts.
 
-Builds ``ReferenceQwen3VL.tiny()`` and synthetic receipt-like micro-batches, runs
+Builds a tiny random Qwen3-VL — by default Megatron-Bridge 0.6.2's own ``Qwen3VLModel`` on the
+CPU (``megatron.bridge_thd.cpu``), or with ``--model hf`` the Hugging Face reference
+``ReferenceQwen3VL.tiny()`` — and synthetic receipt-like micro-batches, runs
 :func:`megatron.bridge_thd.qwen3_vl_step.forward_step` in ``bshd``, ``thd`` and
-``thd_static``, runs every sample alone through the unmodified Hugging Face model, and prints
-the losses (equal), the largest log-probability difference against the per-sample run, and the
-tokens and attention work each layout spends.
+``thd_static``, runs every sample alone through the same model, and prints the losses (equal),
+the largest log-probability difference against the per-sample run, and the tokens and attention
+work each layout spends.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
@@ -62,16 +65,51 @@ def _per_sample_token_losses(model: ReferenceQwen3VL, batch: dict) -> list[torch
     return out
 
 
-def run_demo(micro_batches: int, micro_batch_size: int, seq_length: int, seed: int, progress: bool) -> str:
+def _bridge_per_sample_token_losses(model, batch: dict) -> list[torch.Tensor]:
+    """Each sample alone through Megatron-Bridge's model (its own positions), at supervised tokens."""
+    from megatron.bridge_thd.cpu.parity import per_sample_token_losses
+
+    losses = per_sample_token_losses(model, batch)
+    keep = batch["attention_mask"]
+    return [loss[batch["loss_mask"][i][keep[i]] > 0] for i, loss in enumerate(losses)]
+
+
+MODELS = {
+    "bridge": "Megatron-Bridge 0.6.2 Qwen3VLModel on the CPU",
+    "hf": "Hugging Face Qwen3-VL reference",
+}
+
+
+def _demo_model(kind: str, seed: int, seq_length: int):
+    """(model, per-sample reference function, context the forward runs in)."""
+    if kind == "hf":
+        return ReferenceQwen3VL.tiny(seed=seed), _per_sample_token_losses, contextlib.nullcontext()
+    from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd.cpu.stack import cpu_stack
+
+    config = tiny_qwen3_vl_config(seq_length=seq_length)
+    return build_qwen3_vl(config, seed=seed), _bridge_per_sample_token_losses, cpu_stack()
+
+
+def run_demo(micro_batches: int, micro_batch_size: int, seq_length: int, seed: int, progress: bool,
+             model_kind: str = "bridge") -> str:
+    if model_kind not in MODELS:
+        raise ValueError(f"model_kind: {model_kind!r} is not one of {sorted(MODELS)}")
     init_single_process_groups()
-    model = ReferenceQwen3VL.tiny(seed=seed)
+    model, per_sample, stack = _demo_model(model_kind, seed, seq_length)
+    with stack:
+        results = _run_layouts(model, per_sample, micro_batches, micro_batch_size, seq_length, seed, progress)
+    return _report(results, model, model_kind, micro_batches, micro_batch_size, seq_length)
+
+
+def _run_layouts(model, per_sample, micro_batches, micro_batch_size, seq_length, seed, progress) -> dict:
     batches = [synthetic_receipt_batch(micro_batch_size, seed=seed + k) for k in range(micro_batches)]
     bar = _Progress(micro_batches * (len(LAYOUTS) + 1), progress)
     results = {}
     with torch.no_grad():
         alone = []
         for batch in batches:
-            alone.append(torch.cat(_per_sample_token_losses(model, batch)))
+            alone.append(torch.cat(per_sample(model, batch)))
             bar.step("per-sample reference")
         alone = torch.cat(alone)
         for layout in LAYOUTS:
@@ -100,12 +138,16 @@ def run_demo(micro_batches: int, micro_batch_size: int, seq_length: int, seed: i
                 seconds=seconds,
             )
     bar.close()
+    return results
 
+
+def _report(results, model, model_kind, micro_batches, micro_batch_size, seq_length) -> str:
     bshd = results["bshd"]
     forced_tokens = micro_batches * micro_batch_size * seq_length
     forced_work = micro_batches * micro_batch_size * seq_length**2
     lines = [
-        f"megatron-bridge-thd demo: tiny random Qwen3-VL ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params), "
+        f"megatron-bridge-thd demo: tiny random Qwen3-VL, {MODELS[model_kind]} "
+        f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params), "
         f"{micro_batches} micro-batches x {micro_batch_size} synthetic receipts, seq_length {seq_length}",
         f"real tokens {bshd['real']}, supervised tokens {bshd['tokens']}; Megatron-Bridge's padded layout: "
         f"{bshd['padded']} token slots (batch width), {forced_tokens} when PP>1 or EP>1 force seq_length",
@@ -137,13 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-length", type=int, default=2048, help="model.seq_length (default 2048)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--model", choices=sorted(MODELS), default="bridge",
+                        help="bridge: Megatron-Bridge 0.6.2's Qwen3VLModel built on the CPU (default); "
+                             "hf: the Hugging Face reference")
     args = parser.parse_args(argv)
     for name in ("micro_batches", "micro_batch_size", "seq_length"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     progress = sys.stderr.isatty() if args.progress == "auto" else args.progress == "on"
-    print(run_demo(args.micro_batches, args.micro_batch_size, args.seq_length, args.seed, progress))
+    print(run_demo(args.micro_batches, args.micro_batch_size, args.seq_length, args.seed, progress, args.model))
     return 0
 
 

@@ -38,7 +38,7 @@ def tiny_qwen3_vl_config(
     cp: int = 1,
     pp: int = 1,
     ep: int = 1,
-    seq_length: int = 4096,
+    seq_length: int = 2048,
     **overrides,
 ):
     """A Megatron-Bridge ``Qwen3VLTransformerConfig`` for a tiny Qwen3-VL.
