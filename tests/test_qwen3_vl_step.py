@@ -384,21 +384,52 @@ def test_thd_static_row_length_is_data_independent(ref):
     assert rows[0] == rows[1] == B * round_up(seq, align)
 
 
+class FirstStageSpy(RecordingSpy):
+    """A first pipeline stage: like Megatron-Core's ``GPTModel.forward`` without ``post_process``
+    (``models/gpt/gpt_model.py``) it returns the decoder's hidden states ``(s, b=1, h)``."""
+
+    HIDDEN = 8
+
+    def forward(self, input_ids, **kwargs):
+        super().forward(input_ids, **kwargs)
+        return torch.zeros(input_ids.shape[1], 1, self.HIDDEN)
+
+
 def test_pp_without_variable_seq_lengths_switches_to_static(ref, right_batch, fresh_log_once, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    model = RecordingSpy(ref)
+    model = FirstStageSpy(ref)
     model.pg_collection = fake_pg(pp=2, pp_rank=0)
     state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
-    run = run_step(model, right_batch, state)
-    assert run.stats.layout == "thd_static"
+    with torch.no_grad():
+        output, _ = forward_step(state, iter([right_batch]), model)
+    assert state.bridge_thd_stats[-1].layout == "thd_static"
     assert model.calls[-1]["input_ids"].shape == (1, B * SEQ)
+    # What goes to the next stage has the shape of Megatron-Core's p2p buffer (seq_length, mbs, H).
+    assert output.shape == (SEQ, B, FirstStageSpy.HIDDEN)
     # first stage: no labels
     assert model.calls[-1]["labels"] is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "thd_static" in r.getMessage()]
     assert warnings, [r.getMessage() for r in caplog.records]
     # a second batch of different lengths keeps the same row length
-    run_step(model, synthetic_receipt_batch(B, seed=40), state)
+    with torch.no_grad():
+        forward_step(state, iter([synthetic_receipt_batch(B, seed=40)]), model)
     assert model.calls[-1]["input_ids"].shape == (1, B * SEQ)
+
+
+@pytest.mark.parametrize("seq_length,batch_size,match", [(SEQ + 2, B, "model.seq_length"), (SEQ, B + 1, "micro_batch_size")])
+def test_static_pipeline_row_that_cannot_fill_the_p2p_buffers_is_refused(ref, seq_length, batch_size, match):
+    """Refused before the model runs (so before any send), naming the setting to change."""
+    model = FirstStageSpy(ref)
+    model.pg_collection = fake_pg(pp=2, pp_rank=0)
+    state = minimal_state(seq_length=seq_length, micro_batch_size=B, packing_layout="thd_static", fp8="hybrid")
+    with pytest.raises(ValueError, match=match):
+        forward_step(state, iter([synthetic_receipt_batch(batch_size, seed=SEED)]), model)
+    assert not model.calls
+    # With variable_seq_lengths the row is not bound to the buffers: accepted.
+    state.cfg.model.variable_seq_lengths = True
+    with torch.no_grad():
+        forward_step(state, iter([synthetic_receipt_batch(min(batch_size, B), seed=SEED)]), model)
+    assert model.calls
 
 
 def test_pp_last_stage_gets_labels(ref, right_batch):

@@ -82,6 +82,9 @@ class PreparedMicroBatch:
     forward_args: dict[str, Any]
     loss_mask: torch.Tensor
     stats: PackingStats
+    # Set for a static THD row under pipeline parallelism without variable_seq_lengths: the
+    # micro_batch_size of Megatron-Core's p2p buffers (seq_length / cp, micro_batch_size, H).
+    p2p_micro_batch_size: int | None = None
 
 
 def _cfg(state, section: str, name: str, default=None):
@@ -308,6 +311,7 @@ def prepare_micro_batch(
         bshd_width = max(bshd_width, seq_length)
 
     forward_args: dict[str, Any] = dict(multi_modal)
+    p2p_micro_batch_size = None
     if layout == "bshd":
         forward_args.update(
             input_ids=relay_right_padded(tokens, keep, bshd_width, 0),
@@ -326,6 +330,9 @@ def prepare_micro_batch(
         total_length = None
         if layout == "thd_static":
             micro_batch_size = _cfg(state, "train", "micro_batch_size", None) or batch_size
+            if sizes["pp"] > 1 and not variable_seq_lengths:
+                p2p_micro_batch_size = micro_batch_size
+                _check_static_pipeline_row(batch_size, micro_batch_size, seq_length, align)
             total_length = max(micro_batch_size, batch_size) * math.ceil(seq_length / align) * align
         packed = pack_bshd_to_thd(
             tokens,
@@ -375,7 +382,38 @@ def prepare_micro_batch(
         padded_attention_work=batch_size * bshd_width**2,
         truncated_tokens=truncated.sum(),
     )
-    return PreparedMicroBatch(forward_args=forward_args, loss_mask=loss_mask, stats=stats)
+    return PreparedMicroBatch(forward_args=forward_args, loss_mask=loss_mask, stats=stats,
+                              p2p_micro_batch_size=p2p_micro_batch_size)
+
+
+def _check_static_pipeline_row(batch_size: int, micro_batch_size: int, seq_length: int, align: int) -> None:
+    """A static row must fill Megatron-Core's p2p buffers exactly (checked before the first send).
+
+    Without ``variable_seq_lengths`` every stage allocates its receive buffer as
+    ``(seq_length / cp [/ tp with SP], micro_batch_size, H)`` (``pipeline_parallel/schedules.py``,
+    ``get_tensor_shapes``), so the row must hold exactly ``micro_batch_size * seq_length`` slots.
+    """
+    if seq_length % align:
+        raise ValueError(
+            f"model.seq_length: {seq_length} is not a multiple of the THD alignment {align} (TP/CP/SP/FP8), so a "
+            "static row cannot fill the pipeline's fixed (seq_length, micro_batch_size, H) buffers; set seq_length to "
+            f"{math.ceil(seq_length / align) * align}, or set model.variable_seq_lengths=True"
+        )
+    if batch_size > micro_batch_size:
+        raise ValueError(
+            f"batch: {batch_size} samples exceed train.micro_batch_size={micro_batch_size}, the batch size of the "
+            "pipeline's fixed buffers; set train.micro_batch_size to the data loader's batch size"
+        )
+
+
+def _view_received_row_as_thd(model) -> None:
+    """On a receiving stage, view the ``(S, micro_batch_size, H)`` buffer Megatron-Core filled
+    (``TransformerBlock.set_input_tensor``) as the ``(S * micro_batch_size, 1, H)`` THD row it holds.
+    The view keeps the buffer as the autograd leaf the schedule reads ``.grad`` from."""
+    decoder = getattr(getattr(model, "language_model", None), "decoder", None)
+    received = getattr(decoder, "input_tensor", None)
+    if received is not None and received.dim() == 3 and received.shape[1] != 1:
+        decoder.input_tensor = received.reshape(-1, 1, received.shape[-1])
 
 
 def _timer(state, name: str):
@@ -424,7 +462,8 @@ def forward_step(
     pg_collection = pg_utils.get_pg_collection(model)
     with _timer(state, "batch-generator"):
         batch = next(data_iterator)
-    prepared = prepare_micro_batch(batch, model, state, pg_collection, is_last_stage=is_pp_last_stage(pg_collection.pp))
+    is_last_stage = is_pp_last_stage(pg_collection.pp)
+    prepared = prepare_micro_batch(batch, model, state, pg_collection, is_last_stage=is_last_stage)
     stats_log = getattr(state, "bridge_thd_stats", None)
     if isinstance(stats_log, list):
         stats_log.append(prepared.stats)
@@ -451,12 +490,18 @@ def forward_step(
         )
         return plan, losses.create_masked_next_token_loss_function(loss_mask, check_nan, check_spiky)
 
+    if prepared.p2p_micro_batch_size is not None:
+        _view_received_row_as_thd(_unwrap(model))
     output = model(**args)
+    if prepared.p2p_micro_batch_size is not None and not is_last_stage:
+        # The row goes to the next stage in the shape its receive buffer has.
+        output = output.reshape(-1, prepared.p2p_micro_batch_size, output.shape[-1])
     if isinstance(output, tuple):
         # Under CP Megatron-Bridge's Qwen3VLModel shards the row itself and, because it was given
         # loss_mask, returns the matching CP-local mask (models/qwen_vl/modelling_qwen3_vl/model.py).
         output, loss_mask = output
-    if output.dim() >= 2 and loss_mask is not None and tuple(output.shape[:2]) != tuple(loss_mask.shape):
+    # Earlier pipeline stages return hidden states (s, b, h); the last returns per-token values.
+    if is_last_stage and output.dim() >= 2 and tuple(output.shape[:2]) != tuple(loss_mask.shape):
         raise ValueError(
             f"model: returned an output of shape {tuple(output.shape)} for a loss mask of shape "
             f"{tuple(loss_mask.shape)}; a model that shards the sequence for context parallelism must return "

@@ -105,6 +105,10 @@ def tiny_qwen3_vl_config(
         video_token_id=VIDEO_TOKEN_ID,
         vision_start_token_id=VISION_START_TOKEN_ID,
     )
+    if not moe:
+        # Unused without experts, but Megatron-Core's TransformerConfig refuses the default
+        # "allgather" dispatcher together with variable_seq_lengths (pipeline-parallel THD).
+        settings.update(moe_token_dispatcher_type="alltoall")
     if moe:
         settings.update(
             num_moe_experts=4,

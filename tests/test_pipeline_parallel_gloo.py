@@ -1,0 +1,107 @@
+"""Pipeline parallelism with Megatron-Core 0.19.2's own 1F1B schedule over gloo processes.
+
+``forward_backward_pipelining_without_interleaving`` runs our ``forward_step`` on Megatron-Bridge
+0.6.2's real ``Qwen3VLModel`` split over two stages (vision tower and layers 0-1 on the first,
+layers 2-3, the norm and the output layer on the second), weights equal to the PP=1 model's by
+global layer index. For ``thd`` with ``variable_seq_lengths=True`` and for every static
+configuration the step accepts (``thd_static``, ``thd`` switched to ``thd_static``, ``bshd``,
+all with ``variable_seq_lengths=False`` and micro_batch_size 2, where Megatron-Core's p2p buffers
+are ``(seq_length, micro_batch_size, H)``), the losses and every gradient equal the PP=1 run.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import pytest
+import torch
+from _real_model import receipt_batch, worst_relative_gradient_error
+
+from megatron.bridge_thd.cpu.launcher import run_on_gloo
+from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd.cpu.stack import cpu_stack
+from megatron.bridge_thd.qwen3_vl_step import forward_step
+from megatron.bridge_thd.standalone import init_single_process_groups, minimal_state
+
+NUM_LAYERS = 4
+MICRO_BATCH_SIZE = 2
+SEQ_LENGTH = 2048
+CONFIGS = [("thd", True), ("thd_static", False), ("thd", False), ("bshd", False)]
+LAYER = re.compile(r"language_model\.decoder\.layers\.(\d+)\.(.*)")
+
+
+def _local_to_global(name: str, offset: int) -> str:
+    match = LAYER.match(name)
+    return f"language_model.decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else name
+
+
+def _run_schedule(full_state_dict, batches, layout, variable_seq_lengths):
+    """One training step of ``len(batches)`` micro-batches on this rank's stage.
+
+    Returns the losses the schedule reports (last stage) and this stage's gradients named by
+    global layer index."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    size = parallel_state.get_pipeline_model_parallel_world_size()
+    config = tiny_qwen3_vl_config(num_layers=NUM_LAYERS, pp=size, variable_seq_lengths=variable_seq_lengths,
+                                  seq_length=SEQ_LENGTH)
+    model = build_qwen3_vl(config, pre_process=rank == 0, post_process=rank == size - 1)
+    offset = rank * NUM_LAYERS // size
+    local = {name: full_state_dict[_local_to_global(name, offset)] for name in model.state_dict()}
+    model.load_state_dict(local)
+    state = minimal_state(seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE, packing_layout=layout,
+                          variable_seq_lengths=variable_seq_lengths)
+    losses = forward_backward_pipelining_without_interleaving(
+        forward_step_func=partial(forward_step, state), data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE,
+    )
+    grads = {_local_to_global(name, offset): (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+             for name, p in model.named_parameters()}
+    layouts = sorted({s.layout for s in state.bridge_thd_stats})
+    return dict(losses=[{k: v.clone() for k, v in entry.items()} for entry in losses], grads=grads, layouts=layouts)
+
+
+def pp_worker(full_state_dict, batches, configs):
+    return {config: _run_schedule(full_state_dict, batches, *config) for config in configs}
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return [receipt_batch("right", seed=1, batch_size=MICRO_BATCH_SIZE),
+            receipt_batch("left", seed=2, batch_size=MICRO_BATCH_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def runs(batches):
+    init_single_process_groups()
+    with cpu_stack():
+        full = build_qwen3_vl(tiny_qwen3_vl_config(num_layers=NUM_LAYERS, seq_length=SEQ_LENGTH), seed=0).state_dict()
+        reference = pp_worker(full, batches, CONFIGS)  # PP = 1: this process, the same schedule
+    stages = run_on_gloo(pp_worker, full, batches, CONFIGS, pp=2, timeout=600)
+    return reference, stages
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-variable={c[1]}" if isinstance(c, tuple) else c)
+def test_pp2_equals_pp1(runs, batches, config):
+    reference, stages = runs
+    expected = reference[config]
+    first, last = stages[0][config], stages[1][config]
+    assert first["losses"] == []  # only the last stage reports losses
+    assert len(last["losses"]) == len(batches)
+    for got, want in zip(last["losses"], expected["losses"]):
+        loss, tokens = got["lm loss"]
+        want_loss, want_tokens = want["lm loss"]
+        assert int(tokens) == int(want_tokens) > 0
+        assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+    # Every parameter lives on exactly one stage; together they are the PP=1 model's.
+    assert set(first["grads"]).isdisjoint(last["grads"])
+    grads = {**first["grads"], **last["grads"]}
+    assert set(grads) == set(expected["grads"])
+    error, where = worst_relative_gradient_error(grads, expected["grads"])
+    assert error <= 1e-5, f"{where}: relative gradient error {error:.2e}"
+    # Without variable_seq_lengths the step runs a static row (thd switches to thd_static).
+    expected_layout = "thd_static" if config == ("thd", False) else config[0]
+    assert first["layouts"] == last["layouts"] == [expected_layout]
