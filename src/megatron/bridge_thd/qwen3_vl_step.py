@@ -33,7 +33,7 @@ import torch
 from megatron.bridge_thd.lengths import keep_mask_from_attention_mask, raise_failed_checks
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids
 from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment, scatter_into_row
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
 
 __all__ = ["forward_step", "PackingStats", "LAYOUTS", "prepare_micro_batch", "PreparedMicroBatch"]
 
@@ -416,6 +416,35 @@ def _view_received_row_as_thd(model) -> None:
         decoder.input_tensor = received.reshape(-1, 1, received.shape[-1])
 
 
+def accumulate_flops(state, model, forward_args: dict) -> None:
+    """Feed Megatron-Bridge's FLOPs accounting as its own step does, with the real boundaries.
+
+    ``training/utils/flop_utils.accumulate_flops_metadata`` adds, per micro-batch, the token
+    slots the model processes (``tokens.shape[0] * tokens.shape[1]``: the THD row, or the padded
+    ``B * W``) for the linear terms, the attention term ``sum(s_i^2)`` over the real segment
+    lengths (it prefers ``cu_seqlens_unpadded``), and the vision patches (``sum(t * h * w)``).
+    The trainer resets and reads these ``state._flops_*`` accumulators every step. Everything
+    stays on the device: no host synchronisation.
+    """
+    try:
+        flop_utils = load_flop_utils()
+    except ImportError as exc:  # an installation without the FLOPs helpers: nothing to feed
+        _log_once("flops", f"bridge_thd: Megatron-Bridge's flop_utils cannot be loaded ({exc}); FLOPs not reported")
+        return
+    params = forward_args.get("packed_seq_params")
+    patches = None
+    for grid in (forward_args.get("image_grid_thw"), forward_args.get("video_grid_thw")):
+        if grid is not None and grid.numel() > 0:
+            count = grid.prod(dim=-1).sum()
+            patches = count if patches is None else patches + count
+    kwargs = dict(vp_stage=flop_utils.get_model_chunk_vp_stage(model), num_vision_patches=patches)
+    if params is not None:
+        kwargs["cu_seqlens"] = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        if "cu_seqlens_unpadded" in inspect.signature(flop_utils.accumulate_flops_metadata).parameters:
+            kwargs["cu_seqlens_unpadded"] = params.cu_seqlens_q
+    flop_utils.accumulate_flops_metadata(state, forward_args["input_ids"], **kwargs)
+
+
 def _timer(state, name: str):
     timers = getattr(state, "timers", None)
     if timers is None:
@@ -464,6 +493,7 @@ def forward_step(
         batch = next(data_iterator)
     is_last_stage = is_pp_last_stage(pg_collection.pp)
     prepared = prepare_micro_batch(batch, model, state, pg_collection, is_last_stage=is_last_stage)
+    accumulate_flops(state, model, prepared.forward_args)
     stats_log = getattr(state, "bridge_thd_stats", None)
     if isinstance(stats_log, list):
         stats_log.append(prepared.stats)

@@ -18,7 +18,7 @@ import os
 import sys
 import types
 
-__all__ = ["load_bridge_module", "bridge_available"]
+__all__ = ["load_bridge_module", "bridge_available", "load_flop_utils"]
 
 _BRIDGE = "megatron.bridge"
 
@@ -81,3 +81,40 @@ def load_bridge_module(relative_name: str) -> types.ModuleType:
     if not _full_package_importable():
         _install_bare_package_finder()
     return importlib.import_module(module_name)
+
+
+class _Placeholder:
+    """Stands for a Megatron-Bridge class that cannot be imported without Transformer Engine."""
+
+
+# Names flop_utils imports but uses only in an isinstance test (LoRA) or annotations (ConfigContainer).
+_FLOP_UTILS_PLACEHOLDERS = {"peft.lora": "LoRA", "training.config": "ConfigContainer"}
+
+
+def load_flop_utils() -> types.ModuleType:
+    """Megatron-Bridge's ``training/utils/flop_utils.py`` (the trainer's FLOPs accounting).
+
+    The module imports ``peft.lora.LoRA`` (Transformer Engine) and ``training.config.ConfigContainer``
+    (Energon, ``datasets``, ...). Only when Transformer Engine is absent, and only for the
+    duration of this import, those two modules resolve to placeholders; ``LoRA`` is used in an
+    ``isinstance`` test (no LoRA can exist without TE) and ``ConfigContainer`` in annotations.
+    """
+    name = f"{_BRIDGE}.training.utils.flop_utils"
+    if name in sys.modules or _full_package_importable():
+        return load_bridge_module("training.utils.flop_utils")
+    _install_bare_package_finder()
+    saved = {}
+    for relative, attribute in _FLOP_UTILS_PLACEHOLDERS.items():
+        full = f"{_BRIDGE}.{relative}"
+        saved[full] = sys.modules.get(full)
+        placeholder = types.ModuleType(full)
+        setattr(placeholder, attribute, type(attribute, (_Placeholder,), {}))
+        sys.modules[full] = placeholder
+    try:
+        return importlib.import_module(name)
+    finally:
+        for full, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(full, None)
+            else:
+                sys.modules[full] = previous
