@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -38,11 +40,17 @@ class DeferredCheck:
     """A validity condition that needs the data to decide.
 
     ``failed`` is a 0-dim bool tensor on the data's device, True when the input is bad;
-    ``message`` is the error text (it names the argument and the fix).
+    ``message`` is the error text (it names the argument and the fix); ``details``, if given,
+    builds a few more words from the data and is called only once the check has failed, so
+    the host reads it needs cost nothing on the good path (device asserts use ``message``).
     """
 
     failed: torch.Tensor
     message: str
+    details: Callable[[], str] | None = None
+
+    def text(self) -> str:
+        return self.message if self.details is None else f"{self.message} ({self.details()})"
 
 
 def raise_failed_checks(checks: list[DeferredCheck], flags: list | None = None) -> None:
@@ -59,7 +67,7 @@ def raise_failed_checks(checks: list[DeferredCheck], flags: list | None = None) 
         flags = torch.stack([check.failed for check in checks]).tolist()
     for check, failed in zip(checks, flags):
         if failed:
-            raise ValueError(check.message)
+            raise ValueError(check.text())
 
 
 def keep_mask_from_attention_mask(

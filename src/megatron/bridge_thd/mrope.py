@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["qwen3_vl_position_ids", "PADDING_POSITION"]
+from megatron.bridge_thd.lengths import DeferredCheck, raise_failed_checks
+
+__all__ = ["qwen3_vl_position_ids", "qwen3_vl_position_ids_deferred", "PADDING_POSITION"]
 
 PADDING_POSITION = 0
 """Position written at padding positions (the value Hugging Face uses); attention never reads it."""
@@ -84,6 +86,39 @@ def qwen3_vl_position_ids(
 ) -> torch.Tensor:
     """Qwen3-VL MRoPE positions of every sample of a padded batch.
 
+    The arguments of :func:`qwen3_vl_position_ids_deferred`.
+
+    Returns:
+        ``(3, B, T)`` int64 positions (temporal, height, width); each sample starts at 0;
+        padding positions hold :data:`PADDING_POSITION`.
+
+    Raises:
+        ValueError: when the placeholder tokens do not match the grids (an image cut by
+            truncation, a missing grid) or an image does not follow a vision-start token. This
+            check reads one summary tensor on the host.
+    """
+    positions, checks = qwen3_vl_position_ids_deferred(
+        input_ids, attention_mask, image_grid_thw, video_grid_thw, image_token_id=image_token_id,
+        video_token_id=video_token_id, vision_start_token_id=vision_start_token_id,
+        spatial_merge_size=spatial_merge_size,
+    )
+    raise_failed_checks(checks)
+    return positions
+
+
+def qwen3_vl_position_ids_deferred(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    vision_start_token_id: int,
+    spatial_merge_size: int = 2,
+) -> tuple[torch.Tensor, list[DeferredCheck]]:
+    """Qwen3-VL MRoPE positions of every sample of a padded batch, checks left to the caller.
+
     Args:
         input_ids: ``(B, T)`` token ids, image/video placeholders already expanded (one token
             per merged patch, as Qwen3-VL's processor emits them).
@@ -94,13 +129,12 @@ def qwen3_vl_position_ids(
         spatial_merge_size: the vision config's patch merge size.
 
     Returns:
-        ``(3, B, T)`` int64 positions (temporal, height, width); each sample starts at 0;
-        padding positions hold :data:`PADDING_POSITION`.
-
-    Raises:
-        ValueError: when the placeholder tokens do not match the grids (an image cut by
-            truncation, a missing grid) or an image does not follow a vision-start token. This
-            check reads one summary tensor on the host.
+        positions: ``(3, B, T)`` int64 (temporal, height, width); each sample starts at 0;
+            padding positions hold :data:`PADDING_POSITION`.
+        checks: :class:`~megatron.bridge_thd.lengths.DeferredCheck` s, failed when the
+            placeholder tokens do not match the grids (an image cut by truncation, a missing
+            grid) or an image does not follow a vision-start token. No host read happens here:
+            the step reads them with the packer's one read (or asserts them on the device).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected (B, T), got {tuple(input_ids.shape)}")
@@ -134,21 +168,26 @@ def qwen3_vl_position_ids(
     previous_real = torch.nn.functional.pad(last_real[:, :-1], (1, 0), value=-1)
     previous_token = torch.where(previous_real >= 0, input_ids.gather(1, previous_real.clamp(min=0)), -1)
     orphan_item = ((image_first | video_first) & (previous_token != vision_start_token_id)).any()
-    image_mismatch, video_mismatch, orphan = torch.stack([image_error, video_error, orphan_item]).tolist()
-    if image_mismatch:
-        raise ValueError(
-            f"image_grid_thw: the batch holds {int(is_image.sum())} real image tokens but the grids describe "
-            f"{int((image_grids[:, 0] * (image_grids[:, 1] // spatial_merge_size) * (image_grids[:, 2] // spatial_merge_size)).sum())}; "
-            "pass one grid per image in order of appearance, and never truncate inside an image"
-        )
-    if video_mismatch:
-        raise ValueError(
-            f"video_grid_thw: the batch holds {int(is_video.sum())} real video tokens but the grids describe "
-            "a different number; pass one grid per video in order of appearance, and never truncate inside a video"
-        )
-    if orphan:
-        raise ValueError(
+    image_tokens_in_grids = (
+        image_grids[:, 0] * (image_grids[:, 1] // spatial_merge_size) * (image_grids[:, 2] // spatial_merge_size)
+    ).sum()
+    checks = [
+        DeferredCheck(
+            image_error,
+            "image_grid_thw: the real image tokens of the batch do not match its grids; pass one grid per image in "
+            "order of appearance, and never truncate inside an image",
+            lambda: f"{int(is_image.sum())} image tokens, grids describe {int(image_tokens_in_grids)}",
+        ),
+        DeferredCheck(
+            video_error,
+            "video_grid_thw: the real video tokens of the batch do not match its grids; pass one grid per video in "
+            "order of appearance, and never truncate inside a video",
+            lambda: f"{int(is_video.sum())} video tokens",
+        ),
+        DeferredCheck(
+            orphan_item,
             f"input_ids: an image or video starts without a vision-start token ({vision_start_token_id}) right "
-            "before it; check image_token_id / vision_start_token_id against the model config"
-        )
-    return positions
+            "before it; check image_token_id / vision_start_token_id against the model config",
+        ),
+    ]
+    return positions, checks

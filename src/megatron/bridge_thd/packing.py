@@ -10,6 +10,7 @@ host synchronisation (dynamic mode) reads the row length and the validity flags 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ class PackedBatch:
             the real and padded pairs for q and kv.
         packed_index: ``(B, T)`` int64, the row slot of each input position; N where the
             position is padding. ``unpack_thd_to_bshd`` gathers with it.
+        host_values: the caller's ``host_values`` as read on the host (dynamic mode), else None.
     """
 
     input_ids: torch.Tensor
@@ -74,6 +76,7 @@ class PackedBatch:
     padding_mask: torch.Tensor
     packed_seq_params: PackedSeqParams
     packed_index: torch.Tensor
+    host_values: list[int] | None = None
 
 
 def required_alignment(
@@ -157,6 +160,8 @@ def pack_bshd_to_thd(
     total_length: int | None = None,
     min_length: int = 0,
     pad_token_id: int = 0,
+    checks: Sequence[DeferredCheck] = (),
+    host_values: torch.Tensor | None = None,
 ) -> PackedBatch:
     """Pack the real tokens of a padded batch into one THD row.
 
@@ -179,6 +184,12 @@ def pack_bshd_to_thd(
             token) is extended to this length by one extra segment of padding. A multiple of
             ``align_to``; the step passes ``align_to`` so that a model always gets a row.
         pad_token_id: the id written into padding slots of ``input_ids``.
+        checks: the caller's own deferred checks (e.g. MRoPE placeholders vs grids): read with
+            the packer's one host read in dynamic mode (``ValueError``), device asserts in
+            static mode, like the packer's own.
+        host_values: ``(K,)`` int64 the caller needs on the host (e.g. truncation counts):
+            read with the same host read in dynamic mode and returned as
+            ``PackedBatch.host_values``; not read in static mode (None there).
 
     Returns:
         A :class:`PackedBatch`.
@@ -212,12 +223,15 @@ def pack_bshd_to_thd(
     if attention_mask is not None and real_lengths is not None:
         raise ValueError("attention_mask, real_lengths: pass one of them, not both")
 
+    caller_checks = list(checks)
     if attention_mask is not None:
         keep, checks = keep_mask_from_attention_mask(attention_mask.to(device), batch_size, seq_len)
     elif real_lengths is not None:
         keep, checks = keep_mask_from_real_lengths(real_lengths.to(device), batch_size, seq_len)
     else:
         keep, checks = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device), []
+    checks = checks + caller_checks
+    extra = host_values.reshape(-1).to(torch.int64) if host_values is not None else None
 
     lengths = lengths_of_keep_mask(keep)
     slots = _round_up(lengths, align_to)
@@ -235,12 +249,16 @@ def pack_bshd_to_thd(
         ]
         # The one host synchronisation: the row length sizes the output, and the validity flags
         # ride along so that checking costs nothing extra.
-        host = torch.stack(
-            [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(()), cu_seqlens[-1]]
-            + [check.failed.to(torch.int64) for check in checks]
-        ).tolist()
-        raise_failed_checks(checks, host[3:])
+        host = torch.cat([
+            torch.stack(
+                [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(()), cu_seqlens[-1]]
+                + [check.failed.to(torch.int64) for check in checks]
+            ),
+            extra if extra is not None else slots.new_zeros(0),
+        ]).tolist()
+        raise_failed_checks(checks, host[3 : 3 + len(checks)])
         row_length, max_seqlen, real_total = host[0], host[1], host[2]
+        read_values = host[3 + len(checks) :] if extra is not None else None
         # Padding anywhere (also in the last slot only) makes the padded total exceed the real one.
         pad_between_seqs = row_length != real_total
         if row_length < min_length:
@@ -269,6 +287,7 @@ def pack_bshd_to_thd(
         for check in checks:
             torch._assert_async(~check.failed, check.message)
         row_length = total_length
+        read_values = None
         max_seqlen = _round_up(seq_len, align_to)
         # Known without a host read: True is always correct (TE then honours the padded pair).
         pad_between_seqs = True
@@ -312,6 +331,7 @@ def pack_bshd_to_thd(
         padding_mask=padding_mask,
         packed_seq_params=packed_seq_params,
         packed_index=packed_index,
+        host_values=read_values,
     )
 
 

@@ -30,8 +30,8 @@ from typing import Any, Iterable
 
 import torch
 
-from megatron.bridge_thd.lengths import keep_mask_from_attention_mask, raise_failed_checks
-from megatron.bridge_thd.mrope import qwen3_vl_position_ids
+from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, raise_failed_checks
+from megatron.bridge_thd.mrope import qwen3_vl_position_ids_deferred
 from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment, scatter_into_row
 from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
 
@@ -159,8 +159,9 @@ def resolve_layout(state, pp_size: int, variable_seq_lengths: bool) -> str:
     return layout
 
 
-def capture_keep_mask(batch: dict, tokens: torch.Tensor, state, model_config) -> torch.Tensor:
-    """The ``(B, T)`` keep mask, taken from the dataset's mask before any pad/truncate helper.
+def capture_keep_mask(batch: dict, tokens: torch.Tensor, state, model_config) -> tuple[torch.Tensor, list[DeferredCheck]]:
+    """The ``(B, T)`` keep mask, taken from the dataset's mask before any pad/truncate helper,
+    and the deferred validity checks of a 4D mask (none for a 2D one).
 
     Without a mask, lengths are derived from the pad token only when the user opted in with
     ``dataset.packing_length_fallback = "pad_token"``; the pad id comes from the tokenizer or the
@@ -168,9 +169,7 @@ def capture_keep_mask(batch: dict, tokens: torch.Tensor, state, model_config) ->
     """
     attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
-        keep, checks = keep_mask_from_attention_mask(attention_mask.to(tokens.device), *tokens.shape)
-        raise_failed_checks(checks)
-        return keep
+        return keep_mask_from_attention_mask(attention_mask.to(tokens.device, non_blocking=True), *tokens.shape)
     if _cfg(state, "dataset", "packing_length_fallback", None) != "pad_token":
         raise ValueError(
             "attention_mask: the batch carries no attention mask, so real sample lengths are unknown. Set "
@@ -194,42 +193,44 @@ def capture_keep_mask(batch: dict, tokens: torch.Tensor, state, model_config) ->
     is_content = tokens != pad_id
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     real_length = torch.where(is_content, positions + 1, 0).amax(dim=1)
-    return positions[None, :] < real_length[:, None]
+    return positions[None, :] < real_length[:, None], []
 
 
-def truncate_to_seq_length(keep: torch.Tensor, tokens: torch.Tensor, seq_length: int, vision_ids) -> tuple[torch.Tensor, torch.Tensor]:
+def truncate_to_seq_length(
+    keep: torch.Tensor, tokens: torch.Tensor, seq_length: int, vision_ids
+) -> tuple[torch.Tensor, torch.Tensor | None, list[DeferredCheck]]:
     """Keep each sample's first ``seq_length`` real tokens, unless that would cut an image.
 
     Returns:
-        keep: ``(B, T)`` the truncated keep mask; truncated: ``(B,)`` real tokens dropped.
-
-    Raises:
-        ValueError: naming the samples whose cut part holds image or video tokens (the vision
-            tower would emit embeddings for placeholders that no longer exist).
+        keep: ``(B, T)`` the truncated keep mask.
+        truncated: ``(B,)`` real tokens dropped per sample, or None when the batch is no wider
+            than ``seq_length`` (nothing can be cut, nothing needs reading).
+        checks: fails when a cut part holds image or video tokens (the vision tower would emit
+            embeddings for placeholders that no longer exist); read by the caller.
     """
     if tokens.shape[1] <= seq_length:
-        return keep, torch.zeros(tokens.shape[0], dtype=torch.int64, device=tokens.device)
+        return keep, None, []
     rank = keep.cumsum(dim=1) - 1
     kept = keep & (rank < seq_length)
     dropped = keep & ~kept
     is_vision = (tokens == vision_ids["image_token_id"]) | (tokens == vision_ids["video_token_id"])
     cut_vision = (dropped & is_vision).any(dim=1)
-    truncated = dropped.sum(dim=1)
-    # One host read covers both the error and the report.
-    cut_host, truncated_host = torch.stack([cut_vision.long(), truncated]).tolist()
-    if any(cut_host):
-        samples = [i for i, cut in enumerate(cut_host) if cut]
-        raise ValueError(
-            f"seq_length: samples {samples} of this micro-batch are longer than seq_length={seq_length} and "
-            "truncating them would cut an image or video. Raise seq_length, lower the image resolution "
-            "(max_pixels), or filter these samples in the dataset."
-        )
-    if any(truncated_host):
+    check = DeferredCheck(
+        cut_vision.any(),
+        f"seq_length: samples of this micro-batch are longer than seq_length={seq_length} and truncating them would "
+        "cut an image or video. Raise seq_length, lower the image resolution (max_pixels), or filter these samples "
+        "in the dataset",
+        lambda: f"samples {cut_vision.nonzero().flatten().tolist()}",
+    )
+    return kept, dropped.sum(dim=1), [check]
+
+
+def _log_truncation(truncated: list[int] | None, seq_length: int) -> None:
+    if truncated and any(truncated):
         logger.warning(
             "bridge_thd: truncated %s real tokens (per sample: %s) to seq_length=%d; no image was cut",
-            sum(truncated_host), truncated_host, seq_length,
+            sum(truncated), truncated, seq_length,
         )
-    return kept, truncated
 
 
 def relay_right_padded(values: torch.Tensor, keep: torch.Tensor, width: int, fill) -> torch.Tensor:
@@ -246,118 +247,103 @@ def relay_right_padded(values: torch.Tensor, keep: torch.Tensor, width: int, fil
     return row.reshape(*values.shape[:-2], batch_size, width)
 
 
-def prepare_micro_batch(
-    batch: dict,
-    model,
-    state,
-    pg_collection,
-    *,
-    is_last_stage: bool = True,
-) -> PreparedMicroBatch:
-    """Everything between the data iterator and ``model(**forward_args)``.
+@dataclass
+class StepSettings:
+    """What the step needs to know of the configuration and the process groups."""
 
-    Args:
-        batch: Megatron-Bridge's VLM micro-batch dict: ``tokens``/``input_ids`` ``(B, T)``,
-            ``labels``, ``loss_mask``, ``attention_mask`` (2D keep mask or 4D), ``position_ids``,
-            ``visual_inputs`` (with ``normalized_for_model()``).
-        model: the model chunk (or its DDP / Float16Module wrapper); its device and ``forward``
-            signature are used.
-        state: Megatron-Bridge ``GlobalState`` (only ``state.cfg`` and ``state.tokenizer`` are read).
-        pg_collection: process groups (``tp``, ``cp``, ``pp``, ``ep``).
-    """
-    if batch.get("cu_seqlens_q") is not None or batch.get("cu_seqlens") is not None:
-        raise ValueError(
-            "batch: this step packs the micro-batch itself; use an unpacked collate (no cu_seqlens in the batch)"
-        )
-    core_model = _unwrap(model)
-    model_config = getattr(core_model, "config", None)
-    device = next(core_model.parameters()).device
-    tokens = batch.get("tokens")
-    if tokens is None:
-        tokens = batch.get("input_ids")
-    if tokens is None or tokens.dim() != 2:
-        raise ValueError("batch: expected 'tokens' or 'input_ids' of shape (B, T)")
-    tokens = tokens.to(device)
-    labels = batch.get("labels")
-    loss_mask = batch.get("loss_mask")
-    labels = labels.to(device) if labels is not None and is_last_stage else None
-    loss_mask = loss_mask.to(device) if loss_mask is not None else torch.ones_like(tokens, dtype=torch.float)
-    visual = batch.get("visual_inputs")
-    multi_modal = visual.normalized_for_model() if visual is not None else {}
-    multi_modal = {k: v.to(device) for k, v in multi_modal.items() if v is not None}
+    sizes: dict[str, int]
+    seq_length: int
+    variable_seq_lengths: bool
+    fp8: bool
+    sequence_parallel: bool
+    layout: str
+    vision_ids: dict[str, int]
+    micro_batch_size: int | None
 
+
+def _step_settings(state, model_config, pg_collection) -> StepSettings:
     sizes = _sizes(pg_collection)
     seq_length = _model_setting(model_config, state, "seq_length") or _cfg(state, "dataset", "seq_length")
     if seq_length is None:
         raise ValueError("model.seq_length: not set; the step needs it to bound sample lengths")
     variable_seq_lengths = bool(_model_setting(model_config, state, "variable_seq_lengths", False))
-    fp8 = bool(_model_setting(model_config, state, "fp8", None))  # Megatron: a recipe name or None
-    sequence_parallel = bool(_model_setting(model_config, state, "sequence_parallel", False))
-    layout = resolve_layout(state, sizes["pp"], variable_seq_lengths)
-    vision_ids = _vision_token_ids(model_config)
-
-    # The keep mask is captured here, before any pad/truncate helper could drop a 2D mask.
-    keep = capture_keep_mask(batch, tokens, state, model_config)
-    keep, truncated = truncate_to_seq_length(keep, tokens, seq_length, vision_ids)
-    mrope = qwen3_vl_position_ids(
-        tokens, keep, multi_modal.get("image_grid_thw"), multi_modal.get("video_grid_thw"), **vision_ids
+    return StepSettings(
+        sizes=sizes,
+        seq_length=seq_length,
+        variable_seq_lengths=variable_seq_lengths,
+        fp8=bool(_model_setting(model_config, state, "fp8", None)),  # Megatron: a recipe name or None
+        sequence_parallel=bool(_model_setting(model_config, state, "sequence_parallel", False)),
+        layout=resolve_layout(state, sizes["pp"], variable_seq_lengths),
+        vision_ids=_vision_token_ids(model_config),
+        micro_batch_size=_cfg(state, "train", "micro_batch_size", None),
     )
-    lengths = keep.sum(dim=1)
-    batch_size = tokens.shape[0]
-    # The padded layout Megatron-Bridge would run: batch width aligned (seq_length when PP/EP force it).
-    bshd_align = math.lcm(sizes["tp"] * sizes["cp"] * 2 if sizes["cp"] > 1 else sizes["tp"], 16 if fp8 else 1)
-    bshd_width = math.ceil(min(tokens.shape[1], seq_length) / bshd_align) * bshd_align
-    if sizes["pp"] > 1 or sizes["ep"] > 1:
-        bshd_width = max(bshd_width, seq_length)
 
-    forward_args: dict[str, Any] = dict(multi_modal)
-    p2p_micro_batch_size = None
-    if layout == "bshd":
-        forward_args.update(
-            input_ids=relay_right_padded(tokens, keep, bshd_width, 0),
-            labels=None if labels is None else relay_right_padded(labels, keep, bshd_width, -100),
-            position_ids=relay_right_padded(mrope, keep, bshd_width, 0),
-            attention_mask=None,
-            packed_seq_params=None,
-        )
-        loss_mask = relay_right_padded(loss_mask, keep, bshd_width, 0)
-        forward_args["loss_mask"] = loss_mask
-        extras = {"padding_mask": ~relay_right_padded(keep, keep, bshd_width, False)}
-        attention_work = torch.tensor(batch_size * bshd_width**2, device=device)
-        processed = batch_size * bshd_width
-    else:
-        align = required_alignment(sizes["tp"], sizes["cp"], sequence_parallel=sequence_parallel, fp8=fp8)
-        total_length = None
-        if layout == "thd_static":
-            micro_batch_size = _cfg(state, "train", "micro_batch_size", None) or batch_size
-            if sizes["pp"] > 1 and not variable_seq_lengths:
-                p2p_micro_batch_size = micro_batch_size
-                _check_static_pipeline_row(batch_size, micro_batch_size, seq_length, align)
-            total_length = max(micro_batch_size, batch_size) * math.ceil(seq_length / align) * align
-        packed = pack_bshd_to_thd(
-            tokens,
-            keep,
-            labels=labels,
-            loss_mask=loss_mask,
-            position_ids=mrope,
-            align_to=align,
-            total_length=total_length,
-            # A micro-batch of padding only still reaches the model as one aligned padding segment.
-            min_length=align,
-        )
-        forward_args.update(
-            input_ids=packed.input_ids,
-            labels=packed.labels,
-            position_ids=packed.position_ids,
-            attention_mask=None,
-            packed_seq_params=packed.packed_seq_params,
-        )
-        loss_mask = packed.loss_mask
-        forward_args["loss_mask"] = loss_mask
-        extras = {"padding_mask": packed.padding_mask, "rope_cu_seqlens": packed.cu_seqlens_padded}
-        attention_work = (lengths.to(torch.int64) ** 2).sum()
-        processed = packed.input_ids.shape[1]
 
+def _batch_on_device(batch: dict, device, is_last_stage: bool):
+    """tokens ``(B, T)``, labels (last stage only), loss_mask, visual inputs, copied without
+    blocking the host (the data loader pins them)."""
+    if batch.get("cu_seqlens_q") is not None or batch.get("cu_seqlens") is not None:
+        raise ValueError(
+            "batch: this step packs the micro-batch itself; use an unpacked collate (no cu_seqlens in the batch)"
+        )
+    tokens = batch.get("tokens")
+    if tokens is None:
+        tokens = batch.get("input_ids")
+    if tokens is None or tokens.dim() != 2:
+        raise ValueError("batch: expected 'tokens' or 'input_ids' of shape (B, T)")
+    tokens = tokens.to(device, non_blocking=True)
+    labels = batch.get("labels")
+    labels = labels.to(device, non_blocking=True) if labels is not None and is_last_stage else None
+    loss_mask = batch.get("loss_mask")
+    loss_mask = (
+        loss_mask.to(device, non_blocking=True) if loss_mask is not None else torch.ones_like(tokens, dtype=torch.float)
+    )
+    visual = batch.get("visual_inputs")
+    multi_modal = visual.normalized_for_model() if visual is not None else {}
+    multi_modal = {k: v.to(device, non_blocking=True) for k, v in multi_modal.items() if v is not None}
+    return tokens, labels, loss_mask, multi_modal
+
+
+def _read_now(checks: list[DeferredCheck], truncated: torch.Tensor | None) -> list[int] | None:
+    """One host read of every deferred check and the truncation counts (layouts without the
+    packer's read); nothing at all when there is nothing to read."""
+    if not checks and truncated is None:
+        return None
+    flags = [check.failed.to(torch.int64).reshape(1) for check in checks]
+    host = torch.cat(flags + ([truncated.to(torch.int64)] if truncated is not None else [])).tolist()
+    raise_failed_checks(checks, host[: len(checks)])
+    return host[len(checks) :] if truncated is not None else None
+
+
+def _bshd_forward_args(tokens, labels, loss_mask, mrope, keep, width: int) -> tuple[dict, dict]:
+    """The padded layout: samples re-laid right-padded (causal-safe) in ``(B, width)``."""
+    loss_mask = relay_right_padded(loss_mask, keep, width, 0)
+    forward_args = dict(
+        input_ids=relay_right_padded(tokens, keep, width, 0),
+        labels=None if labels is None else relay_right_padded(labels, keep, width, -100),
+        position_ids=relay_right_padded(mrope, keep, width, 0),
+        attention_mask=None,
+        packed_seq_params=None,
+        loss_mask=loss_mask,
+    )
+    return forward_args, {"padding_mask": ~relay_right_padded(keep, keep, width, False)}
+
+
+def _thd_forward_args(packed) -> tuple[dict, dict]:
+    forward_args = dict(
+        input_ids=packed.input_ids,
+        labels=packed.labels,
+        position_ids=packed.position_ids,
+        attention_mask=None,
+        packed_seq_params=packed.packed_seq_params,
+        loss_mask=packed.loss_mask,
+    )
+    return forward_args, {"padding_mask": packed.padding_mask, "rope_cu_seqlens": packed.cu_seqlens_padded}
+
+
+def _pass_declared_extras(model, forward_args: dict, extras: dict, layout: str) -> None:
+    """Hand each extra to the model only under a parameter name its ``forward`` declares."""
+    core_model = _unwrap(model)
     accepted, not_accepted = declared_extras(model)
     for name in accepted:
         if name in extras:
@@ -373,16 +359,92 @@ def prepare_micro_batch(
             else ""
         ),
     )
+
+
+def prepare_micro_batch(
+    batch: dict,
+    model,
+    state,
+    pg_collection,
+    *,
+    is_last_stage: bool = True,
+) -> PreparedMicroBatch:
+    """Everything between the data iterator and ``model(**forward_args)``.
+
+    Host synchronisations: one in ``thd`` (the packer's read carries the row length, every
+    validity flag — mask, MRoPE placeholders vs grids, truncation — and the truncation counts),
+    none in ``thd_static`` when the batch is no wider than ``seq_length`` (checks become device
+    asserts), one in ``bshd`` and in a truncating ``thd_static``.
+
+    Args:
+        batch: Megatron-Bridge's VLM micro-batch dict: ``tokens``/``input_ids`` ``(B, T)``,
+            ``labels``, ``loss_mask``, ``attention_mask`` (2D keep mask or 4D), ``position_ids``,
+            ``visual_inputs`` (with ``normalized_for_model()``).
+        model: the model chunk (or its DDP / Float16Module wrapper); its device and ``forward``
+            signature are used.
+        state: Megatron-Bridge ``GlobalState`` (only ``state.cfg`` and ``state.tokenizer`` are read).
+        pg_collection: process groups (``tp``, ``cp``, ``pp``, ``ep``).
+    """
+    core_model = _unwrap(model)
+    model_config = getattr(core_model, "config", None)
+    tokens, labels, loss_mask, multi_modal = _batch_on_device(batch, next(core_model.parameters()).device, is_last_stage)
+    settings = _step_settings(state, model_config, pg_collection)
+    layout, seq_length, sizes = settings.layout, settings.seq_length, settings.sizes
+
+    # The keep mask is captured here, before any pad/truncate helper could drop a 2D mask.
+    keep, checks = capture_keep_mask(batch, tokens, state, model_config)
+    keep, truncated, truncation_checks = truncate_to_seq_length(keep, tokens, seq_length, settings.vision_ids)
+    mrope, mrope_checks = qwen3_vl_position_ids_deferred(
+        tokens, keep, multi_modal.get("image_grid_thw"), multi_modal.get("video_grid_thw"), **settings.vision_ids
+    )
+    checks = checks + truncation_checks + mrope_checks
+    lengths = keep.sum(dim=1)
+    batch_size = tokens.shape[0]
+    # The padded layout Megatron-Bridge would run: batch width aligned (seq_length when PP/EP force it).
+    bshd_align = math.lcm(sizes["tp"] * sizes["cp"] * 2 if sizes["cp"] > 1 else sizes["tp"], 16 if settings.fp8 else 1)
+    bshd_width = math.ceil(min(tokens.shape[1], seq_length) / bshd_align) * bshd_align
+    if sizes["pp"] > 1 or sizes["ep"] > 1:
+        bshd_width = max(bshd_width, seq_length)
+
+    p2p_micro_batch_size = None
+    if layout == "bshd":
+        _log_truncation(_read_now(checks, truncated), seq_length)
+        forward_args, extras = _bshd_forward_args(tokens, labels, loss_mask, mrope, keep, bshd_width)
+        attention_work = torch.tensor(batch_size * bshd_width**2, device=tokens.device)
+    else:
+        align = required_alignment(sizes["tp"], sizes["cp"], sequence_parallel=settings.sequence_parallel,
+                                   fp8=settings.fp8)
+        total_length = None
+        if layout == "thd_static":
+            micro_batch_size = settings.micro_batch_size or batch_size
+            if sizes["pp"] > 1 and not settings.variable_seq_lengths:
+                p2p_micro_batch_size = micro_batch_size
+                _check_static_pipeline_row(batch_size, micro_batch_size, seq_length, align)
+            total_length = max(micro_batch_size, batch_size) * math.ceil(seq_length / align) * align
+            if truncated is not None:  # a truncating static batch: one read for the report
+                _log_truncation(_read_now(truncation_checks, truncated), seq_length)
+        packed = pack_bshd_to_thd(
+            tokens, keep, labels=labels, loss_mask=loss_mask, position_ids=mrope, align_to=align,
+            total_length=total_length,
+            # A micro-batch of padding only still reaches the model as one aligned padding segment.
+            min_length=align,
+            checks=checks, host_values=truncated if total_length is None else None,
+        )
+        _log_truncation(packed.host_values, seq_length)
+        forward_args, extras = _thd_forward_args(packed)
+        attention_work = (lengths.to(torch.int64) ** 2).sum()
+    forward_args.update(multi_modal)
+    _pass_declared_extras(model, forward_args, extras, layout)
     stats = PackingStats(
         layout=layout,
         real_tokens=lengths.sum(),
-        processed_tokens=processed,
+        processed_tokens=forward_args["input_ids"].numel(),
         padded_tokens=batch_size * bshd_width,
         attention_work=attention_work,
         padded_attention_work=batch_size * bshd_width**2,
-        truncated_tokens=truncated.sum(),
+        truncated_tokens=(keep.new_zeros((), dtype=torch.int64) if truncated is None else truncated.sum()),
     )
-    return PreparedMicroBatch(forward_args=forward_args, loss_mask=loss_mask, stats=stats,
+    return PreparedMicroBatch(forward_args=forward_args, loss_mask=forward_args["loss_mask"], stats=stats,
                               p2p_micro_batch_size=p2p_micro_batch_size)
 
 
@@ -429,7 +491,8 @@ def accumulate_flops(state, model, forward_args: dict) -> None:
     try:
         flop_utils = load_flop_utils()
     except ImportError as exc:  # an installation without the FLOPs helpers: nothing to feed
-        _log_once("flops", f"bridge_thd: Megatron-Bridge's flop_utils cannot be loaded ({exc}); FLOPs not reported")
+        _log_once("flops", f"bridge_thd: Megatron-Bridge's flop_utils cannot be loaded ({exc}); FLOPs not reported",
+                  logging.WARNING)
         return
     params = forward_args.get("packed_seq_params")
     patches = None
@@ -462,6 +525,15 @@ def _timer(state, name: str):
     return running()
 
 
+def _straggler_timer(state, **kwargs):
+    """Megatron-Bridge's ``state.straggler_timer`` (called with ``bdata=True`` for the data phase),
+    or nothing outside its trainer."""
+    timer = getattr(state, "straggler_timer", None)
+    if timer is None:
+        return contextlib.nullcontext()
+    return timer(**kwargs) if kwargs else timer
+
+
 def forward_step(
     state,
     data_iterator: Iterable,
@@ -489,10 +561,13 @@ def forward_step(
     from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 
     pg_collection = pg_utils.get_pg_collection(model)
-    with _timer(state, "batch-generator"):
-        batch = next(data_iterator)
     is_last_stage = is_pp_last_stage(pg_collection.pp)
-    prepared = prepare_micro_batch(batch, model, state, pg_collection, is_last_stage=is_last_stage)
+    # As Megatron-Bridge's step: "batch-generator" and the straggler timer's data phase cover
+    # fetching the batch and its (non-blocking) device copies, here with the packing that
+    # follows them.
+    with _timer(state, "batch-generator"), _straggler_timer(state, bdata=True):
+        batch = next(data_iterator)
+        prepared = prepare_micro_batch(batch, model, state, pg_collection, is_last_stage=is_last_stage)
     accumulate_flops(state, model, prepared.forward_args)
     stats_log = getattr(state, "bridge_thd_stats", None)
     if isinstance(stats_log, list):
@@ -522,7 +597,8 @@ def forward_step(
 
     if prepared.p2p_micro_batch_size is not None:
         _view_received_row_as_thd(_unwrap(model))
-    output = model(**args)
+    with _straggler_timer(state):
+        output = model(**args)
     if prepared.p2p_micro_batch_size is not None and not is_last_stage:
         # The row goes to the next stage in the shape its receive buffer has.
         output = output.reshape(-1, prepared.p2p_micro_batch_size, output.shape[-1])

@@ -100,7 +100,8 @@ def load_flop_utils() -> types.ModuleType:
     ``isinstance`` test (no LoRA can exist without TE) and ``ConfigContainer`` in annotations.
     """
     name = f"{_BRIDGE}.training.utils.flop_utils"
-    if name in sys.modules or _full_package_importable():
+    # Transformer Engine itself decides (megatron.bridge may already be a bare namespace here).
+    if name in sys.modules or importlib.util.find_spec("transformer_engine") is not None:
         return load_bridge_module("training.utils.flop_utils")
     _install_bare_package_finder()
     saved = {}

@@ -1,0 +1,99 @@
+"""Host synchronisations of the whole ``prepare_micro_batch`` (everything the step does between the
+data iterator and the model), counted by ``opcount`` on Megatron-Bridge's real model.
+
+On a GPU each counted read stalls the host until the device catches up, on every pipeline stage:
+dynamic ``thd`` needs exactly one (the row length sizes the output, and every validity flag and
+the truncation counts ride in it), ``thd_static`` within ``seq_length`` needs none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _real_model import receipt_batch, trimmed
+
+from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd.cpu.stack import cpu_stack
+from megatron.bridge_thd.opcount import count_ops
+from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch
+from megatron.bridge_thd.standalone import init_single_process_groups, minimal_state
+
+SEQ_LENGTH = 2048
+
+
+@pytest.fixture(scope="module")
+def model():
+    pg = init_single_process_groups()
+    with cpu_stack():
+        model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=SEQ_LENGTH), seed=0)
+    model.pg_collection = pg
+    return model
+
+
+def _syncs(model, batch, layout, seq_length=SEQ_LENGTH):
+    state = minimal_state(seq_length=seq_length, micro_batch_size=batch["tokens"].shape[0], packing_layout=layout)
+    model.config.seq_length = seq_length
+    try:
+        with count_ops() as counts:
+            prepared = prepare_micro_batch(batch, model, state, model.pg_collection)
+    finally:
+        model.config.seq_length = SEQ_LENGTH
+    return counts, prepared
+
+
+def _with_4d_mask(batch):
+    keep = batch["attention_mask"].bool()
+    width = keep.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    allowed = causal[None] & keep[:, None, :] & keep[:, :, None]
+    return {**batch, "attention_mask": (~allowed)[:, None]}
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_dynamic_thd_reads_the_host_once(model, padding):
+    counts, prepared = _syncs(model, receipt_batch(padding), "thd")
+    assert counts.host_syncs == 1, counts.sync_sites
+    assert prepared.forward_args["packed_seq_params"] is not None
+
+
+def test_dynamic_thd_with_a_4d_mask_reads_the_host_once(model):
+    counts, _ = _syncs(model, _with_4d_mask(receipt_batch("right")), "thd")
+    assert counts.host_syncs == 1, counts.sync_sites
+
+
+def test_dynamic_thd_that_truncates_still_reads_the_host_once(model, caplog):
+    batch = receipt_batch("right")
+    longest = int(batch["attention_mask"].sum(1).max())
+    counts, prepared = _syncs(model, batch, "thd", seq_length=longest - 5)
+    assert counts.host_syncs == 1, counts.sync_sites
+    assert int(prepared.stats.truncated_tokens) == 5
+    assert any("truncated 5 real tokens" in r.getMessage() for r in caplog.records)
+
+
+def test_static_thd_within_seq_length_never_reads_the_host(model):
+    counts, prepared = _syncs(model, receipt_batch("left"), "thd_static")
+    assert counts.host_syncs == 0, counts.sync_sites
+    assert prepared.forward_args["input_ids"].shape[1] == 3 * SEQ_LENGTH
+
+
+def test_static_thd_checks_are_device_asserts(model):
+    """No read, but a bad batch still stops: the check runs on the device (RuntimeError on the
+    CPU, at the next synchronisation on a GPU) with the same message."""
+    batch = receipt_batch("right")
+    batch = {**batch, "visual_inputs": type(batch["visual_inputs"])(
+        pixel_values=batch["visual_inputs"].pixel_values, image_grid_thw=batch["visual_inputs"].image_grid_thw[:-1])}
+    with pytest.raises(RuntimeError, match="image_grid_thw"):
+        _syncs(model, batch, "thd_static")
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        _syncs(model, batch, "thd")
+
+
+def test_bshd_reads_the_host_once(model):
+    counts, _ = _syncs(model, receipt_batch("right"), "bshd")
+    assert counts.host_syncs == 1, counts.sync_sites
+
+
+def test_truncation_that_cuts_an_image_is_refused_in_the_one_read(model):
+    batch = trimmed(receipt_batch("right"), receipt_batch("right")["attention_mask"].sum(1).tolist())
+    with pytest.raises(ValueError, match=r"seq_length.*samples \[0, 1, 2\]"):
+        _syncs(model, batch, "thd", seq_length=20)
