@@ -102,6 +102,24 @@ def run_demo(micro_batches: int, micro_batch_size: int, seq_length: int, seed: i
     return _report(results, model, model_kind, micro_batches, micro_batch_size, seq_length)
 
 
+def _trainer_flops(model, state, batch_size: int, **override) -> float | None:
+    """The FLOPs Megatron-Bridge's trainer logs for the step, from the accumulators our step fed
+    (``training/utils/flop_utils.py``); None for a model without a Megatron config (HF)."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "num_layers"):
+        return None
+    from types import SimpleNamespace
+
+    from megatron.bridge_thd.upstream import load_flop_utils
+
+    flop_utils = load_flop_utils()
+    seqlen_sum, seqlen_sq_sum, patches, _, _ = flop_utils.resolve_global_flops_runtime_stats(
+        state, data_parallel_size=1, dp_group=torch.distributed.group.WORLD
+    )
+    stats = dict(seqlen_sum=seqlen_sum, seqlen_squared_sum=seqlen_sq_sum, num_vision_patches=patches, **override)
+    return float(flop_utils.num_floating_point_operations(SimpleNamespace(model=config, peft=None), batch_size, **stats))
+
+
 def _run_layouts(model, per_sample, micro_batches, micro_batch_size, seq_length, seed, progress) -> dict:
     batches = [synthetic_receipt_batch(micro_batch_size, seed=seed + k) for k in range(micro_batches)]
     bar = _Progress(micro_batches * (len(LAYOUTS) + 1), progress)
@@ -136,6 +154,7 @@ def _run_layouts(model, per_sample, micro_batches, micro_batch_size, seq_length,
                 padded=sum(s.padded_tokens for s in stats),
                 padded_work=sum(s.padded_attention_work for s in stats),
                 seconds=seconds,
+                flops=_trainer_flops(model, state, micro_batches * micro_batch_size),
             )
     bar.close()
     return results
@@ -152,13 +171,14 @@ def _report(results, model, model_kind, micro_batches, micro_batch_size, seq_len
         f"real tokens {bshd['real']}, supervised tokens {bshd['tokens']}; Megatron-Bridge's padded layout: "
         f"{bshd['padded']} token slots (batch width), {forced_tokens} when PP>1 or EP>1 force seq_length",
         "",
-        "| layout | loss sum | supervised | max abs dlogp vs per-sample | token slots | attention work sum(s^2) | work vs bshd | work vs bshd@seq_length | CPU s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| layout | loss sum | supervised | max abs dlogp vs per-sample | token slots | attention work sum(s^2) | work vs bshd | work vs bshd@seq_length | trainer GFLOP | CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for layout, r in results.items():
+        flops = "n/a" if r["flops"] is None else f"{r['flops'] / 1e9:.2f}"
         lines.append(
             f"| {layout} | {r['loss']:.4f} | {r['tokens']} | {r['max_dlogp']:.2e} | {r['processed']} | {r['work']:,} | "
-            f"{r['work'] / bshd['work']:.1%} | {r['work'] / forced_work:.1%} | {r['seconds']:.2f} |"
+            f"{r['work'] / bshd['work']:.1%} | {r['work'] / forced_work:.1%} | {flops} | {r['seconds']:.2f} |"
         )
     thd = results["thd"]
     lines += [
@@ -169,6 +189,11 @@ def _report(results, model, model_kind, micro_batches, micro_batch_size, seq_len
         f"Loss sums agree across layouts to {max(abs(r['loss'] - bshd['loss']) for r in results.values()):.2e}; "
         "thd_static runs the same row padded to a fixed length (its tail is one extra empty segment).",
     ]
+    if bshd["flops"] is not None:
+        lines.append(
+            "trainer GFLOP: what Megatron-Bridge's trainer logs for these micro-batches (flop_utils, vision included) "
+            "from what the step feeds it; without that feed it would assume micro_batch_size * seq_length tokens."
+        )
     return "\n".join(lines)
 
 

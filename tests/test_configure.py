@@ -1,0 +1,887 @@
+"""Tests of ``megatron.bridge_thd.configure.configure``.
+
+Two kinds of config objects are used:
+
+* ``types.SimpleNamespace`` objects shaped like a ``ConfigContainer`` (``cfg.dataset``,
+  ``cfg.model``, ``cfg.train``);
+* Megatron-Bridge 0.6.2's own classes, where they load on the CPU: ``TransformerConfig``
+  (``models/transformer_config.py``, with its deferred ``finalize()``), ``DataloaderConfig``
+  (``data/base.py``) and ``MockVLMSFTDatasetConfig``, whose class body is executed from the
+  installed ``data/builders/mock_vlm_sft.py`` (its module imports PIL and transformers, which the
+  class itself does not use), plus ``_enable_safe_hybridep_dispatch``,
+  ``validate_cuda_graph_configuration`` and ``DirectSFTDataset``.
+
+``training/config.py`` (``ConfigContainer.validate``) cannot be imported here: it imports
+``data.builders.direct_hf_sft`` -> ``data.sources.hf`` -> ``datasets`` (not installed), and
+``data.builders.gpt_sft`` needs ``megatron.bridge.data.packing.__init__``, which the CPU loader in
+``megatron.bridge_thd.upstream`` does not run. Its packing-related lines are therefore copied
+verbatim into :func:`bridge_062_packing_validate` below (file and line numbers there), and
+``test_copied_upstream_lines_are_current`` fails if the installed file no longer has them.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import importlib.util
+import logging
+import math
+import pathlib
+import typing
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.bridge_thd import configure as configure_module
+from megatron.bridge_thd import qwen3_vl_step
+from megatron.bridge_thd.configure import LAYOUTS, configure, cuda_graphs_enabled, is_explicit, uses_hybridep
+from megatron.bridge_thd.upstream import bridge_available, load_bridge_module
+
+LOGGER = "megatron.bridge_thd.configure"
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def make_cfg(dataset=None, model=None, train=None):
+    """A ConfigContainer-shaped namespace; no packing flag is set unless given."""
+    base_dataset = dict(seq_length=4096)
+    base_model = dict(pipeline_model_parallel_size=1, expert_model_parallel_size=1, seq_length=4096)
+    base_train = dict(micro_batch_size=4, global_batch_size=32)
+    return SimpleNamespace(
+        dataset=SimpleNamespace(**{**base_dataset, **(dataset or {})}),
+        model=SimpleNamespace(**{**base_model, **(model or {})}),
+        train=SimpleNamespace(**{**base_train, **(train or {})}),
+    )
+
+
+def snapshot(cfg):
+    return {name: copy.deepcopy(vars(getattr(cfg, name))) for name in ("dataset", "model", "train")}
+
+
+def configured_layout(cfg):
+    """The layout megatron.bridge_thd's step resolves from this config (its own resolve_layout)."""
+    model = getattr(cfg.model, "transformer", cfg.model)
+    return qwen3_vl_step.resolve_layout(
+        SimpleNamespace(cfg=cfg),
+        getattr(model, "pipeline_model_parallel_size", 1),
+        bool(getattr(model, "variable_seq_lengths", False)),
+    )
+
+
+HYBRIDEP = dict(num_moe_experts=8, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Bridge 0.6.2 pieces that load on the CPU
+# ---------------------------------------------------------------------------------------------
+
+needs_bridge = pytest.mark.skipif(not bridge_available(), reason="megatron-bridge is not installed")
+
+
+def bridge_root() -> pathlib.Path:
+    return pathlib.Path(list(importlib.util.find_spec("megatron.bridge").submodule_search_locations)[0])
+
+
+@pytest.fixture(scope="module")
+def bridge():
+    if not bridge_available():
+        pytest.skip("megatron-bridge is not installed")
+    return SimpleNamespace(
+        transformer_config=load_bridge_module("models.transformer_config"),
+        cuda_graph=load_bridge_module("utils.cuda_graph"),
+        data_base=load_bridge_module("data.base"),
+        direct_sft=load_bridge_module("data.datasets.direct_sft"),
+    )
+
+
+@pytest.fixture(scope="module")
+def mock_vlm_config_cls(bridge):
+    """Megatron-Bridge 0.6.2's ``MockVLMSFTDatasetConfig``: its class source, executed as is.
+
+    ``data/builders/mock_vlm_sft.py`` imports PIL and transformers at module level (not installed /
+    not needed here); the dataclass body only uses ``dataclass``, ``Literal`` and the real
+    ``DataloaderConfig``, so it runs unchanged.
+    """
+    path = bridge_root() / "data" / "builders" / "mock_vlm_sft.py"
+    source = path.read_text()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "MockVLMSFTDatasetConfig")
+    start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+    class_source = "\n".join(source.splitlines()[start - 1 : node.end_lineno])
+    namespace = {
+        # dataclasses resolves the class's module in sys.modules; this test module stands in.
+        "__name__": __name__,
+        "dataclass": dataclasses.dataclass,
+        "Literal": typing.Literal,
+        "Any": typing.Any,
+        "DataloaderConfig": bridge.data_base.DataloaderConfig,
+    }
+    exec(compile(class_source, str(path), "exec"), namespace)
+    return namespace["MockVLMSFTDatasetConfig"]
+
+
+def bridge_transformer_config(bridge, **overrides):
+    """Megatron-Bridge 0.6.2's TransformerConfig (post-init deferred to ``finalize()``)."""
+    settings = dict(num_layers=4, hidden_size=64, num_attention_heads=4, params_dtype=torch.float32)
+    settings.update(overrides)
+    return bridge.transformer_config.TransformerConfig(**settings)
+
+
+def bridge_062_packing_validate(cfg, bridge, mock_vlm_config_cls):
+    """The packing-related part of Megatron-Bridge 0.6.2's ``ConfigContainer.validate()``.
+
+    Copied verbatim (``self`` -> ``cfg``) from the installed
+    ``megatron/bridge/training/config.py``:
+
+    * L1150-1160: in-batch / offline packing exclusivity;
+    * L1192-1196: ``dataset.validate()`` for the declarative VLM configs;
+    * L1206-1211: ``pad_to_max_length`` forced for PP>1 or EP>1;
+    * L1213-1231: the CP/SP collate padding multiple and the ``seq_length`` divisibility check;
+    * L1235-1247: ``transformer_config._enable_in_batch_packing`` and the padding multiples;
+    * L1249: ``_enable_safe_hybridep_dispatch`` (the real function is called);
+    * L1251-1252: ``dataset.finalize()`` (ddp/optimizer finalize, L1253-1256, are not packing-related);
+    * L1260-1262: ``validate_cuda_graph_configuration`` (real) and ``model.finalize()`` (real,
+      when the model is Bridge's TransformerConfig; it applies ``models/transformer_config.py``
+      L188-189: ``variable_seq_lengths = True`` for in-batch packing with PP>1);
+    * L1480-1485: ``micro_batch_size`` must be > 1 with ``enable_in_batch_packing``.
+
+    ``EnergonDatasetConfig`` / ``DirectHFSFTDatasetConfig`` cannot be loaded on the CPU, so the
+    ``isinstance`` tuples hold the one declarative config that can, ``MockVLMSFTDatasetConfig``.
+    """
+    declarative = (mock_vlm_config_cls,)
+    enable_in_batch_packing = getattr(cfg.dataset, "enable_in_batch_packing", False)
+    enable_offline_packing = getattr(cfg.dataset, "enable_offline_packing", False)
+    offline_packing_specs = getattr(cfg.dataset, "offline_packing_specs", None)
+    uses_thd = enable_offline_packing or enable_in_batch_packing
+
+    if enable_offline_packing and enable_in_batch_packing:
+        raise ValueError("enable_offline_packing and enable_in_batch_packing are mutually exclusive.")
+    if enable_offline_packing and offline_packing_specs is None:
+        raise ValueError("offline_packing_specs must be set when enable_offline_packing=True.")
+    if offline_packing_specs is not None and not enable_offline_packing:
+        raise ValueError("enable_offline_packing must be True when offline_packing_specs is set.")
+
+    if isinstance(cfg.dataset, declarative):
+        cfg.dataset.validate()
+
+    if hasattr(cfg.dataset, "pad_to_max_length"):
+        requires_fixed_seq_len = (
+            getattr(cfg.model, "pipeline_model_parallel_size", 1) > 1
+            or getattr(cfg.model, "expert_model_parallel_size", 1) > 1
+        )
+        cfg.dataset.pad_to_max_length = cfg.dataset.pad_to_max_length or requires_fixed_seq_len
+
+    cp_size = getattr(cfg.model, "context_parallel_size", 1)
+    eval_cp_size = None  # cfg.dist.eval_context_parallel_size; no dist section here
+    cp_sizes = {cp_size, eval_cp_size} if eval_cp_size is not None else {cp_size}
+    tp_size = getattr(cfg.model, "tensor_model_parallel_size", 1)
+    has_sp = getattr(cfg.model, "sequence_parallel", False)
+    cp_multiples = [2 * size if size > 1 else 1 for size in cp_sizes]
+    sp_multiples = [size * tp_size if has_sp and tp_size > 1 else 1 for size in cp_sizes]
+    collate_padding_multiple = math.lcm(*cp_multiples, *sp_multiples)
+    if isinstance(cfg.dataset, declarative) and cfg.dataset.seq_length % collate_padding_multiple != 0:
+        raise ValueError(
+            f"{type(cfg.dataset).__name__}.seq_length must be divisible by the CP/SP collate padding multiple "
+            f"({collate_padding_multiple})."
+        )
+
+    transformer_config = getattr(cfg.model, "transformer", cfg.model)
+    if enable_in_batch_packing:
+        transformer_config._enable_in_batch_packing = True
+        if hasattr(cfg.dataset, "in_batch_packing_pad_to_multiple_of"):
+            cfg.dataset.in_batch_packing_pad_to_multiple_of = collate_padding_multiple
+    elif isinstance(cfg.dataset, declarative):
+        cfg.dataset.pad_to_multiple_of = math.lcm(cfg.dataset.pad_to_multiple_of, collate_padding_multiple)
+
+    bridge.transformer_config._enable_safe_hybridep_dispatch(transformer_config, uses_thd=uses_thd)
+
+    if hasattr(cfg.dataset, "finalize"):
+        cfg.dataset.finalize()
+
+    bridge.cuda_graph.validate_cuda_graph_configuration(cfg.model)
+    if hasattr(cfg.model, "finalize"):
+        cfg.model.finalize()
+
+    if enable_in_batch_packing and cfg.train.micro_batch_size == 1:
+        raise ValueError(
+            "micro_batch_size should be greater than 1 when using enable_in_batch_packing=True. "
+            "In-batch packing concatenates multiple sequences within a microbatch, so at least 2 sequences "
+            "are required per micro-batch."
+        )
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.split())
+
+
+@needs_bridge
+def test_copied_upstream_lines_are_current():
+    """The lines copied above (and the rules configure mirrors) are in the installed 0.6.2 files."""
+    root = bridge_root()
+    expected = {
+        "training/config.py": [
+            'enable_in_batch_packing = getattr(self.dataset, "enable_in_batch_packing", False)',
+            'raise ValueError("enable_offline_packing and enable_in_batch_packing are mutually exclusive.")',
+            "self.dataset.pad_to_max_length = self.dataset.pad_to_max_length or requires_fixed_seq_len",
+            'getattr(self.model, "pipeline_model_parallel_size", 1) > 1 '
+            'or getattr(self.model, "expert_model_parallel_size", 1) > 1',
+            "collate_padding_multiple = math.lcm(*cp_multiples, *sp_multiples)",
+            'transformer_config = getattr(self.model, "transformer", self.model)',
+            "if enable_in_batch_packing: transformer_config._enable_in_batch_packing = True",
+            "self.dataset.in_batch_packing_pad_to_multiple_of = collate_padding_multiple",
+            "_enable_safe_hybridep_dispatch(transformer_config, uses_thd=uses_thd)",
+            "validate_cuda_graph_configuration(self.model) if hasattr(self.model, \"finalize\"): self.model.finalize()",
+            "if enable_in_batch_packing and self.train.micro_batch_size == 1:",
+        ],
+        "models/transformer_config.py": [
+            'if getattr(self, "_enable_in_batch_packing", False) and self.pipeline_model_parallel_size > 1: '
+            "self.variable_seq_lengths = True",
+            '"moe_hybridep_pad_uneven_dispatch_inputs", "moe_hybridep_pad_variable_tokens",',
+        ],
+        "data/datasets/direct_sft.py": [
+            '"enable_in_batch_packing": enable_in_batch_packing and not defer_in_batch_packing_to_step,',
+        ],
+        "models/qwen_vl/qwen3_vl_step.py": [
+            "if not skip_getting_attention_mask_from_dataset: required_device_keys.add(\"attention_mask\")",
+        ],
+    }
+    for relative, snippets in expected.items():
+        text = _normalized((root / relative).read_text())
+        for snippet in snippets:
+            assert _normalized(snippet) in text, f"{relative} no longer contains: {snippet}"
+
+
+@needs_bridge
+def test_training_config_still_needs_packages_missing_here():
+    """Documents why ConfigContainer.validate is copied rather than called (see module docstring)."""
+    if importlib.util.find_spec("datasets") is not None:
+        pytest.skip("the 'datasets' package is installed here; training.config may load")
+    with pytest.raises(ImportError):
+        load_bridge_module("training.config")
+
+
+# ---------------------------------------------------------------------------------------------
+# layout argument
+# ---------------------------------------------------------------------------------------------
+
+
+def test_layouts_match_the_step():
+    assert LAYOUTS == qwen3_vl_step.LAYOUTS
+
+
+@pytest.mark.parametrize("layout", ["THD", "static", "", None, 3, ("thd",)])
+def test_bad_layout_is_refused_and_cfg_untouched(layout):
+    cfg = make_cfg()
+    before = snapshot(cfg)
+    with pytest.raises(ValueError, match=r"^layout: "):
+        configure(cfg, layout)
+    assert snapshot(cfg) == before
+
+
+def test_bad_cuda_graphs_argument():
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        configure(make_cfg(), "thd", cuda_graphs="yes")
+
+
+def test_missing_sections():
+    with pytest.raises(ValueError, match="cfg.dataset"):
+        configure(SimpleNamespace(model=SimpleNamespace(), train=SimpleNamespace()))
+
+
+# ---------------------------------------------------------------------------------------------
+# the dataset flags
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sets_the_dataset_flags_and_returns_the_same_object(layout):
+    cfg = make_cfg()
+    out = configure(cfg, layout)
+    assert out is cfg
+    ds = cfg.dataset
+    assert ds.enable_in_batch_packing is True
+    assert ds.pack_sequences_in_batch is True
+    assert ds.defer_in_batch_packing_to_step is True
+    assert ds.packing_layout == layout
+    assert ds.skip_getting_attention_mask_from_dataset is False
+    assert configured_layout(cfg) == layout
+
+
+def test_default_layout_is_thd():
+    cfg = configure(make_cfg())
+    assert cfg.dataset.packing_layout == "thd"
+
+
+def test_without_configure_the_step_does_not_pack():
+    """Control for the test above: the step's own resolve_layout falls back to the padded layout."""
+    assert configured_layout(make_cfg(model=dict(variable_seq_lengths=False))) == "bshd"
+
+
+@pytest.mark.parametrize("given", ["pack_sequences_in_batch", "enable_in_batch_packing"])
+def test_either_packing_name_alone_sets_both(given):
+    cfg = make_cfg(dataset={given: True})
+    configure(cfg)
+    assert cfg.dataset.pack_sequences_in_batch is True and cfg.dataset.enable_in_batch_packing is True
+
+
+@pytest.mark.parametrize("pack, enable", [(True, False), (False, True)])
+def test_both_packing_names_set_differently_is_refused(pack, enable):
+    cfg = make_cfg(dataset=dict(pack_sequences_in_batch=pack, enable_in_batch_packing=enable))
+    before = snapshot(cfg)
+    with pytest.raises(ValueError, match=r"pack_sequences_in_batch=.*enable_in_batch_packing="):
+        configure(cfg)
+    assert snapshot(cfg) == before
+
+
+def test_pack_alias_skipped_where_the_object_refuses_new_attributes():
+    @dataclasses.dataclass(slots=True)
+    class SlottedDataset:
+        enable_in_batch_packing: bool = False
+        defer_in_batch_packing_to_step: bool = False
+        skip_getting_attention_mask_from_dataset: bool = True
+        packing_layout: str = "thd"
+
+    cfg = SimpleNamespace(dataset=SlottedDataset(), model=SimpleNamespace(), train=SimpleNamespace(micro_batch_size=2))
+    configure(cfg, "thd_static")
+    assert not hasattr(cfg.dataset, "pack_sequences_in_batch")
+    assert cfg.dataset.enable_in_batch_packing and cfg.dataset.defer_in_batch_packing_to_step
+    assert cfg.dataset.packing_layout == "thd_static"
+
+
+def test_required_flag_that_cannot_be_set_is_an_error():
+    @dataclasses.dataclass(frozen=True)
+    class FrozenDataset:
+        enable_in_batch_packing: bool = False
+
+    cfg = SimpleNamespace(dataset=FrozenDataset(), model=SimpleNamespace(), train=SimpleNamespace())
+    with pytest.raises(ValueError, match=r"dataset.enable_in_batch_packing: cannot be set"):
+        configure(cfg)
+
+
+def test_explicit_defer_false_is_refused():
+    cfg = make_cfg(dataset=dict(enable_in_batch_packing=True, defer_in_batch_packing_to_step=False))
+    before = snapshot(cfg)
+    with pytest.raises(ValueError, match=r"defer_in_batch_packing_to_step=False.*set it to True") as info:
+        configure(cfg)
+    assert "rejects packed batches" in str(info.value)
+    assert snapshot(cfg) == before
+
+
+def test_defer_true_given_is_kept():
+    cfg = make_cfg(dataset=dict(defer_in_batch_packing_to_step=True))
+    configure(cfg)
+    assert cfg.dataset.defer_in_batch_packing_to_step is True
+
+
+def test_is_explicit():
+    @dataclasses.dataclass
+    class D:
+        flag: bool = False
+        required: int = dataclasses.field(default_factory=int)
+
+    assert not is_explicit(D(), "flag")
+    assert is_explicit(D(flag=True), "flag")
+    assert is_explicit(D(), "required")  # no plain default: cannot tell, counts as set
+    assert not is_explicit(D(), "absent")
+    assert is_explicit(SimpleNamespace(flag=False), "flag")
+
+
+@pytest.mark.parametrize(
+    "offline",
+    [
+        dict(enable_offline_packing=True),
+        dict(offline_packing_specs=SimpleNamespace(packed_sequence_size=4096)),
+        dict(packed_sequence_specs=SimpleNamespace(packed_sequence_size=4096)),
+    ],
+    ids=lambda d: next(iter(d)),
+)
+def test_offline_packing_is_refused(offline):
+    cfg = make_cfg(dataset=offline)
+    before = snapshot(cfg)
+    name = next(iter(offline))
+    with pytest.raises(ValueError, match=rf"dataset\.{name}: set .*mutually exclusive.*enable_offline_packing=False"):
+        configure(cfg)
+    assert snapshot(cfg) == before
+
+
+def test_offline_packing_off_is_fine():
+    cfg = make_cfg(dataset=dict(enable_offline_packing=False, offline_packing_specs=None))
+    configure(cfg)
+    assert cfg.dataset.enable_in_batch_packing
+
+
+# ---------------------------------------------------------------------------------------------
+# micro_batch_size
+# ---------------------------------------------------------------------------------------------
+
+
+def test_micro_batch_size_one_is_refused():
+    cfg = make_cfg(train=dict(micro_batch_size=1))
+    before = snapshot(cfg)
+    with pytest.raises(ValueError, match=r"train.micro_batch_size=1:.*raise train.micro_batch_size.*turn packing off"):
+        configure(cfg)
+    assert snapshot(cfg) == before
+
+
+@pytest.mark.parametrize("micro_batch_size", [2, 8])
+def test_micro_batch_size_above_one_is_fine(micro_batch_size):
+    assert configure(make_cfg(train=dict(micro_batch_size=micro_batch_size))).dataset.enable_in_batch_packing
+
+
+def test_no_train_section_skips_the_check():
+    cfg = make_cfg()
+    del cfg.train
+    assert configure(cfg).dataset.enable_in_batch_packing
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline / expert parallelism
+# ---------------------------------------------------------------------------------------------
+
+
+def test_thd_with_pp_sets_variable_seq_lengths():
+    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=False))
+    configure(cfg, "thd")
+    assert cfg.model.variable_seq_lengths is True
+    assert configured_layout(cfg) == "thd"
+
+
+def test_thd_with_pp_without_configure_falls_back_to_static():
+    """Control: the step would switch to 'thd_static' without variable_seq_lengths."""
+    cfg = make_cfg(
+        dataset=dict(enable_in_batch_packing=True, packing_layout="thd"),
+        model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=False),
+    )
+    assert configured_layout(cfg) == "thd_static"
+
+
+def test_thd_without_pp_leaves_variable_seq_lengths():
+    cfg = make_cfg(model=dict(variable_seq_lengths=False))
+    configure(cfg, "thd")
+    assert cfg.model.variable_seq_lengths is False
+
+
+@pytest.mark.parametrize("layout", ["thd_static", "bshd"])
+def test_static_layouts_with_pp_keep_variable_seq_lengths_false(layout):
+    cfg = make_cfg(model=dict(pipeline_model_parallel_size=4, variable_seq_lengths=False))
+    configure(cfg, layout)
+    assert cfg.model.variable_seq_lengths is False
+    assert configured_layout(cfg) == layout
+
+
+@pytest.mark.parametrize(
+    "pp, ep, expected", [(1, 1, False), (2, 1, True), (1, 4, True), (2, 2, True)]
+)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pad_to_max_length_follows_bridge_rule(layout, pp, ep, expected):
+    model = dict(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+    if ep > 1:
+        model.update(num_moe_experts=8, moe_token_dispatcher_type="alltoall")
+    cfg = make_cfg(dataset=dict(pad_to_max_length=False), model=model)
+    configure(cfg, layout)
+    assert cfg.dataset.pad_to_max_length is expected
+
+
+def test_pad_to_max_length_not_added_without_the_field():
+    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2))
+    configure(cfg, "bshd")
+    assert not hasattr(cfg.dataset, "pad_to_max_length")
+
+
+def test_moe_allgather_with_ep_refuses_thd():
+    model = dict(num_moe_experts=8, moe_token_dispatcher_type="allgather", expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"'thd' with MoE moe_token_dispatcher_type='allgather'.*thd_static"):
+        configure(make_cfg(model=model), "thd")
+    for layout in ("thd_static", "bshd"):
+        configure(make_cfg(model=model), layout)
+    configure(make_cfg(model={**model, "expert_model_parallel_size": 1}), "thd")
+    configure(make_cfg(model={**model, "moe_token_dispatcher_type": "alltoall"}), "thd")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        (dict(cuda_graph_impl="none"), False),
+        (dict(cuda_graph_impl=None), False),
+        (dict(), False),
+        (dict(cuda_graph_impl="transformer_engine"), True),
+        (dict(cuda_graph_impl="full_iteration"), True),
+        (dict(cuda_graph_impl="local"), True),
+        (dict(enable_cuda_graph=True), True),
+        (dict(external_cuda_graph=True), True),
+        (dict(cuda_graph_scope="attn,full_iteration"), True),  # legacy, no cuda_graph_impl
+        (dict(cuda_graph_impl="none", cuda_graph_scope="full_iteration"), False),
+    ],
+)
+def test_cuda_graphs_enabled(model, expected):
+    assert cuda_graphs_enabled(SimpleNamespace(**model)) is expected
+
+
+@pytest.mark.parametrize(
+    "model, argument",
+    [
+        (dict(cuda_graph_impl="transformer_engine"), None),
+        (dict(enable_cuda_graph=True), None),
+        (dict(external_cuda_graph=True), None),
+        (dict(), True),
+    ],
+)
+def test_thd_with_cuda_graphs_is_refused(model, argument):
+    cfg = make_cfg(model=model)
+    before = snapshot(cfg)
+    with pytest.raises(ValueError, match=r"layout: 'thd'.*CUDA graphs.*layout='thd_static'"):
+        configure(cfg, "thd", cuda_graphs=argument)
+    assert snapshot(cfg) == before
+
+
+@pytest.mark.parametrize("layout", ["thd_static", "bshd"])
+def test_static_layouts_with_cuda_graphs_fix_the_collate_width(layout):
+    cfg = make_cfg(dataset=dict(pad_to_max_length=False), model=dict(cuda_graph_impl="transformer_engine"))
+    configure(cfg, layout)
+    assert cfg.dataset.pad_to_max_length is True
+    assert cfg.dataset.packing_layout == layout
+
+
+def test_cuda_graphs_argument_false_contradicting_model():
+    cfg = make_cfg(model=dict(cuda_graph_impl="full_iteration"))
+    with pytest.raises(ValueError, match=r"cuda_graphs: False was passed, but the model config enables CUDA graphs"):
+        configure(cfg, "thd_static", cuda_graphs=False)
+
+
+def test_cuda_graphs_argument_false_without_graphs_is_fine():
+    cfg = configure(make_cfg(dataset=dict(pad_to_max_length=False)), "thd", cuda_graphs=False)
+    assert cfg.dataset.pad_to_max_length is False
+
+
+@pytest.mark.parametrize("layout", ["thd_static", "bshd"])
+def test_cuda_graphs_with_variable_seq_lengths_is_a_contradiction(layout):
+    cfg = make_cfg(model=dict(cuda_graph_impl="transformer_engine", variable_seq_lengths=True))
+    with pytest.raises(ValueError, match=r"model.variable_seq_lengths=True with CUDA graphs.*variable_seq_lengths=False"):
+        configure(cfg, layout)
+
+
+def test_variable_seq_lengths_set_by_bridges_hook_is_not_the_users_contradiction():
+    """After Bridge's validate() (hook + finalize) a static layout with PP>1 has variable_seq_lengths=True."""
+    cfg = make_cfg(
+        model=dict(
+            cuda_graph_impl="transformer_engine",
+            pipeline_model_parallel_size=2,
+            variable_seq_lengths=True,
+            _enable_in_batch_packing=True,
+        )
+    )
+    configure(cfg, "thd_static")
+    assert cfg.model.variable_seq_lengths is True
+
+
+# ---------------------------------------------------------------------------------------------
+# HybridEP
+# ---------------------------------------------------------------------------------------------
+
+
+def test_uses_hybridep():
+    assert uses_hybridep(SimpleNamespace(**HYBRIDEP))
+    assert not uses_hybridep(SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"))
+    assert not uses_hybridep(SimpleNamespace(moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend="hybridep"))
+    assert not uses_hybridep(SimpleNamespace())
+
+
+@pytest.mark.parametrize("layout", ["thd", "thd_static"])
+def test_hybridep_with_cuda_graphs_requires_bshd(layout):
+    cfg = make_cfg(model=dict(HYBRIDEP, expert_model_parallel_size=4, cuda_graph_impl="transformer_engine"))
+    before = snapshot(cfg)
+    with pytest.raises(ValueError, match=r"HybridEP.*CUDA graphs.*Use layout='bshd'") as info:
+        configure(cfg, layout)
+    # 'thd' gets one message that points at 'bshd', not the generic "use 'thd_static'".
+    assert "layout='thd_static'" not in str(info.value)
+    assert snapshot(cfg) == before
+
+
+def test_hybridep_with_cuda_graphs_and_bshd_is_fine():
+    cfg = make_cfg(
+        dataset=dict(pad_to_max_length=False),
+        model=dict(HYBRIDEP, expert_model_parallel_size=4, cuda_graph_impl="transformer_engine"),
+    )
+    configure(cfg, "bshd")
+    assert cfg.dataset.pad_to_max_length is True
+    assert not getattr(cfg.model, "moe_hybridep_pad_uneven_dispatch_inputs", False)
+
+
+@pytest.mark.parametrize("layout", ["thd", "thd_static"])
+def test_hybridep_without_cuda_graphs_allows_thd_and_pads(layout, caplog):
+    cfg = make_cfg(model=dict(HYBRIDEP, expert_model_parallel_size=4, moe_hybridep_pad_uneven_dispatch_inputs=False))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, layout)
+    assert cfg.model.moe_hybridep_pad_uneven_dispatch_inputs is True
+    assert cfg.dataset.packing_layout == layout
+    assert "HybridEP without CUDA graphs" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# errors, logging, idempotence
+# ---------------------------------------------------------------------------------------------
+
+
+def test_all_problems_are_reported_together():
+    cfg = make_cfg(
+        dataset=dict(defer_in_batch_packing_to_step=False, enable_offline_packing=True),
+        model=dict(cuda_graph_impl="transformer_engine"),
+        train=dict(micro_batch_size=1),
+    )
+    with pytest.raises(ValueError) as info:
+        configure(cfg, "thd")
+    message = str(info.value)
+    for name in ("dataset.enable_offline_packing", "defer_in_batch_packing_to_step", "micro_batch_size=1", "layout: 'thd'"):
+        assert name in message
+
+
+def test_changes_are_logged_at_info(caplog):
+    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=False))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, "thd")
+    records = [r for r in caplog.records if r.name == LOGGER]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    text = records[0].getMessage()
+    for change in (
+        "dataset.enable_in_batch_packing: unset -> True",
+        "dataset.defer_in_batch_packing_to_step: unset -> True",
+        "dataset.packing_layout: unset -> 'thd'",
+        "dataset.skip_getting_attention_mask_from_dataset: unset -> False",
+        "model.variable_seq_lengths: False -> True",
+    ):
+        assert change in text
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_second_call_changes_nothing(layout, caplog):
+    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2), dataset=dict(pad_to_max_length=False))
+    configure(cfg, layout)
+    after_first = snapshot(cfg)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, layout)
+    assert snapshot(cfg) == after_first
+    assert "changed: nothing" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# against Megatron-Bridge 0.6.2's own code
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bridge_finalize_rejects_variable_seq_lengths_on_dense_models(bridge):
+    """Why configure uses Bridge's hook: Megatron-Core's post-init refuses variable_seq_lengths
+    with the default 'allgather' dispatcher, dense models included."""
+    model = bridge_transformer_config(bridge, pipeline_model_parallel_size=2, variable_seq_lengths=True)
+    with pytest.raises(ValueError, match="allgather does not support variable sequence length"):
+        model.finalize()
+
+
+def test_thd_with_pp_on_bridge_dense_config_finalizes(bridge):
+    model = bridge_transformer_config(bridge, pipeline_model_parallel_size=2)
+    cfg = SimpleNamespace(dataset=SimpleNamespace(), model=model, train=SimpleNamespace(micro_batch_size=2))
+    configure(cfg, "thd")
+    assert model.variable_seq_lengths is False  # not set directly: finalize would refuse it
+    assert model._enable_in_batch_packing is True
+    model.finalize()
+    assert model.variable_seq_lengths is True
+    assert configured_layout(cfg) == "thd"
+
+
+def test_thd_with_pp_on_bridge_moe_alltoall_config_sets_it_directly(bridge):
+    model = bridge_transformer_config(
+        bridge,
+        pipeline_model_parallel_size=2,
+        num_moe_experts=4,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=2,
+    )
+    cfg = SimpleNamespace(dataset=SimpleNamespace(), model=model, train=SimpleNamespace(micro_batch_size=2))
+    configure(cfg, "thd")
+    assert model.variable_seq_lengths is True
+    model.finalize()
+    assert model.variable_seq_lengths is True
+
+
+def test_thd_static_with_pp_gets_variable_seq_lengths_from_bridge_anyway(bridge, mock_vlm_config_cls):
+    """Documents Bridge 0.6.2: validate() sets the hook whenever enable_in_batch_packing is on, so
+    finalize() turns variable_seq_lengths on for 'thd_static' too (the row length stays fixed)."""
+    model = bridge_transformer_config(bridge, pipeline_model_parallel_size=2)
+    cfg = SimpleNamespace(
+        dataset=mock_vlm_config_cls(seq_length=4096, hf_processor_path="Qwen/Qwen3-VL-8B-Instruct"),
+        model=model,
+        train=SimpleNamespace(micro_batch_size=2),
+    )
+    configure(cfg, "thd_static")
+    assert model.variable_seq_lengths is False
+    bridge_062_packing_validate(cfg, bridge, mock_vlm_config_cls)
+    assert model.variable_seq_lengths is True
+    assert configured_layout(cfg) == "thd_static"
+
+
+def test_hybridep_padding_matches_bridges_own(bridge):
+    """configure sets exactly what _enable_safe_hybridep_dispatch sets, and Bridge then changes nothing."""
+    settings = dict(HYBRIDEP, num_moe_experts=4, expert_model_parallel_size=2)
+    ours = bridge_transformer_config(bridge, **settings)
+    theirs = bridge_transformer_config(bridge, **settings)
+    configure(SimpleNamespace(dataset=SimpleNamespace(), model=ours, train=SimpleNamespace(micro_batch_size=2)), "thd")
+    bridge.transformer_config._enable_safe_hybridep_dispatch(theirs, uses_thd=True)
+    assert theirs.moe_hybridep_pad_uneven_dispatch_inputs is True
+    assert ours.moe_hybridep_pad_uneven_dispatch_inputs is True
+    before = dict(vars(ours))
+    bridge.transformer_config._enable_safe_hybridep_dispatch(ours, uses_thd=True)
+    assert dict(vars(ours)) == before
+
+
+@pytest.mark.parametrize(
+    "graph_settings",
+    [
+        dict(),
+        dict(cuda_graph_impl="transformer_engine"),
+        dict(cuda_graph_impl="full_iteration"),
+        dict(cuda_graph_impl="local"),
+        dict(enable_cuda_graph=True),
+        dict(external_cuda_graph=True),
+    ],
+    ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "none",
+)
+def test_cuda_graph_detection_matches_bridges(bridge, graph_settings):
+    """Bridge pads HybridEP inputs exactly when it sees no CUDA graphs; our detection agrees."""
+    model = bridge_transformer_config(bridge, **HYBRIDEP, expert_model_parallel_size=2, **graph_settings)
+    bridge.transformer_config._enable_safe_hybridep_dispatch(model, uses_thd=True)
+    assert cuda_graphs_enabled(model) is (not model.moe_hybridep_pad_uneven_dispatch_inputs)
+
+
+def test_defer_makes_bridges_collate_leave_the_batch_unpacked(bridge):
+    """Megatron-Bridge 0.6.2's DirectSFTDataset hands the collate enable_in_batch_packing only
+    without defer; a packed batch (cu_seqlens) is then rejected by our step."""
+    seen = []
+
+    def collate(batch, processor, sequence_length=None, pad_to_max_length=False, enable_in_batch_packing=False):
+        seen.append(enable_in_batch_packing)
+        return {}
+
+    def build(dataset_cfg):
+        ds = bridge.direct_sft.DirectSFTDataset(
+            [{"conversation": []}],
+            4,
+            None,
+            collate_impl=collate,
+            sequence_length=64,
+            pad_to_max_length=getattr(dataset_cfg, "pad_to_max_length", False),
+            enable_in_batch_packing=dataset_cfg.enable_in_batch_packing,
+            defer_in_batch_packing_to_step=getattr(dataset_cfg, "defer_in_batch_packing_to_step", False),
+        )
+        ds.collate_fn([ds[0]])
+
+    build(make_cfg(dataset=dict(enable_in_batch_packing=True)).dataset)  # not configured: the collate packs
+    cfg = configure(make_cfg(dataset=dict(enable_in_batch_packing=True)))
+    build(cfg.dataset)
+    assert seen == [True, False]
+    packed_batch = {"tokens": torch.ones(1, 9, dtype=torch.long), "cu_seqlens": torch.tensor([0, 5, 9], dtype=torch.int32)}
+    with pytest.raises(ValueError, match="packs the micro-batch itself"):
+        qwen3_vl_step.prepare_micro_batch(packed_batch, torch.nn.Linear(1, 1), SimpleNamespace(cfg=cfg), None)
+
+
+def test_mock_vlm_defaults_are_overwritten_not_refused(mock_vlm_config_cls):
+    """On Bridge's own dataclass the defaults (defer=False, enable=False) are not explicit."""
+    dataset = mock_vlm_config_cls(seq_length=4096, hf_processor_path="Qwen/Qwen3-VL-8B-Instruct")
+    assert dataset.defer_in_batch_packing_to_step is False and dataset.skip_getting_attention_mask_from_dataset is True
+    cfg = SimpleNamespace(dataset=dataset, model=SimpleNamespace(), train=SimpleNamespace(micro_batch_size=2))
+    configure(cfg, "thd")
+    assert dataset.enable_in_batch_packing and dataset.defer_in_batch_packing_to_step
+    assert dataset.skip_getting_attention_mask_from_dataset is False
+    assert dataset.pack_sequences_in_batch is True and dataset.packing_layout == "thd"
+    explicit = mock_vlm_config_cls(
+        seq_length=4096, hf_processor_path="Qwen/Qwen3-VL-8B-Instruct", enable_in_batch_packing=True
+    )
+    explicit.defer_in_batch_packing_to_step = False  # still the default value: cannot be told apart
+    configure(SimpleNamespace(dataset=explicit, model=SimpleNamespace(), train=SimpleNamespace(micro_batch_size=2)))
+    assert explicit.defer_in_batch_packing_to_step is True
+
+
+MODELS = {
+    "dense": dict(),
+    "moe_alltoall": dict(num_moe_experts=4, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2),
+    "hybridep": dict(HYBRIDEP, num_moe_experts=4, expert_model_parallel_size=2),
+}
+GRAPHS = {"no_graphs": dict(), "te_graphs": dict(cuda_graph_impl="transformer_engine")}
+
+
+@pytest.mark.parametrize("graphs", list(GRAPHS))
+@pytest.mark.parametrize("model_kind", list(MODELS))
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_configured_config_passes_bridges_packing_validation(bridge, mock_vlm_config_cls, layout, pp, model_kind, graphs):
+    """configure, then the packing part of Bridge 0.6.2's validate (incl. the real model finalize).
+
+    Combinations configure refuses (CUDA graphs with 'thd'; HybridEP + CUDA graphs with a THD
+    layout) are checked to be refused; for the rest, Bridge's checks pass, the step resolves the
+    requested layout, Bridge changes none of the flags configure set, and a second configure
+    call after Bridge's validate changes nothing.
+    """
+    model = bridge_transformer_config(bridge, pipeline_model_parallel_size=pp, **MODELS[model_kind], **GRAPHS[graphs])
+    dataset = mock_vlm_config_cls(seq_length=4096, hf_processor_path="Qwen/Qwen3-VL-8B-Instruct")
+    cfg = SimpleNamespace(dataset=dataset, model=model, train=SimpleNamespace(micro_batch_size=4))
+    refused = graphs == "te_graphs" and (layout == "thd" or (model_kind == "hybridep" and layout != "bshd"))
+    if refused:
+        with pytest.raises(ValueError, match="CUDA graphs"):
+            configure(cfg, layout)
+        return
+    configure(cfg, layout)
+    flags = {
+        name: getattr(dataset, name)
+        for name in (
+            "enable_in_batch_packing",
+            "defer_in_batch_packing_to_step",
+            "skip_getting_attention_mask_from_dataset",
+            "pad_to_max_length",
+            "packing_layout",
+            "pack_sequences_in_batch",
+        )
+    }
+    hybridep_padding = model.moe_hybridep_pad_uneven_dispatch_inputs
+    bridge_062_packing_validate(cfg, bridge, mock_vlm_config_cls)
+    assert {name: getattr(dataset, name) for name in flags} == flags
+    assert model.moe_hybridep_pad_uneven_dispatch_inputs == hybridep_padding
+    assert model.variable_seq_lengths is (pp > 1)
+    assert configured_layout(cfg) == layout
+    after_validate = (copy.deepcopy(vars(dataset)), dict(vars(model)))
+    configure(cfg, layout)
+    assert (vars(dataset), dict(vars(model))) == after_validate
+
+
+def test_micro_batch_size_one_refused_by_both(bridge, mock_vlm_config_cls):
+    """configure's micro_batch_size rule is Bridge's: the same config fails Bridge's copied check."""
+    cfg = SimpleNamespace(
+        dataset=mock_vlm_config_cls(seq_length=4096, hf_processor_path="x", enable_in_batch_packing=True),
+        model=bridge_transformer_config(bridge),
+        train=SimpleNamespace(micro_batch_size=1),
+    )
+    with pytest.raises(ValueError, match="micro_batch_size should be greater than 1"):
+        bridge_062_packing_validate(copy.deepcopy(cfg), bridge, mock_vlm_config_cls)
+    with pytest.raises(ValueError, match="micro_batch_size=1"):
+        configure(cfg)
+
+
+def test_module_docstring_has_the_flag_table():
+    doc = configure_module.__doc__
+    for flag in (
+        "dataset.enable_in_batch_packing",
+        "dataset.pack_sequences_in_batch",
+        "dataset.defer_in_batch_packing_to_step",
+        "dataset.packing_layout",
+        "dataset.skip_getting_attention_mask_from_dataset",
+        "dataset.pad_to_max_length",
+        "model.variable_seq_lengths",
+        "model.moe_hybridep_pad_uneven_dispatch_inputs",
+    ):
+        assert f"`{flag}" in doc
