@@ -206,35 +206,108 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None)
         ValueError: ``layout`` is not a known layout, or the config contradicts the step (every
             problem found is listed; nothing is changed then).
     """
+    _check_arguments(layout, cuda_graphs)
+    settings = _read_settings(cfg, layout, cuda_graphs)
+
+    problems, notes = _find_problems(settings)
+    if problems:
+        raise ValueError("configure: the config contradicts megatron.bridge_thd's step:\n- " + "\n- ".join(problems))
+
+    # ---- everything checked: write ----
+    changes, change_notes = _plan_changes(settings)
+    changed = _apply(changes)
+    _log(settings, changed, notes + change_notes)
+    return cfg
+
+
+# ---- step 1: read the settings ----
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """What ``configure`` reads from its arguments and ``cfg``, resolved once for the checks and writes."""
+
+    layout: str
+    cuda_graphs: bool | None  # the argument as passed
+    dataset: Any
+    model: Any  # the transformer config
+    train: Any
+    pp: int
+    ep: int
+    model_graphs: bool  # the model config enables CUDA graphs
+    graphs: bool  # CUDA graphs on, from the model config or the argument
+    hybridep: bool
+    dispatcher: Any
+
+
+def _check_arguments(layout: Any, cuda_graphs: Any) -> None:
+    """Refuse a ``layout`` or ``cuda_graphs`` argument that ``configure`` does not know."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout: {layout!r} is not one of {LAYOUTS}")
     if cuda_graphs not in (None, True, False):
         raise ValueError(f"cuda_graphs: {cuda_graphs!r}; pass None (read the model config), True or False")
+
+
+def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None) -> _Settings:
+    """Pick ``cfg``'s sections and the parallel sizes and switches the checks and writes depend on."""
     dataset = getattr(cfg, "dataset", None)
     model_root = getattr(cfg, "model", None)
     if dataset is None or model_root is None:
         raise ValueError("cfg: needs cfg.dataset and cfg.model (a Megatron-Bridge ConfigContainer or alike)")
     # Bridge's validate reads the model's transformer config this way (GPTModelConfig proxies it).
     model = getattr(model_root, "transformer", model_root)
-    train = getattr(cfg, "train", None)
-    pp = _size(model, "pipeline_model_parallel_size")
-    ep = _size(model, "expert_model_parallel_size")
-
-    problems: list[str] = []
-    notes: list[str] = []
-
     model_graphs = cuda_graphs_enabled(model)
-    if cuda_graphs is False and model_graphs:
-        problems.append(
-            "cuda_graphs: False was passed, but the model config enables CUDA graphs (cuda_graph_impl="
-            f"{getattr(model, 'cuda_graph_impl', None)!r}, "
-            f"enable_cuda_graph={getattr(model, 'enable_cuda_graph', None)!r}, "
-            f"external_cuda_graph={getattr(model, 'external_cuda_graph', None)!r}); turn them off in model, or pass "
-            "cuda_graphs=None to follow the model config"
-        )
-    graphs = model_graphs or bool(cuda_graphs)
+    return _Settings(
+        layout=layout,
+        cuda_graphs=cuda_graphs,
+        dataset=dataset,
+        model=model,
+        train=getattr(cfg, "train", None),
+        pp=_size(model, "pipeline_model_parallel_size"),
+        ep=_size(model, "expert_model_parallel_size"),
+        model_graphs=model_graphs,
+        graphs=model_graphs or bool(cuda_graphs),
+        hybridep=uses_hybridep(model),
+        dispatcher=getattr(model, "moe_token_dispatcher_type", None),
+    )
 
-    # Offline packing: batches arrive pre-packed with cu_seqlens.
+
+# ---- step 2: collect the problems (nothing is written yet) ----
+
+
+def _find_problems(s: _Settings) -> tuple[list[str], list[str]]:
+    """Run every check, in the order the error lists their problems; return (problems, notes)."""
+    notes: list[str] = []
+    problems = [
+        *_cuda_graphs_argument_problems(s),
+        *_offline_packing_problems(s.dataset),
+        *_packing_switch_problems(s.dataset),
+        *_micro_batch_size_problems(s.train),
+        *_hybridep_problems(s),
+        *_cuda_graphs_layout_problems(s),
+        *_variable_seq_lengths_problems(s, notes),
+        *_moe_allgather_problems(s),
+    ]
+    return problems, notes
+
+
+def _cuda_graphs_argument_problems(s: _Settings) -> list[str]:
+    """``cuda_graphs=False`` passed for a model config that enables CUDA graphs."""
+    if not (s.cuda_graphs is False and s.model_graphs):
+        return []
+    model = s.model
+    return [
+        "cuda_graphs: False was passed, but the model config enables CUDA graphs (cuda_graph_impl="
+        f"{getattr(model, 'cuda_graph_impl', None)!r}, "
+        f"enable_cuda_graph={getattr(model, 'enable_cuda_graph', None)!r}, "
+        f"external_cuda_graph={getattr(model, 'external_cuda_graph', None)!r}); turn them off in model, or pass "
+        "cuda_graphs=None to follow the model config"
+    ]
+
+
+def _offline_packing_problems(dataset: Any) -> list[str]:
+    """Offline packing settings that are on: batches would arrive pre-packed with cu_seqlens."""
+    problems = []
     for name in _OFFLINE_PACKING:
         value = getattr(dataset, name, None)
         if value is not None and value is not False:
@@ -244,7 +317,12 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None)
                 "set dataset.enable_offline_packing=False and dataset.offline_packing_specs=None (0.6.2 names; "
                 "packed_sequence_specs=None in older versions), or keep offline packing with Megatron-Bridge's own step"
             )
+    return problems
 
+
+def _packing_switch_problems(dataset: Any) -> list[str]:
+    """Packing switches set explicitly against the step: the two names disagree, or packing not deferred."""
+    problems = []
     # The two names of the packing switch.
     if is_explicit(dataset, "enable_in_batch_packing") and is_explicit(dataset, "pack_sequences_in_batch"):
         enable, pack = getattr(dataset, "enable_in_batch_packing"), getattr(dataset, "pack_sequences_in_batch")
@@ -258,127 +336,191 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None)
     if is_explicit(dataset, "defer_in_batch_packing_to_step") and not defer:
         problems.append(
             f"dataset.defer_in_batch_packing_to_step={defer!r}: with in-batch packing on, the collate then packs "
-            "the micro-batch itself (cu_seqlens in the batch), and megatron.bridge_thd's step rejects packed batches; set it to True or leave it unset (configure sets it), "
+            "the micro-batch itself (cu_seqlens in the batch), and megatron.bridge_thd's step rejects packed batches; "
+            "set it to True or leave it unset (configure sets it), "
             "or use Megatron-Bridge's vlm_step for collate-time packing"
         )
+    return problems
 
-    micro_batch_size = getattr(train, "micro_batch_size", None)
-    if micro_batch_size == 1:
-        problems.append(
-            "train.micro_batch_size=1: in-batch packing concatenates the samples of one micro-batch, so one sample "
-            "gains nothing, and Megatron-Bridge 0.6.2 refuses enable_in_batch_packing with micro_batch_size 1; raise "
-            "train.micro_batch_size (and divide the gradient-accumulation steps accordingly), or turn packing off"
+
+def _micro_batch_size_problems(train: Any) -> list[str]:
+    """``micro_batch_size == 1``, which Bridge refuses with in-batch packing."""
+    if getattr(train, "micro_batch_size", None) != 1:
+        return []
+    return [
+        "train.micro_batch_size=1: in-batch packing concatenates the samples of one micro-batch, so one sample "
+        "gains nothing, and Megatron-Bridge 0.6.2 refuses enable_in_batch_packing with micro_batch_size 1; raise "
+        "train.micro_batch_size (and divide the gradient-accumulation steps accordingly), or turn packing off"
+    ]
+
+
+def _hybridep_problems(s: _Settings) -> list[str]:
+    """HybridEP with CUDA graphs and a layout other than ``"bshd"``: dispatch inputs must match across ranks."""
+    layout = s.layout
+    if not (s.graphs and s.hybridep and layout != "bshd"):
+        return []
+    reason = (
+        "'thd' rows differ in length per rank, so HybridEP dispatch inputs would be uneven"
+        if layout == "thd"
+        else "'thd_static' rows are equal in length, but packed attention with HybridEP inside CUDA graphs is not "
+        "supported by this package"
+    )
+    return [
+        f"layout: {layout!r} with HybridEP (moe_token_dispatcher_type='flex', moe_flex_dispatcher_backend="
+        f"'hybridep') and CUDA graphs: the dispatch must see equal token counts on every rank without a host "
+        f"sync (Megatron-Bridge pads uneven HybridEP inputs only when CUDA graphs are off); {reason}. Use "
+        "layout='bshd', or turn CUDA graphs off to keep a THD layout"
+    ]
+
+
+def _cuda_graphs_layout_problems(s: _Settings) -> list[str]:
+    """``"thd"`` with CUDA graphs, which cannot replay a row whose length changes."""
+    # With HybridEP, _hybridep_problems already reports "thd" (one problem, not two).
+    if not (s.graphs and s.layout == "thd" and not s.hybridep):
+        return []
+    return [
+        "layout: 'thd' gives a row whose length changes every micro-batch, which CUDA graphs cannot replay; use "
+        "layout='thd_static' (row padded to micro_batch_size * seq_length) or turn CUDA graphs off"
+    ]
+
+
+def _variable_seq_lengths_problems(s: _Settings, notes: list[str]) -> list[str]:
+    """``variable_seq_lengths=True`` with CUDA graphs, unless Bridge's hook set it (then a note is appended)."""
+    if not (s.graphs and getattr(s.model, "variable_seq_lengths", False)):
+        return []
+    if s.pp > 1 and bool(getattr(s.model, "_enable_in_batch_packing", False)):
+        notes.append(
+            "model.variable_seq_lengths=True was set by Megatron-Bridge's finalize() for in-batch packing with "
+            "PP>1; the static layout keeps the row length fixed, p2p only exchanges shapes"
         )
+        return []
+    return [
+        "model.variable_seq_lengths=True with CUDA graphs: variable sequence lengths contradict the static "
+        "shapes CUDA graphs replay; set model.variable_seq_lengths=False (the static layouts do not need it)"
+    ]
 
-    hybridep = uses_hybridep(model)
-    if graphs and hybridep and layout != "bshd":
-        reason = (
-            "'thd' rows differ in length per rank, so HybridEP dispatch inputs would be uneven"
-            if layout == "thd"
-            else "'thd_static' rows are equal in length, but packed attention with HybridEP inside CUDA graphs is not "
-            "supported by this package"
-        )
-        problems.append(
-            f"layout: {layout!r} with HybridEP (moe_token_dispatcher_type='flex', moe_flex_dispatcher_backend="
-            f"'hybridep') and CUDA graphs: the dispatch must see equal token counts on every rank without a host "
-            f"sync (Megatron-Bridge pads uneven HybridEP inputs only when CUDA graphs are off); {reason}. Use "
-            "layout='bshd', or turn CUDA graphs off to keep a THD layout"
-        )
-    elif graphs and layout == "thd":
-        problems.append(
-            "layout: 'thd' gives a row whose length changes every micro-batch, which CUDA graphs cannot replay; use "
-            "layout='thd_static' (row padded to micro_batch_size * seq_length) or turn CUDA graphs off"
-        )
 
-    vsl_from_bridge_hook = pp > 1 and bool(getattr(model, "_enable_in_batch_packing", False))
-    if graphs and getattr(model, "variable_seq_lengths", False):
-        if vsl_from_bridge_hook:
-            notes.append(
-                "model.variable_seq_lengths=True was set by Megatron-Bridge's finalize() for in-batch packing with "
-                "PP>1; the static layout keeps the row length fixed, p2p only exchanges shapes"
-            )
-        else:
-            problems.append(
-                "model.variable_seq_lengths=True with CUDA graphs: variable sequence lengths contradict the static "
-                "shapes CUDA graphs replay; set model.variable_seq_lengths=False (the static layouts do not need it)"
-            )
+def _moe_allgather_problems(s: _Settings) -> list[str]:
+    """``"thd"`` with MoE's allgather dispatcher over EP>1, which needs equal-sized token blocks per rank."""
+    moe_allgather = bool(getattr(s.model, "num_moe_experts", None)) and s.dispatcher == "allgather"
+    if not (moe_allgather and s.ep > 1 and s.layout == "thd"):
+        return []
+    return [
+        f"layout: 'thd' with MoE moe_token_dispatcher_type='allgather' and expert_model_parallel_size={s.ep}: the "
+        "allgather dispatcher gathers equal-sized token blocks across the expert-parallel ranks, which hold "
+        "different micro-batches whose 'thd' rows differ in length; use layout='thd_static' or 'bshd', or "
+        "moe_token_dispatcher_type='alltoall' / 'flex'"
+    ]
 
-    dispatcher = getattr(model, "moe_token_dispatcher_type", None)
-    moe_allgather = bool(getattr(model, "num_moe_experts", None)) and dispatcher == "allgather"
-    if moe_allgather and ep > 1 and layout == "thd":
-        problems.append(
-            f"layout: 'thd' with MoE moe_token_dispatcher_type='allgather' and expert_model_parallel_size={ep}: the "
-            "allgather dispatcher gathers equal-sized token blocks across the expert-parallel ranks, which hold "
-            "different micro-batches whose 'thd' rows differ in length; use layout='thd_static' or 'bshd', or "
-            "moe_token_dispatcher_type='alltoall' / 'flex'"
-        )
 
-    if problems:
-        raise ValueError("configure: the config contradicts megatron.bridge_thd's step:\n- " + "\n- ".join(problems))
+# ---- step 3: compute the changes ----
 
-    # ---- everything checked: write ----
-    changes: list[str] = []
 
-    def assign(obj: Any, section: str, name: str, value: Any, *, required: bool = True) -> None:
-        old = getattr(obj, name, _MISSING)
-        if old is not _MISSING and old == value and type(old) is type(value):
-            return
-        try:
-            setattr(obj, name, value)
-        except (AttributeError, TypeError) as error:
-            if required:
-                raise ValueError(
-                    f"{section}.{name}: cannot be set on {type(obj).__name__} ({error}); set it to {value!r} yourself"
-                ) from error
-            return
-        changes.append(f"{section}.{name}: {'unset' if old is _MISSING else repr(old)} -> {value!r}")
+@dataclasses.dataclass(frozen=True)
+class _Change:
+    """One attribute to set; ``required=False`` skips an object that does not take it."""
 
-    assign(dataset, "dataset", "enable_in_batch_packing", True)
-    assign(dataset, "dataset", "pack_sequences_in_batch", True, required=False)
-    assign(dataset, "dataset", "defer_in_batch_packing_to_step", True)
-    assign(dataset, "dataset", "packing_layout", layout)
-    assign(dataset, "dataset", "skip_getting_attention_mask_from_dataset", False)
+    obj: Any
+    section: str
+    name: str
+    value: Any
+    required: bool = True
+
+
+def _plan_changes(s: _Settings) -> tuple[list[_Change], list[str]]:
+    """The attributes to set, in the order they are set, and the notes that explain them."""
+    notes: list[str] = []
+    changes = [*_dataset_changes(s), *_pipeline_changes(s, notes), *_hybridep_changes(s, notes)]
+    return changes, notes
+
+
+def _dataset_changes(s: _Settings) -> list[_Change]:
+    """The dataset's packing flags, and ``pad_to_max_length`` where a fixed collate width is needed."""
+    dataset = s.dataset
+    changes = [
+        _Change(dataset, "dataset", "enable_in_batch_packing", True),
+        _Change(dataset, "dataset", "pack_sequences_in_batch", True, required=False),
+        _Change(dataset, "dataset", "defer_in_batch_packing_to_step", True),
+        _Change(dataset, "dataset", "packing_layout", s.layout),
+        _Change(dataset, "dataset", "skip_getting_attention_mask_from_dataset", False),
+    ]
     # Megatron-Bridge 0.6.2 training/config.py validate(): pad_to_max_length forced for PP>1 or EP>1.
-    if hasattr(dataset, "pad_to_max_length") and (pp > 1 or ep > 1):
-        assign(dataset, "dataset", "pad_to_max_length", True)
-    if graphs:
+    if hasattr(dataset, "pad_to_max_length") and (s.pp > 1 or s.ep > 1):
+        changes.append(_Change(dataset, "dataset", "pad_to_max_length", True))
+    if s.graphs:
         # Every training graph needs a static token width (Bridge's comment for offline packing).
-        assign(dataset, "dataset", "pad_to_max_length", True)
+        changes.append(_Change(dataset, "dataset", "pad_to_max_length", True))
+    return changes
 
-    if layout == "thd" and pp > 1:
+
+def _pipeline_changes(s: _Settings, notes: list[str]) -> list[_Change]:
+    """For ``"thd"`` with PP>1, let p2p exchange shapes: ``variable_seq_lengths`` or Bridge's hook for it."""
+    model = s.model
+    if s.layout == "thd" and s.pp > 1:
+        changes = []
         deferred_post_init = callable(getattr(model, "finalize", None))
         if deferred_post_init:
-            assign(model, "model", "_enable_in_batch_packing", True)
-        if deferred_post_init and dispatcher == "allgather":
+            changes.append(_Change(model, "model", "_enable_in_batch_packing", True))
+        if deferred_post_init and s.dispatcher == "allgather":
             notes.append(
                 "model.variable_seq_lengths is set to True by the model config's finalize() (hook "
                 "_enable_in_batch_packing): setting it before finalize() trips Megatron-Core's allgather-dispatcher "
                 "check"
             )
         else:
-            assign(model, "model", "variable_seq_lengths", True)
-    elif pp > 1:
+            changes.append(_Change(model, "model", "variable_seq_lengths", True))
+        return changes
+    if s.pp > 1:
         notes.append(
-            f"layout {layout!r} keeps a fixed row length; Megatron-Bridge 0.6.2's validate() still sets "
+            f"layout {s.layout!r} keeps a fixed row length; Megatron-Bridge 0.6.2's validate() still sets "
             "variable_seq_lengths=True for in-batch packing with PP>1 (p2p then exchanges shapes)"
         )
+    return []
 
-    if hybridep and not graphs:
-        fields = [name for name in HYBRIDEP_PADDING_FIELDS if hasattr(model, name)] or [HYBRIDEP_PADDING_FIELDS[0]]
-        for name in fields:
-            assign(model, "model", name, True, required=False)
-        notes.append(
-            "HybridEP without CUDA graphs: per-rank token counts may differ; Megatron-Bridge 0.6.2 pads "
-            f"uneven HybridEP dispatch inputs ({', '.join(fields)}=True), so layout {layout!r} is allowed"
-        )
 
+def _hybridep_changes(s: _Settings, notes: list[str]) -> list[_Change]:
+    """For HybridEP without CUDA graphs, the padding of uneven dispatch inputs Bridge's validate sets."""
+    if not (s.hybridep and not s.graphs):
+        return []
+    fields = [name for name in HYBRIDEP_PADDING_FIELDS if hasattr(s.model, name)] or [HYBRIDEP_PADDING_FIELDS[0]]
+    notes.append(
+        "HybridEP without CUDA graphs: per-rank token counts may differ; Megatron-Bridge 0.6.2 pads "
+        f"uneven HybridEP dispatch inputs ({', '.join(fields)}=True), so layout {s.layout!r} is allowed"
+    )
+    return [_Change(s.model, "model", name, True, required=False) for name in fields]
+
+
+# ---- step 4: apply them and log ----
+
+
+def _apply(changes: list[_Change]) -> list[str]:
+    """Set each attribute whose value differs; return a ``section.name: old -> new`` line per change made."""
+    made: list[str] = []
+    for change in changes:
+        old = getattr(change.obj, change.name, _MISSING)
+        if old is not _MISSING and old == change.value and type(old) is type(change.value):
+            continue
+        try:
+            setattr(change.obj, change.name, change.value)
+        except (AttributeError, TypeError) as error:
+            if change.required:
+                raise ValueError(
+                    f"{change.section}.{change.name}: cannot be set on {type(change.obj).__name__} ({error}); "
+                    f"set it to {change.value!r} yourself"
+                ) from error
+            continue
+        made.append(f"{change.section}.{change.name}: {'unset' if old is _MISSING else repr(old)} -> {change.value!r}")
+    return made
+
+
+def _log(s: _Settings, changes: list[str], notes: list[str]) -> None:
+    """Log at INFO the layout, the parallel sizes, what changed and the notes."""
     logger.info(
         "bridge_thd.configure: layout=%s (PP=%d, EP=%d, CUDA graphs %s); changed: %s%s",
-        layout,
-        pp,
-        ep,
-        "on" if graphs else "off",
+        s.layout,
+        s.pp,
+        s.ep,
+        "on" if s.graphs else "off",
         "; ".join(changes) if changes else "nothing",
         "".join(f"\n  note: {note}" for note in notes),
     )
-    return cfg
