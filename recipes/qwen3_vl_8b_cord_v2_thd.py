@@ -12,6 +12,7 @@ import argparse
 from megatron.bridge.recipes.qwen_vl.h100.qwen3_vl import qwen3_vl_8b_sft_2gpu_h100_bf16_config
 from megatron.bridge.training.finetune import finetune
 
+from megatron.bridge_thd.configure import configure
 from megatron.bridge_thd.qwen3_vl_step import forward_step
 
 
@@ -20,16 +21,10 @@ def config(layout: str, micro_batch_size: int, seq_length: int):
     cfg.model.seq_length = seq_length
     cfg.dataset.seq_length = seq_length
     cfg.train.micro_batch_size = micro_batch_size
-    # The step needs the dataset's real 2D mask: it is the only exact source of sample lengths.
-    cfg.dataset.skip_getting_attention_mask_from_dataset = False
-    # 0.6.x name; newer releases call it pack_sequences_in_batch. Setting both is harmless.
-    cfg.dataset.enable_in_batch_packing = True
-    cfg.dataset.pack_sequences_in_batch = True
-    cfg.dataset.packing_layout = layout
-    if cfg.model.pipeline_model_parallel_size > 1 and layout == "thd":
-        # Or leave it False: the step then switches to thd_static by itself (static p2p shapes).
-        cfg.model.variable_seq_lengths = True
-    return cfg
+    # One call sets the packing flags consistently (in-batch packing deferred to our step, the
+    # dataset's 2D mask, variable_seq_lengths under PP, HybridEP padding) and refuses
+    # contradictions; see megatron/bridge_thd/configure.py.
+    return configure(cfg, layout=layout)
 
 
 if __name__ == "__main__":

@@ -11,61 +11,24 @@ are ``(seq_length, micro_batch_size, H)``), the losses and every gradient equal 
 
 from __future__ import annotations
 
-import re
-from functools import partial
-
 import pytest
-import torch
 from _real_model import receipt_batch, worst_relative_gradient_error
 
 from megatron.bridge_thd.cpu.launcher import run_on_gloo
 from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd.cpu.pipeline import pipeline_step
 from megatron.bridge_thd.cpu.stack import cpu_stack
-from megatron.bridge_thd.qwen3_vl_step import forward_step
-from megatron.bridge_thd.standalone import init_single_process_groups, minimal_state
+from megatron.bridge_thd.standalone import init_single_process_groups
 
 NUM_LAYERS = 4
 MICRO_BATCH_SIZE = 2
 SEQ_LENGTH = 2048
 CONFIGS = [("thd", True), ("thd_static", False), ("thd", False), ("bshd", False)]
-LAYER = re.compile(r"language_model\.decoder\.layers\.(\d+)\.(.*)")
-
-
-def _local_to_global(name: str, offset: int) -> str:
-    match = LAYER.match(name)
-    return f"language_model.decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else name
-
-
-def _run_schedule(full_state_dict, batches, layout, variable_seq_lengths):
-    """One training step of ``len(batches)`` micro-batches on this rank's stage.
-
-    Returns the losses the schedule reports (last stage) and this stage's gradients named by
-    global layer index."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
-
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    size = parallel_state.get_pipeline_model_parallel_world_size()
-    config = tiny_qwen3_vl_config(num_layers=NUM_LAYERS, pp=size, variable_seq_lengths=variable_seq_lengths,
-                                  seq_length=SEQ_LENGTH)
-    model = build_qwen3_vl(config, pre_process=rank == 0, post_process=rank == size - 1)
-    offset = rank * NUM_LAYERS // size
-    local = {name: full_state_dict[_local_to_global(name, offset)] for name in model.state_dict()}
-    model.load_state_dict(local)
-    state = minimal_state(seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE, packing_layout=layout,
-                          variable_seq_lengths=variable_seq_lengths)
-    losses = forward_backward_pipelining_without_interleaving(
-        forward_step_func=partial(forward_step, state), data_iterator=iter(batches), model=[model],
-        num_microbatches=len(batches), seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE,
-    )
-    grads = {_local_to_global(name, offset): (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-             for name, p in model.named_parameters()}
-    layouts = sorted({s.layout for s in state.bridge_thd_stats})
-    return dict(losses=[{k: v.clone() for k, v in entry.items()} for entry in losses], grads=grads, layouts=layouts)
 
 
 def pp_worker(full_state_dict, batches, configs):
-    return {config: _run_schedule(full_state_dict, batches, *config) for config in configs}
+    return {config: pipeline_step(full_state_dict, batches, *config, num_layers=NUM_LAYERS,
+                                  micro_batch_size=MICRO_BATCH_SIZE, seq_length=SEQ_LENGTH) for config in configs}
 
 
 @pytest.fixture(scope="module")
