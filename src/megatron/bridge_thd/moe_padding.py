@@ -1,0 +1,458 @@
+"""Opt-in: hand the packed row's padding mask to the MoE routers of Megatron-Bridge 0.6.2's Qwen3-VL.
+
+Why. A packed THD row (and the padded BSHD layout) holds padding slots: alignment padding at the
+end of each sample's slot and, for ``packing_layout="thd_static"``, a tail that is all padding.
+Megatron-Core 0.19.2's router can leave those slots out of its load-balancing statistics when it
+is given ``padding_mask`` (True = padding): the auxiliary loss (``aux_loss``, ``seq_aux_loss``,
+``global_aux_loss``), the z-loss and the expert-bias token counts. Megatron-Bridge 0.6.2's
+``Qwen3VLModel.forward`` declares no ``padding_mask`` (our ``forward_step`` therefore does not
+pass it) and neither its ``Qwen3VLGPTModel.forward`` nor its ``Qwen3VLTransformerBlock.forward``
+would forward one to the layers: every padding slot is counted as a token that the router
+routed. Megatron-Bridge main's ``Qwen3VLModel.forward`` declares ``padding_mask`` and threads it
+down to the layers; :func:`with_padding_mask` gives a 0.6.2 model the same behaviour.
+
+Usage (before Megatron wraps the model, so that every pipeline / virtual-pipeline chunk gets it)::
+
+    from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
+    cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)
+    finetune(cfg, forward_step_func=forward_step)  # megatron.bridge_thd.qwen3_vl_step.forward_step
+
+or on one model: ``model = with_padding_mask(model)``. The step sees ``padding_mask`` in the
+model's ``forward`` signature, passes the ``(1, N)`` mask of the packed row, and logs
+``extras passed to PaddingMaskQwen3VLModel.forward: ['padding_mask']``.
+
+What it does (in place; the same object is returned):
+
+* The model's class becomes a subclass of its class, ``PaddingMask<Class>``, whose ``forward`` has
+  the wrapped ``forward``'s signature plus a keyword-only ``padding_mask``. Nothing else changes:
+  parameters, buffers and state-dict keys (checkpoints, Hugging Face export), ``config``,
+  ``language_model``, ``set_input_tensor``, ``shared_embedding_or_output_weight``,
+  ``isinstance(model, Qwen3VLModel)``. A wrapper module would have prefixed every state-dict key.
+* In ``forward`` the mask is cut exactly as the model cuts its hidden states (context-parallel
+  zigzag split, sequence-parallel scatter) and, for the duration of the call, a forward pre-hook
+  on each MoE ``TransformerLayer`` of ``language_model.decoder`` adds it as the layer's
+  ``padding_mask`` keyword, shape ``(b, s_local)``: what Megatron-Core 0.19.2's
+  ``TransformerLayer`` takes and its ``MoELayer`` transposes to ``(s, b)`` for the router.
+* With ``moe_router_enable_expert_bias`` each router's ``_apply_expert_bias`` gets the mask as
+  ``(tokens, 1)`` (see below).
+* After the call it checks that every MoE router of the decoder ran with the mask, and raises
+  otherwise (a code path that drops the layer's ``padding_mask`` keyword would otherwise go
+  unnoticed).
+
+What the mask changes (Megatron-Core 0.19.2, ``transformer/moe/router.py`` and ``moe_utils.py``):
+the code treats True as *padding* (``valid_mask = ~padding_mask`` in
+``compute_routing_scores_for_aux_loss`` and ``z_loss_func``, ``routing_map & ~padding_mask`` for
+the expert bias), whatever some of its docstrings say. Padding slots are dropped from the aux-loss
+token counts and probabilities, from the z-loss mean and from the expert-bias counts. They are
+*still routed and dispatched* to experts (the routing map the router returns is unmasked), as in
+Megatron-Bridge main; their outputs never reach the loss. The main loss is unchanged.
+
+Upstream bug worked around: with ``moe_router_enable_expert_bias=True`` Megatron-Core 0.19.2's
+``TopKRouter.routing`` flattens the mask to ``(tokens,)`` and ``_apply_expert_bias`` computes
+``routing_map & (~padding_mask)`` with ``routing_map`` of shape ``(tokens, experts)``, which raises
+(or, when tokens == experts, masks the wrong axis). No input shape avoids it (the mask is flattened
+before z-loss, aux loss and expert bias alike), so :func:`with_padding_mask` overrides
+``_apply_expert_bias`` on each router instance of the model with one that reshapes the mask to
+``(tokens, 1)`` and calls Megatron-Core's own method.
+
+Refused (``ValueError`` at :func:`with_padding_mask` and again in ``forward``, naming the setting):
+
+* ``recompute_granularity="full"``: the block re-runs its layers in the backward pass, after this
+  ``forward`` has returned, so the recomputed routers would run without the mask. Selective
+  recompute is fine: with ``recompute_modules=["moe"]`` Megatron-Core checkpoints the MoE layer
+  with the mask as an argument, so the routers re-run in the backward pass with it (their
+  statistics are then recorded during the backward pass); the other modules do not re-run a router.
+* ``cuda_graph_impl`` other than ``"none"``: graphed layers bypass module hooks.
+* ``mlp_chunks_for_training > 1``: Megatron-Core's chunked MLP path drops ``padding_mask``.
+
+Not covered: multi-token-prediction layers (``language_model.mtp``) keep counting padding (a
+warning is logged when they hold MoE layers); the legacy packed BSHD input (``packed_seq_params``
+with ``input_ids`` of more than one row) is refused when a mask is given.
+
+Models whose ``forward`` already declares ``padding_mask`` (Megatron-Bridge main's
+``Qwen3VLModel``, Megatron-Core's ``GPTModel``, a model already passed through
+:func:`with_padding_mask`) are returned unchanged: the call is safe on every version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import types
+from typing import Any
+
+import torch
+
+from megatron.bridge_thd.upstream import load_bridge_module
+
+__all__ = [
+    "with_padding_mask",
+    "padding_mask_pre_wrap_hook",
+    "declares_padding_mask",
+    "padding_mask_from_packed_seq_params",
+    "PaddingMaskForward",
+]
+
+logger = logging.getLogger(__name__)
+
+_QWEN3_VL_MODEL_MODULE = "models.qwen_vl.modelling_qwen3_vl.model"
+# The 0.6.2 helpers the model itself uses to cut its row for context parallelism; the mask is
+# cut with the same functions so that it lines up with the hidden states token for token.
+_CP_HELPERS = ("_is_packed_input_pre_sharded", "_split_if_full_sequence", "get_packed_seq_cp_partition_indices")
+_SUBCLASSES: dict[type, type] = {}
+
+
+def declares_padding_mask(model) -> bool:
+    """True when ``model.forward`` takes a parameter named ``padding_mask`` (not via ``**kwargs``)."""
+    parameters = inspect.signature(model.forward).parameters
+    parameter = parameters.get("padding_mask")
+    return parameter is not None and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
+
+
+def padding_mask_from_packed_seq_params(packed_seq_params, total_tokens: int) -> torch.Tensor:
+    """The ``(1, N)`` padding mask of a packed THD row, from its boundaries.
+
+    Slot ``j`` of physical segment ``i`` (``[cu_seqlens_q_padded[i], cu_seqlens_q_padded[i + 1])``)
+    is real when ``j - cu_seqlens_q_padded[i] < cu_seqlens_q[i + 1] - cu_seqlens_q[i]``; slots past
+    the last physical boundary are padding. Zero-length segments (an all-padding sample, the
+    ``thd_static`` tail) are allowed. Pure tensor ops: no host synchronisation.
+
+    Args:
+        packed_seq_params: Megatron-Core ``PackedSeqParams`` (``cu_seqlens_q``, optionally
+            ``cu_seqlens_q_padded``) of the full row.
+        total_tokens: N, the row length.
+
+    Returns:
+        ``(1, N)`` bool, True = padding.
+    """
+    cu_real = packed_seq_params.cu_seqlens_q
+    cu_physical = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    if cu_physical is None:
+        cu_physical = cu_real
+    if cu_real is None or cu_real.dim() != 1 or cu_physical.shape != cu_real.shape or cu_real.numel() < 2:
+        raise ValueError(
+            "packed_seq_params: cu_seqlens_q (and cu_seqlens_q_padded when set) must be 1-D boundaries of the "
+            "same length >= 2 to derive the padding mask; pass padding_mask explicitly instead"
+        )
+    cu_real = cu_real.to(torch.int64)
+    cu_physical = cu_physical.to(torch.int64)
+    segments = cu_real.numel() - 1
+    positions = torch.arange(total_tokens, device=cu_real.device)
+    # right=True: a slot on a boundary belongs to the segment that starts there (zero-length
+    # segments are skipped); slots at or past the last boundary get index == segments.
+    segment = torch.searchsorted(cu_physical[1:], positions, right=True)
+    inside = segment < segments
+    segment = segment.clamp_max(segments - 1)
+    offset = positions - cu_physical[segment]
+    real = inside & (offset < cu_real[segment + 1] - cu_real[segment])
+    return (~real).unsqueeze(0)
+
+
+def _fail_if_unsupported(config) -> None:
+    """Settings under which the mask cannot reach every router (see the module docstring)."""
+    if getattr(config, "recompute_granularity", None) == "full":
+        raise ValueError(
+            "config.recompute_granularity='full': the decoder re-runs its layers in the backward pass, after "
+            "with_padding_mask's forward has returned, so the recomputed MoE routers would run without the padding "
+            "mask. Use recompute_granularity='selective' (recompute_modules=['moe'] keeps the mask) or None, "
+            "or do not use with_padding_mask."
+        )
+    cuda_graph_impl = getattr(config, "cuda_graph_impl", "none")
+    if cuda_graph_impl not in (None, "none"):
+        raise ValueError(
+            f"config.cuda_graph_impl={cuda_graph_impl!r}: CUDA-graphed transformer layers bypass module hooks, so "
+            "with_padding_mask cannot hand the padding mask to their MoE routers. Set cuda_graph_impl='none' or do "
+            "not use with_padding_mask."
+        )
+    chunks = getattr(config, "mlp_chunks_for_training", 1) or 1
+    if chunks > 1:
+        raise ValueError(
+            f"config.mlp_chunks_for_training={chunks}: Megatron-Core's chunked MLP path calls the MoE layer without "
+            "padding_mask. Set mlp_chunks_for_training=1 or do not use with_padding_mask."
+        )
+
+
+def _moe_layers(model) -> list:
+    """The decoder's MoE ``TransformerLayer`` s on this pipeline stage (empty without a language model)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    language_model = getattr(model, "language_model", None)
+    decoder = getattr(language_model, "decoder", None)
+    if decoder is None:
+        return []
+    return [layer for layer in decoder.layers if isinstance(getattr(layer, "mlp", None), MoELayer)]
+
+
+def _apply_expert_bias_with_token_mask(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None):
+    """``TopKRouter._apply_expert_bias`` with the ``(tokens,)`` mask as ``(tokens, 1)``.
+
+    Megatron-Core 0.19.2 computes ``routing_map & (~padding_mask)`` with ``routing_map`` of shape
+    ``(tokens, experts)`` and the flattened ``(tokens,)`` mask, which does not broadcast. The
+    column view makes it drop every padding token's row; the rest is Megatron-Core's method.
+    """
+    if padding_mask is not None and padding_mask.dim() == 1:
+        padding_mask = padding_mask.unsqueeze(-1)
+    return type(self)._apply_expert_bias(self, routing_map, padding_mask)
+
+
+def _fix_expert_bias(layers: list) -> None:
+    for layer in layers:
+        router = layer.mlp.router
+        if not getattr(router, "enable_expert_bias", False):
+            continue
+        if not callable(getattr(type(router), "_apply_expert_bias", None)):
+            raise ValueError(
+                "config.moe_router_enable_expert_bias=True: the router class "
+                f"{type(router).__name__} has no _apply_expert_bias to fix for the padding mask (this module targets "
+                "Megatron-Core 0.19.2's TopKRouter). Set moe_router_enable_expert_bias=False or do not use "
+                "with_padding_mask."
+            )
+        # A bound method on the instance: it shadows the class method for this router only
+        # (state dicts and other models are untouched).
+        router._apply_expert_bias = types.MethodType(_apply_expert_bias_with_token_mask, router)
+
+
+class PaddingMaskForward:
+    """Mixin of the classes :func:`with_padding_mask` creates; its ``forward`` is set per class."""
+
+    def _padding_mask_for_layers(self, padding_mask: torch.Tensor, input_ids, packed_seq_params) -> torch.Tensor:
+        """The mask cut the way the model cuts its hidden states: ``(b, s_local)`` bool.
+
+        ``padding_mask`` has the shape of ``input_ids``: ``(1, N)`` for a THD row, ``(B, T)`` for
+        BSHD, the rank-local row for pre-sharded THD input. Context parallelism: the THD row is
+        cut with the model's own ``get_packed_seq_cp_partition_indices`` (zigzag per segment),
+        BSHD with its ``_split_if_full_sequence``. Sequence parallelism: rank r of the TP group
+        keeps the r-th of ``tp`` equal chunks of the sequence, as
+        ``scatter_to_sequence_parallel_region`` does with the hidden states.
+        """
+        if input_ids is None:
+            raise ValueError("padding_mask: given without input_ids; the model needs input_ids to place the mask")
+        if tuple(padding_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"padding_mask: shape {tuple(padding_mask.shape)} does not match input_ids {tuple(input_ids.shape)}; "
+                "pass one flag per input token (True = padding), before any context-parallel split"
+            )
+        mask = padding_mask.to(device=input_ids.device, dtype=torch.bool)
+        if packed_seq_params is not None and input_ids.dim() == 2 and input_ids.size(0) > 1:
+            raise ValueError(
+                "padding_mask: legacy packed BSHD input (packed_seq_params with input_ids of "
+                f"{input_ids.size(0)} rows, re-packed inside the model) is not supported; pack into one THD row "
+                "(megatron.bridge_thd.qwen3_vl_step.forward_step does) or drop padding_mask"
+            )
+        cp_group = self.pg_collection.cp
+        cp_size = cp_group.size()
+        if cp_size > 1:
+            helpers = load_bridge_module(_QWEN3_VL_MODEL_MODULE)
+            cp_rank = cp_group.rank()
+            if packed_seq_params is not None:
+                # Pre-sharded THD input is already rank-local, and so is its mask.
+                if not helpers._is_packed_input_pre_sharded(input_ids, packed_seq_params, cp_size=cp_size):
+                    index = helpers.get_packed_seq_cp_partition_indices(
+                        packed_seq_params,
+                        total_tokens=input_ids.size(1),
+                        cp_size=cp_size,
+                        cp_rank=cp_rank,
+                        device=input_ids.device,
+                        cp_group=cp_group,
+                    )
+                    mask = mask.index_select(1, index)
+            else:
+                mask, _ = helpers._split_if_full_sequence(
+                    mask, cp_size=cp_size, seq_dim=1, cp_rank=cp_rank, full_sequence_length=input_ids.size(1)
+                )
+        tp_size = self.pg_collection.tp.size()
+        if getattr(self.config, "sequence_parallel", False) and tp_size > 1:
+            length = mask.size(1)
+            if length % tp_size:
+                raise ValueError(
+                    f"padding_mask: the rank-local sequence of {length} tokens is not divisible by the "
+                    f"tensor-parallel size {tp_size} (sequence parallelism); align the row to tp"
+                )
+            chunk = length // tp_size
+            mask = mask.narrow(1, self.pg_collection.tp.rank() * chunk, chunk)
+        return mask.contiguous()
+
+    @contextlib.contextmanager
+    def _padding_mask_hooks(self, layers: list, mask: torch.Tensor):
+        """For the duration of one forward: the MoE ``layers`` get ``padding_mask=mask`` and their
+        routers report whether it arrived."""
+        arrived = {id(layer.mlp.router): 0 for layer in layers}
+        missing: list[int] = []
+
+        def layer_hook(module, args, kwargs):
+            if kwargs.get("padding_mask") is not None:
+                return None  # a caller that already passes one keeps it
+            hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+            if hidden_states is not None and tuple(mask.shape) != (hidden_states.shape[1], hidden_states.shape[0]):
+                raise ValueError(
+                    f"padding_mask: the rank-local mask has shape {tuple(mask.shape)} but layer {module.layer_number} "
+                    f"sees hidden states of shape {tuple(hidden_states.shape)} (s, b, h); expected (b, s)"
+                )
+            kwargs = dict(kwargs)
+            kwargs["padding_mask"] = mask
+            return args, kwargs
+
+        def router_hook(module, args, kwargs):
+            given = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+            if given is None:
+                missing.append(module.layer_number)
+            else:
+                arrived[id(module)] += 1
+
+        handles = []
+        try:
+            for layer in layers:
+                handles.append(layer.register_forward_pre_hook(layer_hook, with_kwargs=True))
+                handles.append(layer.mlp.router.register_forward_pre_hook(router_hook, with_kwargs=True))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        never = [layer.layer_number for layer in layers if not arrived[id(layer.mlp.router)]]
+        if missing or never:
+            raise RuntimeError(
+                f"with_padding_mask: the MoE routers of layers {sorted(set(missing + never))} ran without the padding "
+                "mask (a code path that drops the layer's padding_mask keyword, e.g. CUDA graphs or chunked MLP); "
+                "their load-balancing statistics would count padding tokens"
+            )
+
+    def _forward_with_padding_mask(self, base_forward, base_signature, args, kwargs, padding_mask):
+        _fail_if_unsupported(self.config)
+        layers = _moe_layers(self)
+        if not layers:  # a dense model, or a pipeline stage without MoE layers: nothing to hand over
+            return base_forward(self, *args, **kwargs)
+        bound = base_signature.bind(self, *args, **kwargs).arguments
+        input_ids = bound.get("input_ids")
+        packed_seq_params = bound.get("packed_seq_params")
+        if (
+            padding_mask is None
+            and packed_seq_params is not None
+            and input_ids is not None
+            and input_ids.dim() == 2
+            and input_ids.size(0) == 1
+        ):
+            # As Megatron-Bridge main does: a THD row without an explicit mask gets the one its
+            # boundaries imply. Pre-sharded CP input is rank-local while its boundaries describe
+            # the full row: no mask is derived for it.
+            cp_size = self.pg_collection.cp.size()
+            helpers = load_bridge_module(_QWEN3_VL_MODEL_MODULE)
+            if cp_size == 1 or not helpers._is_packed_input_pre_sharded(input_ids, packed_seq_params, cp_size=cp_size):
+                padding_mask = padding_mask_from_packed_seq_params(packed_seq_params, input_ids.size(1))
+        if padding_mask is None:
+            return base_forward(self, *args, **kwargs)
+        mask = self._padding_mask_for_layers(padding_mask, input_ids, packed_seq_params)
+        with self._padding_mask_hooks(layers, mask):
+            return base_forward(self, *args, **kwargs)
+
+
+def _signature_with_padding_mask(base_forward) -> inspect.Signature:
+    """The base ``forward`` signature plus ``padding_mask`` (keyword-only, before ``**kwargs``)."""
+    signature = inspect.signature(base_forward)
+    parameters = list(signature.parameters.values())
+    new = inspect.Parameter(
+        "padding_mask", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="torch.Tensor | None"
+    )
+    at = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_KEYWORD), len(parameters))
+    return signature.replace(parameters=parameters[:at] + [new] + parameters[at:])
+
+
+def _padding_mask_class(cls: type) -> type:
+    """``PaddingMask<cls>``: ``cls`` with a ``forward`` that declares ``padding_mask`` (cached)."""
+    subclass = _SUBCLASSES.get(cls)
+    if subclass is not None:
+        return subclass
+    base_forward = cls.forward
+    base_signature = inspect.signature(base_forward)
+
+    def forward(self, *args, padding_mask: torch.Tensor | None = None, **kwargs):
+        return self._forward_with_padding_mask(base_forward, base_signature, args, kwargs, padding_mask)
+
+    name = f"PaddingMask{cls.__name__}"
+    forward.__signature__ = _signature_with_padding_mask(base_forward)
+    forward.__qualname__ = f"{name}.forward"
+    forward.__doc__ = (
+        f"{cls.__name__}.forward with ``padding_mask``: ``(b, s)`` bool, the shape of ``input_ids``, True = "
+        "padding (derived from ``packed_seq_params`` for a THD row when omitted). The MoE routers of the decoder "
+        "leave padding tokens out of their aux-loss, z-loss and expert-bias statistics; outputs are unchanged. "
+        "See megatron.bridge_thd.moe_padding.\n\n" + (cls.forward.__doc__ or "")
+    )
+    subclass = type(name, (PaddingMaskForward, cls), {"forward": forward, "__module__": __name__, "__qualname__": name})
+    # Module-level name: pickle finds the class by reference.
+    globals()[name] = subclass
+    _SUBCLASSES[cls] = subclass
+    return subclass
+
+
+def with_padding_mask(model):
+    """Make a Megatron-Bridge 0.6.2 ``Qwen3VLModel`` take ``padding_mask`` and hand it to its MoE routers.
+
+    In place: the model (or, for a wrapper chain such as DDP / ``Float16Module``, the innermost
+    ``.module``) changes class to ``PaddingMask<Class>``; see the module docstring.
+
+    Args:
+        model: a Megatron-Bridge 0.6.2 ``Qwen3VLModel`` (a model chunk), or a ``.module`` wrapper
+            chain around one.
+
+    Returns:
+        ``model`` itself. Unchanged when its ``forward`` already declares ``padding_mask``
+        (Megatron-Bridge main's ``Qwen3VLModel``, Megatron-Core's ``GPTModel``, a model already
+        passed through this function).
+
+    Raises:
+        TypeError: ``model`` is not a Megatron-Bridge ``Qwen3VLModel`` (and declares no ``padding_mask``).
+        ValueError: ``recompute_granularity='full'``, ``cuda_graph_impl`` other than ``'none'`` or
+            ``mlp_chunks_for_training > 1`` (the mask could not reach every router); the message
+            names the setting and the fix.
+    """
+    if isinstance(model, (list, tuple)):
+        raise TypeError("model: with_padding_mask takes one model chunk; for a list use padding_mask_pre_wrap_hook")
+    core = model
+    while hasattr(core, "module"):
+        core = core.module
+    if declares_padding_mask(core):
+        logger.info("bridge_thd: %s.forward already declares padding_mask; left unchanged", type(core).__name__)
+        return model
+    model_module = load_bridge_module(_QWEN3_VL_MODEL_MODULE)
+    if not isinstance(core, model_module.Qwen3VLModel):
+        raise TypeError(
+            f"model: with_padding_mask takes Megatron-Bridge 0.6.2's Qwen3VLModel (or a .module wrapper chain around "
+            f"one); got {type(core).__name__}, whose forward declares no padding_mask"
+        )
+    missing = [name for name in _CP_HELPERS if not hasattr(model_module, name)]
+    if missing:
+        raise TypeError(
+            f"model: this Megatron-Bridge's modelling_qwen3_vl/model.py lacks {missing}, which with_padding_mask uses "
+            "to cut the mask like the model cuts its row; it targets Megatron-Bridge 0.6.2"
+        )
+    config = core.config
+    _fail_if_unsupported(config)
+    layers = _moe_layers(core)
+    _fix_expert_bias(layers)
+    mtp = getattr(getattr(core, "language_model", None), "mtp", None)
+    if mtp is not None:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        if any(isinstance(module, MoELayer) for module in mtp.modules()):
+            logger.warning(
+                "bridge_thd: with_padding_mask does not reach the MoE layers of the multi-token-prediction block; "
+                "their routers still count padding tokens"
+            )
+    core.__class__ = _padding_mask_class(type(core))
+    expert_bias = any(getattr(layer.mlp.router, "enable_expert_bias", False) for layer in layers)
+    logger.info(
+        "bridge_thd: %s.forward now declares padding_mask (True = padding); %d MoE layer(s) of the decoder get it%s",
+        type(core).__name__,
+        len(layers),
+        "; expert-bias counts use it" if expert_bias else "",
+    )
+    return model
+
+
+def padding_mask_pre_wrap_hook(model_chunks: list[Any]) -> list[Any]:
+    """Megatron-Bridge pre-wrap hook: :func:`with_padding_mask` on every model chunk.
+
+    ``cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)`` (before ``finetune`` /
+    ``pretrain``); chunks whose ``forward`` already declares ``padding_mask`` are left as they are.
+    """
+    return [with_padding_mask(chunk) for chunk in model_chunks]
