@@ -19,6 +19,7 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_pack.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/parity_report.py
+	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_verl.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
