@@ -44,6 +44,9 @@ from typing import Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tables import markdown  # noqa: E402
+
 # megatron.core warns about missing Transformer Engine / Apex on import; irrelevant here.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 from megatron.bridge_thd.opcount import count_ops
@@ -361,13 +364,6 @@ def run_table(
             ops, syncs, ms, _ = measured[name]
             rows.append([str(batch_size), str(seq_len), name, str(ops), str(syncs), f"{ms:.3f}{flag}", f"{ms / ref_ms:.2f}x{flag}"])
     return rows
-
-
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(header), sep, *(fmt(r) for r in rows)])
 
 
 def main(argv: list[str] | None = None) -> int:

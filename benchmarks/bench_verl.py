@@ -48,6 +48,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tables import markdown  # noqa: E402
+
 # megatron.core warns about missing Transformer Engine / Apex on import; irrelevant here.
 warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -272,13 +275,6 @@ def train_vs_rollout_rows(verl_path: str, batch_size: int, cp_sizes) -> list[lis
 
 
 # --------------------------------------------------------------------------------------------
-
-
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(header), sep, *(fmt(r) for r in rows)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ __all__ = [
     "segment_index",
     "scatter_into_row",
     "gather_from_row",
+    "thd_packed_seq_params",
 ]
 
 INT32_MAX = torch.iinfo(torch.int32).max
@@ -146,6 +147,28 @@ def gather_from_row(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         ``(*index.shape, ...)``; differentiable with respect to ``values``.
     """
     return torch.cat([values, values.new_zeros((1, *values.shape[1:]))])[index]
+
+
+def thd_packed_seq_params(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, max_seqlen: int, pad_between_seqs: bool
+) -> PackedSeqParams:
+    """Megatron-Core's ``PackedSeqParams`` for a THD row: the same real and padded boundaries for
+    q and kv (``(S + 1,)`` int32), ``max_seqlen`` an upper bound of the real segment lengths.
+
+    ``pad_between_seqs`` is always set: left None, Transformer Engine derives it in every
+    attention layer with a host sync, from all boundaries but the last, so padding only in the
+    last slot goes unnoticed (TransformerEngine issue 3331: wrong attention under CP).
+    """
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+        pad_between_seqs=pad_between_seqs,
+    )
 
 
 def pack_bshd_to_thd(
@@ -305,19 +328,7 @@ def pack_bshd_to_thd(
     cu_seqlens = cu_seqlens.to(torch.int32)
     cu_seqlens_padded = cu_seqlens_padded.to(torch.int32)
     padding_mask = scatter_into_row(~keep, packed_index, row_length, True)
-    packed_seq_params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
-        # Set explicitly: left None, Transformer Engine derives it in every attention layer with a
-        # host sync, from all boundaries but the last, so padding only in the last slot goes
-        # unnoticed (TransformerEngine issue 3331: wrong attention under CP).
-        pad_between_seqs=pad_between_seqs,
-    )
+    packed_seq_params = thd_packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen, pad_between_seqs)
     return PackedBatch(
         input_ids=scatter_into_row(input_ids, packed_index, row_length, pad_token_id),
         labels=None if labels is None else scatter_into_row(labels, packed_index, row_length, LABEL_PAD),

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_lengths, raise_failed_checks
+from megatron.bridge_thd.packing import thd_packed_seq_params
 
 __all__ = ["ExpandedBoundaries", "expand_cu_seqlens", "expanded_positions", "expand_row"]
 
@@ -323,17 +324,7 @@ def expand_cu_seqlens(
 
     cu_out = cu_out.to(torch.int32)
     cu_padded_out = cu_padded_out.to(torch.int32)
-    packed_seq_params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_out,
-        cu_seqlens_kv=cu_out,
-        cu_seqlens_q_padded=cu_padded_out,
-        cu_seqlens_kv_padded=cu_padded_out,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
-        # Explicit, as in the packer: TE would otherwise derive it with a host read per layer.
-        pad_between_seqs=row_length != real_total,
-    )
+    packed_seq_params = thd_packed_seq_params(cu_out, cu_padded_out, max_seqlen, row_length != real_total)
     return ExpandedBoundaries(
         cu_seqlens=cu_out,
         cu_seqlens_padded=cu_padded_out,

@@ -53,7 +53,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.bridge_thd.context_parallel import thd_partition_indices
 from megatron.bridge_thd.lengths import DeferredCheck, raise_failed_checks
-from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment, scatter_into_row
+from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment, scatter_into_row, thd_packed_seq_params
 
 __all__ = ["preprocess_packed_seqs", "postprocess_packed_seqs"]
 
@@ -193,18 +193,7 @@ def preprocess_packed_seqs(
             cu_seqlens_padded = torch.cat([cu_seqlens_padded[:-1], cu_seqlens_padded.new_full((1,), full_length)])
             pad_between_seqs = True
 
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
-        # Explicit: left None, Transformer Engine derives it per layer with a host sync and misses
-        # padding that sits only in the last slot (TransformerEngine issue 3331).
-        pad_between_seqs=pad_between_seqs,
-    )
+    params = thd_packed_seq_params(cu_seqlens, cu_seqlens_padded, max_seqlen, pad_between_seqs)
     if not pre_process:
         return input_ids, params
 
