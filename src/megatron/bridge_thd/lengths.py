@@ -225,7 +225,8 @@ def cu_seqlens_from_sample_ids(sample_ids: torch.Tensor) -> torch.Tensor:
             "sample_ids: ids must start at 1, grow by 0 or 1 from token to token, and use 0 only for a "
             f"trailing padding tail (got {sample_ids.tolist()[:32]}...); renumber the samples 1..K in row order"
         )
-    counts = torch.bincount(ids, minlength=num_samples + 1)[1:]
+    # scatter_add into a host-sized buffer: torch.bincount reads the maximum on CUDA (a second sync).
+    counts = ids.new_zeros(num_samples + 1).scatter_add_(0, ids, torch.ones_like(ids))[1:]
     cu_seqlens = cu_seqlens_from_lengths(counts)
     if num_padding:
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_full((1,), row_length)])
