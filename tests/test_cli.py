@@ -57,3 +57,12 @@ def test_main_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--micro-batch-size", "0"])
     assert "--micro-batch-size" in capsys.readouterr().err
+
+
+def test_main_writes_the_plot_and_says_where(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "demo.png"
+    assert cli.main(["--micro-batches", "1", "--micro-batch-size", "2", "--progress", "off", "--plot", str(path)]) == 0
+    assert path.stat().st_size > 1000
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {path}" in capsys.readouterr().out

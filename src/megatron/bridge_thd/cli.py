@@ -92,14 +92,16 @@ def _demo_model(kind: str, seed: int, seq_length: int):
 
 
 def run_demo(micro_batches: int, micro_batch_size: int, seq_length: int, seed: int, progress: bool,
-             model_kind: str = "bridge") -> str:
+             model_kind: str = "bridge", return_results: bool = False):
+    """The report text (and, with ``return_results``, the per-layout figures behind it)."""
     if model_kind not in MODELS:
         raise ValueError(f"model_kind: {model_kind!r} is not one of {sorted(MODELS)}")
     init_single_process_groups()
     model, per_sample, stack = _demo_model(model_kind, seed, seq_length)
     with stack:
         results = _run_layouts(model, per_sample, micro_batches, micro_batch_size, seq_length, seed, progress)
-    return _report(results, model, model_kind, micro_batches, micro_batch_size, seq_length)
+    report = _report(results, model, model_kind, micro_batches, micro_batch_size, seq_length)
+    return (report, results) if return_results else report
 
 
 def _trainer_flops(model, state, batch_size: int, **override) -> float | None:
@@ -197,6 +199,33 @@ def _report(results, model, model_kind, micro_batches, micro_batch_size, seq_len
     return "\n".join(lines)
 
 
+def write_demo_plot(results: dict, path: str) -> str:
+    """Bars of the three layouts' work on the demo batches (token slots, attention work, the
+    trainer's GFLOP) to ``path``; returns where it went, or why it did not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install 'megatron-bridge-thd[plot]')"
+    layouts = list(results)
+    panels = [("token slots", "processed"), ("attention work sum(s_i^2)", "work"), ("trainer GFLOP", "flops")]
+    panels = [(title, key) for title, key in panels if all(results[l][key] is not None for l in layouts)]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    colors = {"bshd": "tab:gray", "thd": "tab:green", "thd_static": "tab:blue"}
+    for axis, (title, key) in zip(axes, panels):
+        values = [results[l][key] / (1e9 if key == "flops" else 1) for l in layouts]
+        bars = axis.bar(layouts, values, color=[colors.get(l, "tab:orange") for l in layouts])
+        axis.bar_label(bars, labels=[f"{v:,.2f}" if key == "flops" else f"{v:,.0f}" for v in values], fontsize=8)
+        axis.set_title(title)
+    figure.suptitle("megatron-bridge-thd demo: work per layout on the demo micro-batches")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return f"plot: {path}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per layout (default 2)")
@@ -204,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-length", type=int, default=2048, help="model.seq_length (default 2048)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--progress", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--plot", default="bridge_thd_demo.png",
+                        help="where to write the plot of the layouts' work (default bridge_thd_demo.png; '' for none)")
     parser.add_argument("--model", choices=sorted(MODELS), default="bridge",
                         help="bridge: Megatron-Bridge 0.6.2's Qwen3VLModel built on the CPU (default); "
                              "hf: the Hugging Face reference")
@@ -213,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     progress = sys.stderr.isatty() if args.progress == "auto" else args.progress == "on"
-    print(run_demo(args.micro_batches, args.micro_batch_size, args.seq_length, args.seed, progress, args.model))
+    report, results = run_demo(args.micro_batches, args.micro_batch_size, args.seq_length, args.seed, progress,
+                               args.model, return_results=True)
+    print(report)
+    if args.plot:
+        print(write_demo_plot(results, args.plot))
     return 0
 
 

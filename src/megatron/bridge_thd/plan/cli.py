@@ -1,0 +1,109 @@
+"""``bridge-thd plan``: what packing buys for a model, a length distribution and a parallel layout.
+
+Examples::
+
+    bridge-thd plan --model qwen3-vl-8b --seq-length 8192 --micro-batch-size 4 --tp 2 --png /tmp/plan.png
+    bridge-thd plan --hf-config config.json --lengths lengths.csv --seq-length 4096 --tp 4 --pp 2
+    bridge-thd plan --calibrate
+    python -m megatron.bridge_thd.plan --list-models
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bridge-thd plan", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default="qwen3-vl-8b", help="preset name (--list-models)")
+    model.add_argument("--hf-config", help="a Hugging Face config.json instead of a preset")
+    p.add_argument("--list-models", action="store_true", help="print the presets and GPUs and exit")
+    p.add_argument("--lengths", help="JSON / CSV per-sample lengths file (default: synthetic receipts)")
+    p.add_argument("--num-samples", type=int, default=1024, help="synthetic receipts to draw (default 1024)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step per DP replica")
+    for name in ("tp", "cp", "pp", "ep"):
+        p.add_argument(f"--{name}", type=int, default=1)
+    p.add_argument("--gpus", type=int, default=8, help="total GPUs (DP = gpus / (tp*cp*pp))")
+    p.add_argument("--no-sequence-parallel", action="store_true", help="TP without sequence parallelism")
+    p.add_argument("--gpu", default="h100-sxm", help="GPU for the roofline (--list-models)")
+    p.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilisation (default 0.40)")
+    p.add_argument("--overhead-ms", type=float, default=0.0, help="fixed per-step overhead (default 0)")
+    p.add_argument("--png", help="write the figure here (needs matplotlib)")
+    p.add_argument("--calibrate", action="store_true", help="print the Qwen3.5-VL 2B / cord_v2 / 8xH100 calibration")
+    return p
+
+
+def _list() -> str:
+    from megatron.bridge_thd.plan.presets import PRESETS
+    from megatron.bridge_thd.plan.roofline import GPUS
+
+    lines = ["presets:"] + [f"  {name:22s} {spec.hf_repo}" for name, spec in PRESETS.items()]
+    lines += ["GPUs:"] + [f"  {g.name:10s} {g.bf16_flops / 1e12:.0f} TFLOP/s bf16, {g.hbm_bytes_per_s / 1e12:.2f} TB/s, "
+                          f"{g.memory_bytes / 1e9:.0f} GB" for g in GPUS.values()]
+    return "\n".join(lines)
+
+
+def _run(args) -> str:
+    from megatron.bridge_thd.plan.estimate import PlanSettings, plan
+    from megatron.bridge_thd.plan.layouts import Parallel
+    from megatron.bridge_thd.plan.lengths import load_lengths, receipt_lengths
+    from megatron.bridge_thd.plan.presets import get_preset, spec_from_hf_config
+    from megatron.bridge_thd.plan.report import format_plan
+    from megatron.bridge_thd.plan.roofline import get_gpu
+
+    spec = spec_from_hf_config(args.hf_config) if args.hf_config else get_preset(args.model)
+    samples = (load_lengths(args.lengths, spec.vision.spatial_merge_size) if args.lengths
+               else receipt_lengths(args.num_samples, args.seed))
+    parallel = Parallel(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, gpus=args.gpus,
+                        sequence_parallel=not args.no_sequence_parallel)
+    if args.ep > 1 and not spec.is_moe:
+        raise ValueError(f"--ep {args.ep}: {spec.name} is a dense model (no experts); use --ep 1")
+    if args.overhead_ms < 0:
+        raise ValueError(f"--overhead-ms: expected >= 0, got {args.overhead_ms}")
+    settings = PlanSettings(args.seq_length, args.micro_batch_size, parallel, args.micro_batches,
+                            get_gpu(args.gpu), args.mfu, args.overhead_ms / 1e3)
+    result = plan(spec, samples, settings)
+    text = format_plan(result)
+    if args.png:
+        try:
+            from megatron.bridge_thd.plan.plot import write_plot
+
+            text += f"\nwrote {write_plot(result, args.png)}"
+        except ImportError as error:
+            text += f"\n{error}"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 bad input with a one-line error on stderr).
+
+    Installed as ``bridge-thd``: ``bridge-thd plan ...`` (the ``plan`` word is optional here,
+    so ``python -m megatron.bridge_thd.plan ...`` takes the same arguments)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if args.list_models:
+                print(_list())
+            elif args.calibrate:
+                from megatron.bridge_thd.plan.calibrate import calibration_report
+
+                print(calibration_report(args.num_samples, args.seed, args.mfu))
+            else:
+                print(_run(args))
+    except ValueError as error:
+        print(f"bridge-thd plan: error: {error}", file=sys.stderr)
+        return 2
+    return 0

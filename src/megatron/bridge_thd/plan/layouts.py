@@ -1,0 +1,123 @@
+"""Token slots and attention work of each packing layout for one micro-batch.
+
+For a micro-batch of B samples with real lengths ``s_i`` (LLM tokens, truncated to
+``seq_length``):
+
+* ``bshd`` (Megatron-Bridge 0.6.2 ``qwen3_vl_step``): a ``(B, T)`` batch,
+  ``T = round_up(max_i s_i, d)`` with ``d = lcm(tp * (2 * cp if cp > 1 else 1), 16)`` (the step
+  always passes ``use_fp8_padding=True``), or ``T = seq_length`` when PP > 1 or EP > 1
+  (``force_to_pad_to_seq_len``). Slots ``B * T``; attention work ``B * T^2``.
+* ``thd``: one row of real tokens, slot i ``round_up(s_i, a)`` with
+  ``a = required_alignment(tp, cp, sequence_parallel)`` (``2 * cp`` if cp > 1 else 1, times tp
+  with sequence parallelism). Slots ``sum_i round_up(s_i, a)``; attention ``sum_i s_i^2``.
+* ``thd_static``: the same row padded to ``B * round_up(seq_length, a)`` slots (static shapes
+  for PP p2p / CUDA graphs); attention ``sum_i s_i^2``.
+
+"Slots" are what the linear layers (QKV, MLP, logits) process; "attention work" is what the
+trainer's ``seqlen_squared_sum`` accumulator holds for the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron.bridge_thd.packing import required_alignment
+from megatron.bridge_thd.plan.lengths import SampleLengths
+
+__all__ = ["LAYOUTS", "Parallel", "MicroBatch", "micro_batches", "layout_stats"]
+
+LAYOUTS = ("bshd", "thd", "thd_static")
+
+
+def _check(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Parallel layout: ``gpus`` = tp * cp * pp * dp; EP splits experts over the DP x CP ranks.
+    ``sequence_parallel`` defaults to on whenever tp > 1 (Megatron's usual setting)."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+    gpus: int = 8
+    sequence_parallel: bool | None = None
+
+    def __post_init__(self):
+        for name in ("tp", "cp", "pp", "ep", "gpus"):
+            _check(name, getattr(self, name))
+        if self.gpus % (self.tp * self.cp * self.pp):
+            raise ValueError(f"gpus={self.gpus} is not divisible by tp*cp*pp={self.tp * self.cp * self.pp}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp} (gpus / (tp*pp))")
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.cp * self.pp)
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else bool(self.sequence_parallel and self.tp > 1)
+
+    def thd_alignment(self) -> int:
+        return required_alignment(self.tp, self.cp, sequence_parallel=self.sp)
+
+    def bshd_divisor(self) -> int:
+        base = self.tp * self.cp * 2 if self.cp > 1 else self.tp
+        return math.lcm(base, 16)
+
+    def bshd_forced(self) -> bool:
+        return self.pp > 1 or self.ep > 1
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch: ``lengths`` real LLM tokens per sample (truncated), ``patches`` ViT
+    patches in it, ``truncated`` tokens cut by ``seq_length``."""
+
+    lengths: tuple[int, ...]
+    patches: int
+    truncated: int
+
+
+def micro_batches(samples: SampleLengths, micro_batch_size: int, seq_length: int) -> list[MicroBatch]:
+    """Consecutive groups of ``micro_batch_size`` samples (the remainder is dropped, as with
+    ``drop_last``), each sample truncated to ``seq_length``."""
+    _check("micro_batch_size", micro_batch_size)
+    _check("seq_length", seq_length)
+    count = len(samples) // micro_batch_size
+    if count == 0:
+        raise ValueError(f"micro_batch_size={micro_batch_size} is larger than the {len(samples)} samples; "
+                         "pass more samples (--num-samples) or a smaller micro-batch")
+    batches = []
+    for k in range(count):
+        idx = range(k * micro_batch_size, (k + 1) * micro_batch_size)
+        raw = [samples.tokens[i] for i in idx]
+        lengths = tuple(min(n, seq_length) for n in raw)
+        batches.append(MicroBatch(lengths, sum(samples.patches(i) for i in idx), sum(raw) - sum(lengths)))
+    return batches
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def layout_stats(layout: str, batch: MicroBatch, seq_length: int, parallel: Parallel) -> tuple[int, int]:
+    """``(token_slots, attention_work)`` of ``batch`` in ``layout``: the trainer's
+    ``seqlen_sum`` and ``seqlen_squared_sum`` for this micro-batch (tokens, tokens^2)."""
+    b = len(batch.lengths)
+    if layout == "bshd":
+        width = seq_length if parallel.bshd_forced() else _round_up(max(batch.lengths), parallel.bshd_divisor())
+        return b * width, b * width * width
+    real_sq = sum(n * n for n in batch.lengths)
+    align = parallel.thd_alignment()
+    if layout == "thd":
+        return sum(_round_up(n, align) for n in batch.lengths), real_sq
+    if layout == "thd_static":
+        return b * _round_up(seq_length, align), real_sq
+    raise ValueError(f"layout {layout!r} is not known; valid layouts: {', '.join(LAYOUTS)}")

@@ -1,0 +1,188 @@
+"""bridge-thd plan: counts against hand computation, the trainer FLOPs formula term by term, the
+memory formula on a hand case, errors, the PNG and the CLI."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, get_preset, load_lengths, plan
+from megatron.bridge_thd.plan.cli import main
+from megatron.bridge_thd.plan.flops import flops_config, micro_batch_flops, moe_routed_tokens
+from megatron.bridge_thd.plan.layouts import layout_stats, micro_batches
+from megatron.bridge_thd.plan.memory import layer_bytes_per_token, model_state_bytes, parameter_counts
+from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec, replace, spec_from_hf_config
+
+warnings.simplefilter("ignore")
+
+TINY = ModelSpec(name="tiny", hf_repo="none", num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1,
+                 kv_channels=4, ffn_hidden_size=16, vocab_size=128,
+                 vision=VisionSpec(depth=1, hidden_size=4, num_heads=1, intermediate_size=8, out_hidden_size=8))
+
+
+def _samples(*lengths, patches=0):
+    return SampleLengths(tuple(lengths), tuple(((1, 2, patches // 2),) if patches else () for _ in lengths))
+
+
+def test_token_slots_and_attention_work_per_layout_by_hand():
+    batch = micro_batches(_samples(5, 3, 9, 7), micro_batch_size=2, seq_length=8)
+    # truncation: 9 -> 8; groups (5, 3), (8, 7)
+    assert [b.lengths for b in batch] == [(5, 3), (8, 7)] and batch[1].truncated == 1
+    one = Parallel(gpus=1)
+    assert layout_stats("bshd", batch[0], 8, one) == (2 * 16, 2 * 16 * 16)  # width 5 -> 16 (Bridge's fp8 multiple)
+    assert layout_stats("thd", batch[0], 8, one) == (8, 25 + 9)
+    assert layout_stats("thd_static", batch[0], 8, one) == (16, 25 + 9)
+    cp2 = Parallel(cp=2, gpus=2)  # align 4: 5 -> 8, 3 -> 4
+    assert layout_stats("thd", batch[0], 8, cp2) == (12, 34)
+    tp2cp2 = Parallel(tp=2, cp=2, gpus=4)  # align 2*cp*tp = 8 with sequence parallel
+    assert layout_stats("thd", batch[0], 8, tp2cp2) == (16, 34)
+    assert layout_stats("thd_static", batch[0], 10, tp2cp2) == (2 * 16, 34)
+    assert layout_stats("thd", batch[0], 8, Parallel(tp=2, gpus=2, sequence_parallel=False)) == (8, 34)
+
+
+@pytest.mark.parametrize("parallel", [Parallel(pp=2, gpus=2), Parallel(ep=2, gpus=2)])
+def test_pp_or_ep_force_bshd_to_seq_length(parallel):
+    (batch,) = micro_batches(_samples(5, 3), micro_batch_size=2, seq_length=100)
+    assert layout_stats("bshd", batch, 100, parallel) == (200, 2 * 100**2)
+    assert layout_stats("thd", batch, 100, parallel) == (8, 34)
+
+
+def test_flops_terms_scale_with_the_right_accumulator():
+    spec = get_preset("qwen3-vl-8b")
+    cfg = flops_config(spec)
+    base = micro_batch_flops(cfg, 2, 1000, 600_000, 0)
+    doubled_sq = micro_batch_flops(cfg, 2, 1000, 1_200_000, 0)
+    doubled_slots = micro_batch_flops(cfg, 2, 2000, 600_000, 0)
+    assert base.vision == 0 and base.attention_core > 0
+    assert doubled_sq.linear == pytest.approx(base.linear) and doubled_sq.attention_core == pytest.approx(2 * base.attention_core)
+    # slots scale the linear terms; the attention core depends on sum s^2 only
+    assert doubled_slots.linear == pytest.approx(2 * base.linear)
+    assert doubled_slots.attention_core == pytest.approx(base.attention_core)
+
+
+def test_flops_match_a_hand_evaluation_for_a_tiny_dense_model():
+    h, q, kv, f, L, V = 8, 8, 4, 16, 2, 128  # padded vocab = 128 (multiple of 128)
+    s, sq, b = 10, 60, 2
+    linear = s * (6 * h * 3 * f * L + 6 * L * (h * (q + 2 * kv) + q * h) + 6 * h * V)
+    attention = 6 * L * q * sq  # 3 (fwd+bwd) * 2 (FMA) * q * sum s^2 per layer (causal half of QK^T and AV)
+    got = micro_batch_flops(flops_config(TINY), b, s, sq, 0)
+    assert got.linear == pytest.approx(linear) and got.attention_core == pytest.approx(attention)
+    # ViT per image: 8 h^2 + 4 h n + 4 h f per patch per layer, + merger, times 3
+    n, hv, fv = 8, 4, 8
+    vit_per_image = 3 * (n * (8 * hv**2 + 4 * hv * n + 4 * hv * fv) + (n // 4) * (2 * 16 * 16 + 2 * 16 * 8))
+    assert micro_batch_flops(flops_config(TINY), b, s, sq, b * n).vision == pytest.approx(b * vit_per_image)
+
+
+def test_moe_routed_tokens_are_slots_times_topk_per_layer():
+    spec = get_preset("qwen3-vl-30b-a3b")
+    assert moe_routed_tokens(spec, 1000) == 1000 * 8 * 48
+    assert moe_routed_tokens(get_preset("qwen3-vl-8b"), 1000) == 0
+
+
+def test_activation_formula_on_a_hand_case():
+    # one attention layer: 4h norms + (2h + 2(q+2kv) + 2q + 4 heads) + MLP (2h + 6f)
+    h, q, kv, f, heads = 8, 8, 4, 16, 2
+    per_layer = 4 * h + (2 * h + 2 * (q + 2 * kv) + 2 * q + 4 * heads) + (2 * h + 6 * f)
+    assert layer_bytes_per_token(TINY) == [per_layer, per_layer]
+    assert layer_bytes_per_token(TINY, tp=2) == [per_layer / 2] * 2
+    assert layer_bytes_per_token(TINY, tp=2, sequence_parallel=False) == [8 * h + (per_layer - 8 * h) / 2] * 2
+    # Korthikanti check: MHA, f = 4h, two-matrix MLP -> 32h (their 34h without the dropout masks)
+    mha = replace(TINY, num_query_groups=2, ffn_hidden_size=32)
+    no_lse = layer_bytes_per_token(mha)[0] - 4 * 2
+    assert no_lse - 2 * 32 == 32 * h  # our MLP is gated (4f + 2f); a plain MLP stores 2f + 2f
+
+
+def test_model_states_count_the_named_sizes():
+    assert sum(parameter_counts(get_preset("qwen3-vl-8b")).values()) == pytest.approx(8.7e9, rel=0.03)
+    assert sum(parameter_counts(get_preset("qwen3-vl-30b-a3b")).values()) == pytest.approx(31e9, rel=0.03)
+    assert sum(parameter_counts(get_preset("qwen3.5-vl-2b")).values()) == pytest.approx(2.0e9, rel=0.05)
+    spec = get_preset("qwen3-vl-8b")
+    one, eight = model_state_bytes(spec, Parallel(gpus=1)), model_state_bytes(spec, Parallel(gpus=8))
+    params = sum(parameter_counts(spec).values())
+    assert one == pytest.approx(18 * params) and eight == pytest.approx(params * (6 + 12 / 8))
+
+
+def test_plan_rows_are_consistent():
+    samples = _samples(*([300, 1200, 700, 2500] * 4), patches=400)
+    p = plan(get_preset("qwen3-vl-8b"), samples, PlanSettings(2048, 4, Parallel(tp=2)))
+    bshd, thd, static = (p.layouts[k] for k in ("bshd", "thd", "thd_static"))
+    assert thd.slots == pytest.approx(300 + 1200 + 700 + 2048)  # align 2, all even
+    assert bshd.slots == 4 * 2048 and static.slots == 4 * 2048
+    assert thd.flops.vision == bshd.flops.vision > 0
+    assert thd.flops.total < bshd.flops.total and thd.step_s < bshd.step_s and p.speedup() > 1
+    assert thd.activation_peak < bshd.activation_peak
+
+
+def test_bad_preset_and_sizes_raise_clear_errors():
+    with pytest.raises(ValueError, match="valid presets: .*qwen3-vl-8b"):
+        get_preset("qwen3-vl-7b")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        micro_batches(_samples(3), micro_batch_size=0, seq_length=8)
+    with pytest.raises(ValueError, match="not divisible by tp\\*cp\\*pp"):
+        Parallel(tp=3, gpus=8)
+
+
+def test_lengths_files_and_their_errors(tmp_path):
+    good = tmp_path / "l.csv"
+    good.write_text("text_tokens,images\n57,1x52x24\n10,\n")
+    s = load_lengths(good)
+    assert s.tokens == (57 + 52 * 24 // 4, 10) and s.patches(0) == 52 * 24
+    js = tmp_path / "l.json"
+    js.write_text(json.dumps({"samples": [{"text_tokens": 5, "images": [[1, 4, 4], [1, 2, 2]]}]}))
+    assert load_lengths(js).tokens == (5 + 4 + 1,)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("text_tokens,images\n57,1x52x24\nabc,1x4x4\n")
+    with pytest.raises(ValueError, match=r"bad\.csv: line 3: field 'text_tokens'"):
+        load_lengths(bad)
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('[{"text_tokens": 5, "images": [[1, 4]]}]')
+    with pytest.raises(ValueError, match=r"bad\.json: sample 0: field 'images'"):
+        load_lengths(bad_json)
+    with pytest.raises(ValueError, match="missing.json: lengths file not found"):
+        load_lengths(tmp_path / "missing.json")
+
+
+def test_hf_config_parses_into_the_preset_fields(tmp_path):
+    config = {"text_config": {"num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32,
+                              "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936},
+              "vision_config": {"depth": 27, "hidden_size": 1152, "num_heads": 16, "intermediate_size": 4304,
+                                "patch_size": 16, "spatial_merge_size": 2, "out_hidden_size": 4096}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    spec = spec_from_hf_config(path)
+    preset = get_preset("qwen3-vl-8b")
+    for field in ("num_layers", "hidden_size", "num_query_groups", "kv_channels", "ffn_hidden_size", "vocab_size", "vision"):
+        assert getattr(spec, field) == getattr(preset, field)
+    del config["text_config"]["vocab_size"]
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'vocab_size' is missing"):
+        spec_from_hf_config(path)
+
+
+def test_png_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from megatron.bridge_thd.plan.plot import write_plot
+
+    p = plan(get_preset("qwen3-vl-2b"), _samples(300, 900, 500, 1500, patches=200), PlanSettings(2048, 2))
+    out = write_plot(p, tmp_path / "plan.png")
+    assert out.stat().st_size > 1000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_prints_the_three_layouts(capsys, tmp_path):
+    assert main(["--model", "qwen3-vl-30b-a3b", "--num-samples", "64", "--ep", "8", "--png", str(tmp_path / "p.png")]) == 0
+    out = capsys.readouterr().out
+    for layout in ("| bshd |", "| thd |", "| thd_static |"):
+        assert layout in out
+    assert "forced to seq_length" in out
+    assert main(["--model", "nope"]) == 2
+    assert "valid presets" in capsys.readouterr().err
+    assert main(["--model", "qwen3-vl-8b", "--ep", "2"]) == 2  # dense model
+
+
+def test_calibration_prints_measured_and_predicted(capsys):
+    assert main(["--calibrate", "--num-samples", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "measured 1.061" in out and "| 4 | bshd |" in out
