@@ -20,6 +20,18 @@ a ``with`` block and restores each name on exit (re-entrant: an inner block is a
    with ``device="cuda"`` and ``p2p_communication`` calls ``torch.cuda.synchronize()``; both
    are redirected to the CPU (``torch.zeros`` in ``schedules`` and the module's ``torch.cuda``
    seen through a proxy).
+5. Only when flash-linear-attention is absent: Megatron-Core's Gated DeltaNet
+   (``ssm/gated_delta_net``) imports fla's ``causal_conv1d``, ``l2norm`` and
+   ``chunk_gated_delta_rule`` at module level (None without fla) and refuses to build
+   (``HAVE_FLA``). ``common.HAVE_FLA`` becomes True and those names, in ``common`` and where
+   ``gdn.py`` imported them by name, point at the pure-torch varlen kernels of
+   :mod:`megatron.bridge_thd.cpu.gdn` (``cu_seqlens`` honoured). ``GatedDeltaNet`` binds
+   ``self.gated_delta_rule`` at construction, so build the model inside the block.
+6. Only without CUDA: ``_GDNBase.reset_parameters`` initialises ``dt_bias`` / ``A_log`` under
+   ``get_cuda_rng_tracker().fork()``, whose CUDA RNG state a CPU process never adds; ``common``'s
+   ``get_cuda_rng_tracker`` gives a tracker whose ``fork`` draws from the CPU generator. And the three ``@jit_fuser`` (``torch.compile``) methods of ``_GDNBase``
+   (``_apply_gated_norm``, ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta``)
+   run as their undecorated originals (no Inductor compile on the CPU).
 """
 
 from __future__ import annotations
@@ -92,6 +104,54 @@ class _TorchOnCpu:
         return value
 
 
+def _fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+class _CpuRngTracker:
+    """A CUDA RNG tracker as GDN's ``reset_parameters`` uses it: ``fork`` is the CPU generator."""
+
+    @contextlib.contextmanager
+    def fork(self, name=None):
+        yield
+
+
+def _cpu_rng_tracker():
+    return _CpuRngTracker()
+
+
+_GDN_FUSED_METHODS = ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta")
+
+
+def _gdn_patches() -> list[tuple[object, str, object]]:
+    """Patches 5 and 6: Megatron-Core's Gated DeltaNet on the CPU without flash-linear-attention."""
+    patches: list[tuple[object, str, object]] = []
+    try:
+        import megatron.core.ssm.gated_delta_net.common as gdn_common
+        import megatron.core.ssm.gated_delta_net.gdn as gdn_module
+    except ImportError:  # a Megatron-Core without Gated DeltaNet
+        return patches
+    if not _fla_available():
+        from megatron.bridge_thd.cpu import gdn as kernels
+
+        patches += [
+            (gdn_common, "HAVE_FLA", True),
+            (gdn_common, "causal_conv1d", kernels.causal_conv1d),
+            (gdn_common, "l2norm", kernels.l2norm),
+            (gdn_common, "chunk_gated_delta_rule", kernels.chunk_gated_delta_rule),
+            (gdn_module, "causal_conv1d", kernels.causal_conv1d),
+            (gdn_module, "chunk_gated_delta_rule", kernels.chunk_gated_delta_rule),
+        ]
+    if not torch.cuda.is_available():
+        patches.append((gdn_common, "get_cuda_rng_tracker", _cpu_rng_tracker))
+        for name in _GDN_FUSED_METHODS:
+            fused = gdn_common._GDNBase.__dict__.get(name)
+            original = getattr(fused, "_torchdynamo_orig_callable", None) or getattr(fused, "__wrapped__", None)
+            if original is not None:
+                patches.append((gdn_common._GDNBase, name, original))
+    return patches
+
+
 def _patches() -> list[tuple[object, str, object]]:
     """(owner, attribute, replacement) for every patch this machine needs."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -117,6 +177,7 @@ def _patches() -> list[tuple[object, str, object]]:
         import megatron.core.utils as mcore_utils
 
         patches.append((mcore_utils, "tex", SimpleNamespace(thd_get_partitioned_indices=_thd_get_partitioned_indices)))
+    patches += _gdn_patches()
     return patches
 
 
