@@ -1,0 +1,36 @@
+"""Qwen3.5-VL 2B SFT on cord_v2 with real THD packing (8xH100: DP8), Gated DeltaNet included.
+
+Megatron-Bridge's own Qwen3.5-VL recipe with our forward step, configured by
+``megatron.bridge_thd.configure``. The setting of the one public measurement (Megatron-Bridge PR
+3838: seq_length 2048, MBS 2 padded 363 ms/iter vs THD 342; MBS 4 padded out of memory, THD 505).
+Needs a GPU container with Transformer Engine, Megatron-Core >= 0.18 and flash-linear-attention
+(Gated DeltaNet runs THD only through fla's kernels) and Hugging Face hub access; not run on the
+CPU-only CI (there ``tests/test_qwen35_parity.py`` runs the same step on a tiny hybrid model).
+
+    torchrun --nproc-per-node 8 recipes/qwen35_vl_2b_cord_v2_thd.py [--layout thd|thd_static|bshd]
+"""
+
+import argparse
+
+from megatron.bridge.recipes.qwen_vl.h100.qwen35_vl import qwen35_vl_2b_sft_1gpu_h100_bf16_config
+from megatron.bridge.training.finetune import finetune
+
+from megatron.bridge_thd.configure import configure
+from megatron.bridge_thd.qwen3_vl_step import forward_step
+
+
+def config(layout: str, micro_batch_size: int, seq_length: int):
+    cfg = qwen35_vl_2b_sft_1gpu_h100_bf16_config()
+    cfg.model.seq_length = seq_length
+    cfg.dataset.seq_length = seq_length
+    cfg.train.micro_batch_size = micro_batch_size
+    return configure(cfg, layout=layout)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", choices=["thd", "thd_static", "bshd"], default="thd")
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    args = parser.parse_args()
+    finetune(config(args.layout, args.micro_batch_size, args.seq_length), forward_step_func=forward_step)
