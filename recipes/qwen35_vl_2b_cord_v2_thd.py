@@ -10,27 +10,9 @@ CPU-only CI (there ``tests/test_qwen35_parity.py`` runs the same step on a tiny 
     torchrun --nproc-per-node 8 recipes/qwen35_vl_2b_cord_v2_thd.py [--layout thd|thd_static|bshd]
 """
 
-import argparse
-
 from megatron.bridge.recipes.qwen_vl.h100.qwen35_vl import qwen35_vl_2b_sft_1gpu_h100_bf16_config
-from megatron.bridge.training.finetune import finetune
 
-from megatron.bridge_thd.configure import configure
-from megatron.bridge_thd.qwen3_vl_step import forward_step
-
-
-def config(layout: str, micro_batch_size: int, seq_length: int):
-    cfg = qwen35_vl_2b_sft_1gpu_h100_bf16_config()
-    cfg.model.seq_length = seq_length
-    cfg.dataset.seq_length = seq_length
-    cfg.train.micro_batch_size = micro_batch_size
-    return configure(cfg, layout=layout)
-
+from _thd_recipe import main  # recipes/_thd_recipe.py: our packing flags and step
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", choices=["thd", "thd_static", "bshd"], default="thd")
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    args = parser.parse_args()
-    finetune(config(args.layout, args.micro_batch_size, args.seq_length), forward_step_func=forward_step)
+    main(qwen35_vl_2b_sft_1gpu_h100_bf16_config)
