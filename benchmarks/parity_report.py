@@ -18,10 +18,10 @@ from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.cpu.pipeline import pipeline_step
 from megatron.bridge_thd.cpu.parity import (
     gradients,
+    masked_loss_sum,
     max_abs_dlogp,
     per_sample_from_output,
-    per_sample_token_losses,
-    sample_inputs,
+    per_sample_losses_and_gradients,
     step_run,
     worst_relative_gradient_error,
 )
@@ -33,15 +33,8 @@ LAYOUTS = ("thd", "thd_static", "bshd")
 
 
 def _alone(model, batch):
-    model.zero_grad(set_to_none=True)
-    losses = []
-    for i in range(batch["tokens"].shape[0]):
-        args = sample_inputs(batch, i)
-        token_losses = model(**args)
-        (token_losses * args["loss_mask"]).sum().backward()
-        losses.append(token_losses[0].detach())
-    total = sum(float((loss * batch["loss_mask"][i][batch["attention_mask"][i]]).sum()) for i, loss in enumerate(losses))
-    return losses, total, gradients(model)
+    losses, grads = per_sample_losses_and_gradients(model, batch)
+    return losses, masked_loss_sum(losses, batch), grads
 
 
 def _packed(model, batch, layout):

@@ -9,8 +9,10 @@ import torch
 
 from megatron.bridge_thd.cpu.parity import (  # noqa: F401 - re-exported for the tests
     gradients,
+    masked_loss_sum,
     max_abs_dlogp,
     per_sample_from_output,
+    per_sample_losses_and_gradients,
     per_sample_token_losses,
     sample_inputs,
     step_run,
@@ -19,6 +21,20 @@ from megatron.bridge_thd.cpu.parity import (  # noqa: F401 - re-exported for the
 from megatron.bridge_thd.data import VisualInputs, synthetic_receipt_batch
 
 IMAGE = 250
+
+
+class FakeGroup:
+    """Stands in for a ``torch.distributed.ProcessGroup`` (``torch/distributed/distributed_c10d.py``)
+    where only ``size()`` and ``rank()`` are read, as those methods return them."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
 
 
 def trimmed(batch: dict, lengths: list[int]) -> dict:

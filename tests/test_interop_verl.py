@@ -158,7 +158,9 @@ def zigzag_assemble(local_rows: list[list], cu_padded: list[int]) -> list:
 
 
 class _FakeParallelState:
-    """Megatron-Core parallel_state sizes for preprocess only (no collective is issued there)."""
+    """Megatron-Core's ``parallel_state`` (``megatron/core/parallel_state.py``) as the sizes and
+    ranks its getters return for a TP x CP layout, for preprocess only (no collective is issued
+    there)."""
 
     def __init__(self, monkeypatch):
         self.monkeypatch = monkeypatch

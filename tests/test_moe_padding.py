@@ -28,12 +28,13 @@ import logging
 
 import pytest
 import torch
+from _real_model import FakeGroup
 
 from megatron.bridge_thd import qwen3_vl_step
 from megatron.bridge_thd.cpu.launcher import run_on_gloo
 from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.cpu.parity import Recorder, sample_inputs, step_run
-from megatron.bridge_thd.cpu.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
+from megatron.bridge_thd.cpu.stack import QWEN3_VL_MODEL_MODULE
 from megatron.bridge_thd.data import synthetic_receipt_batch
 from megatron.bridge_thd.moe_padding import (
     PaddingMaskForward,
@@ -42,7 +43,6 @@ from megatron.bridge_thd.moe_padding import (
     padding_mask_pre_wrap_hook,
     with_padding_mask,
 )
-from megatron.bridge_thd.standalone import init_single_process_groups
 from megatron.bridge_thd.upstream import load_bridge_module
 
 SEQ = 640
@@ -110,11 +110,8 @@ def _measured_run(model, batch, layout, settings, record_routing=False):
 # fixtures
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stack():
-    init_single_process_groups()
-    with cpu_stack():
-        yield
+# World-size-1 process groups and the CPU patches, for every test here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("real_model_stack")
 
 
 @pytest.fixture(scope="module")
@@ -357,19 +354,6 @@ def test_a_mask_of_the_wrong_shape_is_refused(models):
     _, masked = models
     with pytest.raises(ValueError, match=r"padding_mask: shape \(1, 7\) does not match input_ids \(1, 8\)"):
         masked(input_ids=torch.ones(1, 8, dtype=torch.long), padding_mask=torch.zeros(1, 7, dtype=torch.bool))
-
-
-class FakeGroup:
-    """Stands in for a process group: only ``size()`` and ``rank()`` are read."""
-
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 @pytest.mark.parametrize("layout", ["thd", "bshd"])

@@ -13,10 +13,11 @@ import pytest
 import torch
 from _real_model import (
     gradients,
+    masked_loss_sum,
     max_abs_dlogp,
     per_sample_from_output,
+    per_sample_losses_and_gradients,
     per_sample_token_losses,
-    sample_inputs,
     step_run,
     trimmed,
     worst_relative_gradient_error,
@@ -24,9 +25,7 @@ from _real_model import (
 
 import megatron.core.ssm.gated_delta_net.gdn as gdn_module
 from megatron.bridge_thd.cpu.qwen35 import build_qwen35_vl, gdn_layers, tiny_qwen35_vl_config
-from megatron.bridge_thd.cpu.stack import cpu_stack
 from megatron.bridge_thd.data import synthetic_receipt_batch
-from megatron.bridge_thd.standalone import init_single_process_groups
 
 DLOGP_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-5
@@ -43,11 +42,8 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stack():
-    init_single_process_groups()
-    with cpu_stack():
-        yield
+# World-size-1 process groups and the CPU patches, for every test here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("real_model_stack")
 
 
 @pytest.fixture(scope="module")
@@ -112,20 +108,13 @@ def test_per_token_logp_equals_each_sample_alone(model, batch, alone, case):
     worst = max_abs_dlogp(packed, alone, batch)
     print(f"{case}: max |dlogp| packed vs alone = {worst:.3e}")
     assert worst <= DLOGP_TOLERANCE
-    expected_loss = sum(float((a * batch["loss_mask"][i][batch["attention_mask"][i]]).sum()) for i, a in enumerate(alone))
-    assert float(run.loss) == pytest.approx(expected_loss, rel=1e-6)
+    assert float(run.loss) == pytest.approx(masked_loss_sum(alone, batch), rel=1e-6)
     assert int(run.num_tokens) == int(batch["loss_mask"].sum())
 
 
 @pytest.fixture(scope="module")
 def reference_gradients(model64, batch64):
-    model64.zero_grad(set_to_none=True)
-    for i in range(batch64["tokens"].shape[0]):
-        args = sample_inputs(batch64, i)
-        (model64(**args) * args["loss_mask"]).sum().backward()
-    reference = gradients(model64)
-    model64.zero_grad(set_to_none=True)
-    return reference
+    return per_sample_losses_and_gradients(model64, batch64)[1]
 
 
 @pytest.mark.parametrize("case", ["thd_aligned", "thd_static_aligned", "bshd"])

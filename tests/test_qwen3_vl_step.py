@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from _real_model import FakeGroup
 
 from megatron.bridge_thd import qwen3_vl_step
 from megatron.bridge_thd.data import synthetic_receipt_batch
@@ -67,19 +68,6 @@ def fresh_log_once(monkeypatch):
     monkeypatch.setattr(qwen3_vl_step, "_logged_once", set())
 
 
-class FakeGroup:
-    """Stands in for a torch.distributed group: only ``size()`` and ``rank()`` are read."""
-
-    def __init__(self, size: int, rank: int = 0):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
-
 def fake_pg(tp=1, cp=1, pp=1, ep=1, pp_rank=0):
     return SimpleNamespace(tp=FakeGroup(tp), cp=FakeGroup(cp), pp=FakeGroup(pp, pp_rank), ep=FakeGroup(ep))
 
@@ -124,8 +112,9 @@ def run_step(model, batch, state, **kwargs):
 
 
 class RecordingSpy(torch.nn.Module):
-    """Same explicit signature as ``ReferenceQwen3VL.forward``; records kwargs; delegates to
-    the wrapped model when ``delegate`` (else returns zero per-token losses)."""
+    """Same explicit signature as our ``ReferenceQwen3VL.forward`` (``megatron/bridge_thd/reference.py``,
+    itself Megatron-Bridge 0.6.2's ``Qwen3VLModel.forward`` names plus ``padding_mask``); records
+    kwargs; delegates to the wrapped model when ``delegate`` (else returns zero per-token losses)."""
 
     def __init__(self, inner, delegate: bool = False):
         super().__init__()
@@ -180,7 +169,8 @@ class PaddingMaskOnlySpy(torch.nn.Module):
 class RopeCuSeqlensSpy(torch.nn.Module):
     """A model whose ``forward`` declares ``rope_cu_seqlens`` (the name Megatron-Bridge PR 3838
     passed; no released Megatron-Bridge declares it): checks that an extra reaches a model only
-    when it is declared by name. Signature otherwise as 0.6.2's ``Qwen3VLModel.forward``."""
+    when it is declared by name. Signature otherwise as 0.6.2's ``Qwen3VLModel.forward``
+    (``megatron/bridge/models/qwen_vl/modelling_qwen3_vl/model.py``)."""
 
     def __init__(self, config):
         super().__init__()

@@ -18,20 +18,19 @@ from _real_model import (
     all_padding_batch,
     gradients,
     last_slot_batch,
+    masked_loss_sum,
     max_abs_dlogp,
+    per_sample_losses_and_gradients,
     per_sample_from_output,
     per_sample_token_losses,
     receipt_batch,
-    sample_inputs,
     step_run,
     worst_relative_gradient_error,
 )
 
 from megatron.bridge_thd import qwen3_vl_step
 from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.cpu.stack import cpu_stack
 from megatron.bridge_thd.packing import pack_bshd_to_thd
-from megatron.bridge_thd.standalone import init_single_process_groups
 from megatron.bridge_thd.upstream import load_bridge_module
 
 LAYOUTS = ["thd", "thd_static", "bshd"]
@@ -39,11 +38,8 @@ DLOGP_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stack():
-    init_single_process_groups()
-    with cpu_stack():
-        yield
+# World-size-1 process groups and the CPU patches, for every test here (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("real_model_stack")
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -73,20 +69,14 @@ def test_per_token_logp_equals_each_sample_alone(model, batches, alone, layout, 
     assert [p.numel() for p in packed] == [a.numel() for a in alone]
     assert max_abs_dlogp(packed, alone, batch) <= DLOGP_TOLERANCE
     # Loss sum and token count: what Megatron-Bridge's loss function reports.
-    expected_loss = sum(float((a * batch["loss_mask"][i][batch["attention_mask"][i]]).sum()) for i, a in enumerate(alone))
-    assert float(run.loss) == pytest.approx(expected_loss, rel=1e-6)
+    assert float(run.loss) == pytest.approx(masked_loss_sum(alone, batch), rel=1e-6)
     assert int(run.num_tokens) == int(batch["loss_mask"].sum())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gradients_equal_each_sample_alone(model, batches, layout):
     batch = batches["left"]
-    model.zero_grad(set_to_none=True)
-    for i in range(batch["tokens"].shape[0]):
-        args = sample_inputs(batch, i)
-        (model(**args) * args["loss_mask"]).sum().backward()
-    reference = gradients(model)
-    model.zero_grad(set_to_none=True)
+    _, reference = per_sample_losses_and_gradients(model, batch)
     step_run(model, batch, layout).loss.backward()
     packed = gradients(model)
     model.zero_grad(set_to_none=True)

@@ -22,6 +22,8 @@ __all__ = [
     "step_run",
     "per_sample_from_output",
     "max_abs_dlogp",
+    "masked_loss_sum",
+    "per_sample_losses_and_gradients",
     "gradients",
     "worst_relative_gradient_error",
 ]
@@ -108,6 +110,31 @@ def max_abs_dlogp(packed: list[torch.Tensor], alone: list[torch.Tensor], batch: 
         if labelled.any():
             worst = max(worst, float((p - a)[labelled].abs().max()))
     return worst
+
+
+def masked_loss_sum(token_losses: list[torch.Tensor], batch: dict) -> float:
+    """What Megatron-Bridge's masked loss sums over the samples: ``sum_i (losses_i * loss_mask_i)``
+    over each sample's real tokens (``token_losses[i]``: ``(n_i,)``)."""
+    return sum(
+        float((loss * batch["loss_mask"][i][batch["attention_mask"][i].bool()]).sum())
+        for i, loss in enumerate(token_losses)
+    )
+
+
+def per_sample_losses_and_gradients(model, batch: dict) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Each sample alone, forward and backward of its masked loss sum: per-token losses
+    ``(n_i,)`` each, and the parameter gradients summed over the samples (the model's gradients
+    are cleared before and after)."""
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for i in range(batch["tokens"].shape[0]):
+        args = sample_inputs(batch, i)
+        token_losses = model(**args)
+        (token_losses * args["loss_mask"]).sum().backward()
+        losses.append(token_losses[0].detach())
+    summed = gradients(model)
+    model.zero_grad(set_to_none=True)
+    return losses, summed
 
 
 def gradients(model) -> dict[str, torch.Tensor]:
