@@ -21,6 +21,7 @@ MRoPE positions per sample -> packed row -> model -> Megatron-Bridge's masked lo
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -392,12 +393,12 @@ def prepare_micro_batch(
     layout, seq_length, sizes = settings.layout, settings.seq_length, settings.sizes
 
     # The keep mask is captured here, before any pad/truncate helper could drop a 2D mask.
-    keep, checks = capture_keep_mask(batch, tokens, state, model_config)
+    keep, mask_checks = capture_keep_mask(batch, tokens, state, model_config)
     keep, truncated, truncation_checks = truncate_to_seq_length(keep, tokens, seq_length, settings.vision_ids)
     mrope, mrope_checks = qwen3_vl_position_ids_deferred(
         tokens, keep, multi_modal.get("image_grid_thw"), multi_modal.get("video_grid_thw"), **settings.vision_ids
     )
-    checks = checks + truncation_checks + mrope_checks
+    checks = mask_checks + truncation_checks + mrope_checks
     lengths = keep.sum(dim=1)
     batch_size = tokens.shape[0]
     # The padded layout Megatron-Bridge would run: batch width aligned (seq_length when PP/EP force it).
@@ -423,6 +424,7 @@ def prepare_micro_batch(
             total_length = max(micro_batch_size, batch_size) * math.ceil(seq_length / align) * align
             if truncated is not None:  # a truncating static batch: one read for the report
                 _log_truncation(_read_now(truncation_checks, truncated), seq_length)
+                checks = mask_checks + mrope_checks  # the truncation check was just read
         packed = pack_bshd_to_thd(
             tokens, keep, labels=labels, loss_mask=loss_mask, position_ids=mrope, align_to=align,
             total_length=total_length,
@@ -478,6 +480,18 @@ def _view_received_row_as_thd(model) -> None:
         decoder.input_tensor = received.reshape(-1, 1, received.shape[-1])
 
 
+@functools.lru_cache(maxsize=1)
+def _flop_feed():
+    """``(flop_utils, whether accumulate_flops_metadata takes cu_seqlens_unpadded)``, or None when
+    the installation has no FLOPs helpers; decided once, not per micro-batch."""
+    try:
+        flop_utils = load_flop_utils()
+    except ImportError as exc:  # an installation without the FLOPs helpers: nothing to feed
+        logger.warning("bridge_thd: Megatron-Bridge's flop_utils cannot be loaded (%s); FLOPs not reported", exc)
+        return None
+    return flop_utils, "cu_seqlens_unpadded" in inspect.signature(flop_utils.accumulate_flops_metadata).parameters
+
+
 def accumulate_flops(state, model, forward_args: dict) -> None:
     """Feed Megatron-Bridge's FLOPs accounting as its own step does, with the real boundaries.
 
@@ -488,12 +502,10 @@ def accumulate_flops(state, model, forward_args: dict) -> None:
     The trainer resets and reads these ``state._flops_*`` accumulators every step. Everything
     stays on the device: no host synchronisation.
     """
-    try:
-        flop_utils = load_flop_utils()
-    except ImportError as exc:  # an installation without the FLOPs helpers: nothing to feed
-        _log_once("flops", f"bridge_thd: Megatron-Bridge's flop_utils cannot be loaded ({exc}); FLOPs not reported",
-                  logging.WARNING)
+    feed = _flop_feed()
+    if feed is None:
         return
+    flop_utils, takes_unpadded = feed
     params = forward_args.get("packed_seq_params")
     patches = None
     for grid in (forward_args.get("image_grid_thw"), forward_args.get("video_grid_thw")):
@@ -503,7 +515,7 @@ def accumulate_flops(state, model, forward_args: dict) -> None:
     kwargs = dict(vp_stage=flop_utils.get_model_chunk_vp_stage(model), num_vision_patches=patches)
     if params is not None:
         kwargs["cu_seqlens"] = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        if "cu_seqlens_unpadded" in inspect.signature(flop_utils.accumulate_flops_metadata).parameters:
+        if takes_unpadded:
             kwargs["cu_seqlens_unpadded"] = params.cu_seqlens_q
     flop_utils.accumulate_flops_metadata(state, forward_args["input_ids"], **kwargs)
 
