@@ -102,8 +102,9 @@ def thd_cp_attention(
     cu_seqlens_padded = cu_seqlens_padded.to(torch.int64)
     total = num_local * cp_size
     if cp_size > 1:
-        k = gather_row_over_cp(k, cu_seqlens_padded, cp_group)
-        v = gather_row_over_cp(v, cu_seqlens_padded, cp_group)
+        # One collective and one set of partition indices for K and V together.
+        kv = gather_row_over_cp(torch.cat([k, v], dim=-1), cu_seqlens_padded, cp_group)
+        k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
 
     lengths = cu_seqlens.diff()
     local_widths = cu_seqlens_padded.diff() // cp_size
