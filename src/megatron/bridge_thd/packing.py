@@ -34,6 +34,7 @@ __all__ = [
     "scatter_into_row",
     "gather_from_row",
     "thd_packed_seq_params",
+    "round_up",
 ]
 
 INT32_MAX = torch.iinfo(torch.int32).max
@@ -101,7 +102,8 @@ def required_alignment(
     return math.lcm(align, 16) if fp8 else align
 
 
-def _round_up(x, multiple):
+def round_up(x, multiple):
+    """The smallest multiple of ``multiple`` that is >= ``x`` (ints or integer tensors)."""
     return (x + multiple - 1) // multiple * multiple
 
 
@@ -257,10 +259,10 @@ def pack_bshd_to_thd(
     extra = host_values.reshape(-1).to(torch.int64) if host_values is not None else None
 
     lengths = lengths_of_keep_mask(keep)
-    slots = _round_up(lengths, align_to)
+    slots = round_up(lengths, align_to)
     cu_seqlens = cu_seqlens_from_lengths(lengths)
     cu_seqlens_padded = cu_seqlens_from_lengths(slots)
-    worst_case_length = batch_size * _round_up(seq_len, align_to)
+    worst_case_length = batch_size * round_up(seq_len, align_to)
 
     if total_length is None:
         checks = checks + [
@@ -295,7 +297,7 @@ def pack_bshd_to_thd(
         if total_length % align_to:
             raise ValueError(
                 f"total_length: {total_length} is not a multiple of align_to={align_to}; round it up to "
-                f"{_round_up(total_length, align_to)}"
+                f"{round_up(total_length, align_to)}"
             )
         if total_length > INT32_MAX:
             raise ValueError(f"total_length: {total_length} exceeds int32 cu_seqlens ({INT32_MAX}); use a smaller row")
@@ -311,7 +313,7 @@ def pack_bshd_to_thd(
             torch._assert_async(~check.failed, check.message)
         row_length = total_length
         read_values = None
-        max_seqlen = _round_up(seq_len, align_to)
+        max_seqlen = round_up(seq_len, align_to)
         # Known without a host read: True is always correct (TE then honours the padded pair).
         pad_between_seqs = True
         # The tail after the last sample is its own segment with no real token, so no real

@@ -11,20 +11,15 @@ raises in the caller with its traceback; a rank that hangs is killed after ``tim
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
+from megatron.bridge_thd.standalone import free_port
+
 __all__ = ["run_on_gloo"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank, world_size, port, sizes, fn, args, folder):
@@ -76,7 +71,7 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, t
     sizes = dict(tp=tp, cp=cp, pp=pp, ep=ep)
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="bridge_thd_gloo_") as folder:
-        port = _free_port()
+        port = free_port()
         processes = [
             context.Process(target=_worker, args=(rank, world_size, port, sizes, fn, args, folder), daemon=False)
             for rank in range(world_size)

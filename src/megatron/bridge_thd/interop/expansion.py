@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_lengths, raise_failed_checks
-from megatron.bridge_thd.packing import thd_packed_seq_params
+from megatron.bridge_thd.packing import round_up, thd_packed_seq_params
 
 __all__ = ["ExpandedBoundaries", "expand_cu_seqlens", "expanded_positions", "expand_row"]
 
@@ -73,9 +73,6 @@ class ExpandedBoundaries:
         """:func:`expand_row` onto this expanded row: ``(N, ...)`` -> ``(R, ...)``, no host read."""
         return expand_row(values, self.expansion, fill, positions=self.positions, row_length=self.row_length)
 
-
-def _round_up(x, multiple):
-    return (x + multiple - 1) // multiple * multiple
 
 
 def _check_index_tensor(name: str, value, *, allow_none: bool = False) -> None:
@@ -269,7 +266,7 @@ def expand_cu_seqlens(
 
     start_out = mapped(starts)
     real_lengths = mapped(starts + lengths) - start_out
-    slot_lengths = _round_up(mapped(cu_padded[1:]) - start_out, align_to)
+    slot_lengths = round_up(mapped(cu_padded[1:]) - start_out, align_to)
     cu_out = cu_seqlens_from_lengths(real_lengths)
     cu_padded_out = cu_seqlens_from_lengths(slot_lengths)
 

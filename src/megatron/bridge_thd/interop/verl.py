@@ -53,7 +53,13 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.bridge_thd.context_parallel import thd_partition_indices
 from megatron.bridge_thd.lengths import DeferredCheck, raise_failed_checks
-from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment, scatter_into_row, thd_packed_seq_params
+from megatron.bridge_thd.packing import (
+    pack_bshd_to_thd,
+    required_alignment,
+    round_up,
+    scatter_into_row,
+    thd_packed_seq_params,
+)
 
 __all__ = ["preprocess_packed_seqs", "postprocess_packed_seqs"]
 
@@ -103,9 +109,6 @@ def _mask_values_check(attention_mask: torch.Tensor) -> list[DeferredCheck]:
     bad = ((attention_mask != 0) & (attention_mask != 1)).any()
     return [DeferredCheck(bad, "attention_mask: expected 0/1 values (1 = real token, 0 = padding)")]
 
-
-def _round_up(x: int, multiple: int) -> int:
-    return (x + multiple - 1) // multiple * multiple
 
 
 def _pack_trailing(values: torch.Tensor, packed_index: torch.Tensor, row_length: int) -> torch.Tensor:
@@ -183,12 +186,12 @@ def preprocess_packed_seqs(
 
     full_length = row_length
     if use_fp8_padding:
-        full_length = _round_up(row_length, align * _FP8_ROW_FACTOR)
+        full_length = round_up(row_length, align * _FP8_ROW_FACTOR)
         if full_length != row_length:
             # VERL stretches the last slot (not an extra segment), so the row keeps B + 1 segments.
             stretch = full_length - row_length
             extra_segment = cu_seqlens_padded.numel() == batch_size + 2
-            last_slot = row_length if extra_segment else _round_up(packed.host_values[0], slot_align)
+            last_slot = row_length if extra_segment else round_up(packed.host_values[0], slot_align)
             max_seqlen = max(max_seqlen, last_slot + stretch)
             cu_seqlens_padded = torch.cat([cu_seqlens_padded[:-1], cu_seqlens_padded.new_full((1,), full_length)])
             pad_between_seqs = True

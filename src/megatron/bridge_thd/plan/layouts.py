@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron.bridge_thd.packing import required_alignment
+from megatron.bridge_thd.packing import required_alignment, round_up
 from megatron.bridge_thd.plan.lengths import SampleLengths
 
 __all__ = ["LAYOUTS", "Parallel", "MicroBatch", "micro_batches", "layout_stats"]
@@ -103,21 +103,18 @@ def micro_batches(samples: SampleLengths, micro_batch_size: int, seq_length: int
     return batches
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return (x + multiple - 1) // multiple * multiple
-
 
 def layout_stats(layout: str, batch: MicroBatch, seq_length: int, parallel: Parallel) -> tuple[int, int]:
     """``(token_slots, attention_work)`` of ``batch`` in ``layout``: the trainer's
     ``seqlen_sum`` and ``seqlen_squared_sum`` for this micro-batch (tokens, tokens^2)."""
     b = len(batch.lengths)
     if layout == "bshd":
-        width = seq_length if parallel.bshd_forced() else _round_up(max(batch.lengths), parallel.bshd_divisor())
+        width = seq_length if parallel.bshd_forced() else round_up(max(batch.lengths), parallel.bshd_divisor())
         return b * width, b * width * width
     real_sq = sum(n * n for n in batch.lengths)
     align = parallel.thd_alignment()
     if layout == "thd":
-        return sum(_round_up(n, align) for n in batch.lengths), real_sq
+        return sum(round_up(n, align) for n in batch.lengths), real_sq
     if layout == "thd_static":
-        return b * _round_up(seq_length, align), real_sq
+        return b * round_up(seq_length, align), real_sq
     raise ValueError(f"layout {layout!r} is not known; valid layouts: {', '.join(LAYOUTS)}")
