@@ -29,8 +29,10 @@ def bridge_available() -> bool:
 
 
 def _full_package_importable() -> bool:
-    if _BRIDGE in sys.modules:
-        return True
+    module = sys.modules.get(_BRIDGE)
+    if module is not None:
+        # The real package has its __init__ file; the bare namespace our finder makes has none.
+        return getattr(module, "__file__", None) is not None
     return importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -100,8 +102,7 @@ def load_flop_utils() -> types.ModuleType:
     ``isinstance`` test (no LoRA can exist without TE) and ``ConfigContainer`` in annotations.
     """
     name = f"{_BRIDGE}.training.utils.flop_utils"
-    # Transformer Engine itself decides (megatron.bridge may already be a bare namespace here).
-    if name in sys.modules or importlib.util.find_spec("transformer_engine") is not None:
+    if name in sys.modules or _full_package_importable():
         return load_bridge_module("training.utils.flop_utils")
     _install_bare_package_finder()
     saved = {}
