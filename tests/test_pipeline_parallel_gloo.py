@@ -6,7 +6,8 @@ layers 2-3, the norm and the output layer on the second), weights equal to the P
 global layer index. For ``thd`` with ``variable_seq_lengths=True`` and for every static
 configuration the step accepts (``thd_static``, ``thd`` switched to ``thd_static``, ``bshd``,
 all with ``variable_seq_lengths=False`` and micro_batch_size 2, where Megatron-Core's p2p buffers
-are ``(seq_length, micro_batch_size, H)``), the losses and every gradient equal the PP=1 run.
+are ``(seq_length, micro_batch_size, H)``), the losses and every gradient equal the PP=1 run; and
+the same with PP=2 x CP=2 (four ranks, buffers ``(seq_length / cp, micro_batch_size, H)``).
 """
 
 from __future__ import annotations
@@ -38,20 +39,32 @@ def batches():
 
 
 @pytest.fixture(scope="module")
-def runs(batches):
+def full_state_dict():
     init_single_process_groups()
     with cpu_stack():
-        full = build_qwen3_vl(tiny_qwen3_vl_config(num_layers=NUM_LAYERS, seq_length=SEQ_LENGTH), seed=0).state_dict()
-        reference = pp_worker(full, batches, CONFIGS)  # PP = 1: this process, the same schedule
-    stages = run_on_gloo(pp_worker, full, batches, CONFIGS, pp=2, timeout=600)
-    return reference, stages
+        return build_qwen3_vl(tiny_qwen3_vl_config(num_layers=NUM_LAYERS, seq_length=SEQ_LENGTH), seed=0).state_dict()
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-variable={c[1]}" if isinstance(c, tuple) else c)
-def test_pp2_equals_pp1(runs, batches, config):
-    reference, stages = runs
-    expected = reference[config]
-    first, last = stages[0][config], stages[1][config]
+@pytest.fixture(scope="module")
+def reference(full_state_dict, batches):
+    """PP = 1, CP = 1: this process, the same schedule."""
+    with cpu_stack():
+        return pp_worker(full_state_dict, batches, CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def pp_ranks(full_state_dict, batches):
+    return run_on_gloo(pp_worker, full_state_dict, batches, CONFIGS, pp=2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def pp_cp_ranks(full_state_dict, batches):
+    """PP = 2 x CP = 2: four gloo ranks (global ranks 0-1 the first stage, 2-3 the last, as
+    Megatron-Core orders tp-cp-ep-dp-pp), each CP rank of a stage holding its zigzag share."""
+    return run_on_gloo(pp_worker, full_state_dict, batches, CONFIGS, pp=2, cp=2, timeout=600)
+
+
+def _assert_equal_to_reference(expected, first, last, batches, config):
     assert first["losses"] == []  # only the last stage reports losses
     assert len(last["losses"]) == len(batches)
     for got, want in zip(last["losses"], expected["losses"]):
@@ -68,3 +81,18 @@ def test_pp2_equals_pp1(runs, batches, config):
     # Without variable_seq_lengths the step runs a static row (thd switches to thd_static).
     expected_layout = "thd_static" if config == ("thd", False) else config[0]
     assert first["layouts"] == last["layouts"] == [expected_layout]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-variable={c[1]}" if isinstance(c, tuple) else c)
+def test_pp2_equals_pp1(reference, pp_ranks, batches, config):
+    _assert_equal_to_reference(reference[config], pp_ranks[0][config], pp_ranks[1][config], batches, config)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c[0]}-variable={c[1]}" if isinstance(c, tuple) else c)
+def test_pp2_cp2_equals_pp1_cp1(reference, pp_cp_ranks, batches, config):
+    """Megatron-Bridge's Qwen3VLModel returns ``(output, cp_local_loss_mask)`` on every stage under
+    CP; the first stage must unpack it before shaping what it sends (it used to crash there, and
+    on NCCL its peer would have waited forever)."""
+    for cp_rank in range(2):
+        first, last = pp_cp_ranks[cp_rank][config], pp_cp_ranks[2 + cp_rank][config]
+        _assert_equal_to_reference(reference[config], first, last, batches, config)

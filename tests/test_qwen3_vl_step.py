@@ -422,6 +422,21 @@ def test_static_pipeline_row_that_cannot_fill_the_p2p_buffers_is_refused(ref, se
     assert model.calls
 
 
+@pytest.mark.parametrize("seq_length,batch_size,match",
+                         [(SEQ + 2, B, "model.seq_length"), (SEQ, B - 1, "micro_batch_size"),
+                          (SEQ, B + 1, "micro_batch_size")])
+def test_padded_pipeline_layout_that_cannot_fill_the_p2p_buffers_is_refused(ref, seq_length, batch_size, match):
+    """The padded layout under PP x CP without variable_seq_lengths: each stage sends
+    ``(seq_length / cp, B, H)``, so the batch must be exactly micro_batch_size samples wide and
+    seq_length a multiple of 2 * cp. Refused before the model runs."""
+    model = FirstStageSpy(ref)
+    model.pg_collection = fake_pg(pp=2, cp=2, pp_rank=0)
+    state = minimal_state(seq_length=seq_length, micro_batch_size=B, packing_layout="bshd")
+    with pytest.raises(ValueError, match=match):
+        forward_step(state, iter([synthetic_receipt_batch(batch_size, seed=SEED)]), model)
+    assert not model.calls
+
+
 def test_pp_last_stage_gets_labels(ref, right_batch):
     model = RecordingSpy(ref)
     model.pg_collection = fake_pg(pp=2, pp_rank=1)

@@ -408,7 +408,11 @@ def prepare_micro_batch(
         bshd_width = max(bshd_width, seq_length)
 
     p2p_micro_batch_size = None
+    fixed_p2p_shapes = sizes["pp"] > 1 and not settings.variable_seq_lengths
     if layout == "bshd":
+        if fixed_p2p_shapes:
+            _check_static_pipeline_row(batch_size, settings.micro_batch_size or batch_size, seq_length, bshd_align,
+                                       layout)
         _log_truncation(_read_now(checks, truncated), seq_length)
         forward_args, extras = _bshd_forward_args(tokens, labels, loss_mask, mrope, keep, bshd_width)
         attention_work = torch.tensor(batch_size * bshd_width**2, device=tokens.device)
@@ -418,9 +422,9 @@ def prepare_micro_batch(
         total_length = None
         if layout == "thd_static":
             micro_batch_size = settings.micro_batch_size or batch_size
-            if sizes["pp"] > 1 and not settings.variable_seq_lengths:
+            if fixed_p2p_shapes:
                 p2p_micro_batch_size = micro_batch_size
-                _check_static_pipeline_row(batch_size, micro_batch_size, seq_length, align)
+                _check_static_pipeline_row(batch_size, micro_batch_size, seq_length, align, layout)
             total_length = max(micro_batch_size, batch_size) * math.ceil(seq_length / align) * align
             if truncated is not None:  # a truncating static batch: one read for the report
                 _log_truncation(_read_now(truncation_checks, truncated), seq_length)
@@ -450,23 +454,31 @@ def prepare_micro_batch(
                               p2p_micro_batch_size=p2p_micro_batch_size)
 
 
-def _check_static_pipeline_row(batch_size: int, micro_batch_size: int, seq_length: int, align: int) -> None:
-    """A static row must fill Megatron-Core's p2p buffers exactly (checked before the first send).
+def _check_static_pipeline_row(batch_size: int, micro_batch_size: int, seq_length: int, align: int,
+                               layout: str) -> None:
+    """What a stage sends must fill Megatron-Core's p2p buffers exactly (checked before the first
+    model forward, so before any send: a mismatch would otherwise fail on the receiving stage, or
+    hang it on NCCL).
 
     Without ``variable_seq_lengths`` every stage allocates its receive buffer as
     ``(seq_length / cp [/ tp with SP], micro_batch_size, H)`` (``pipeline_parallel/schedules.py``,
-    ``get_tensor_shapes``), so the row must hold exactly ``micro_batch_size * seq_length`` slots.
+    ``get_tensor_shapes``), so a static row must hold exactly ``micro_batch_size * seq_length``
+    slots (each CP rank then sends its ``1 / cp`` of them), and the padded layout exactly
+    ``micro_batch_size`` samples of ``seq_length``.
     """
     if seq_length % align:
+        what = "a static row" if layout != "bshd" else "the padded (B, seq_length) layout"
         raise ValueError(
-            f"model.seq_length: {seq_length} is not a multiple of the THD alignment {align} (TP/CP/SP/FP8), so a "
-            "static row cannot fill the pipeline's fixed (seq_length, micro_batch_size, H) buffers; set seq_length to "
+            f"model.seq_length: {seq_length} is not a multiple of the {layout} alignment {align} (TP/CP/SP/FP8), so "
+            f"{what} cannot fill the pipeline's fixed (seq_length, micro_batch_size, H) buffers; set seq_length to "
             f"{math.ceil(seq_length / align) * align}, or set model.variable_seq_lengths=True"
         )
-    if batch_size > micro_batch_size:
+    if batch_size > micro_batch_size or (layout == "bshd" and batch_size != micro_batch_size):
         raise ValueError(
-            f"batch: {batch_size} samples exceed train.micro_batch_size={micro_batch_size}, the batch size of the "
-            "pipeline's fixed buffers; set train.micro_batch_size to the data loader's batch size"
+            f"batch: {batch_size} samples for train.micro_batch_size={micro_batch_size}, the batch size of the "
+            f"pipeline's fixed buffers ({layout} needs "
+            + ("exactly that many" if layout == "bshd" else "at most that many")
+            + "); set train.micro_batch_size to the data loader's batch size, or set model.variable_seq_lengths=True"
         )
 
 
@@ -611,13 +623,14 @@ def forward_step(
         _view_received_row_as_thd(_unwrap(model))
     with _straggler_timer(state):
         output = model(**args)
-    if prepared.p2p_micro_batch_size is not None and not is_last_stage:
-        # The row goes to the next stage in the shape its receive buffer has.
-        output = output.reshape(-1, prepared.p2p_micro_batch_size, output.shape[-1])
     if isinstance(output, tuple):
         # Under CP Megatron-Bridge's Qwen3VLModel shards the row itself and, because it was given
-        # loss_mask, returns the matching CP-local mask (models/qwen_vl/modelling_qwen3_vl/model.py).
+        # loss_mask, returns the matching CP-local mask (models/qwen_vl/modelling_qwen3_vl/model.py),
+        # on every pipeline stage.
         output, loss_mask = output
+    if prepared.p2p_micro_batch_size is not None and not is_last_stage:
+        # The (CP-local) row goes to the next stage in the shape its receive buffer has.
+        output = output.reshape(-1, prepared.p2p_micro_batch_size, output.shape[-1])
     # Earlier pipeline stages return hidden states (s, b, h); the last returns per-token values.
     if is_last_stage and output.dim() >= 2 and tuple(output.shape[:2]) != tuple(loss_mask.shape):
         raise ValueError(

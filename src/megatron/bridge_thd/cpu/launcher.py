@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import traceback
 
 import torch
@@ -56,7 +57,8 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, t
             groups exist and inside ``cpu_stack()``.
         args: picklable arguments (tensors are fine).
         tp, cp, pp, ep: Megatron-Core model-parallel sizes.
-        timeout: seconds before the processes are killed and an error is raised.
+        timeout: seconds for the whole world (one deadline, not per process) before every
+            process still alive is killed and an error is raised.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]`` (global ranks).
@@ -78,8 +80,12 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, t
         ]
         for process in processes:
             process.start()
+        # One deadline for the whole world: a hang anywhere (a stage waiting on a peer's p2p, a
+        # collective a rank never joins) becomes a failure after `timeout` seconds, never a
+        # stuck suite.
+        deadline = time.monotonic() + timeout
         for process in processes:
-            process.join(timeout)
+            process.join(max(0.0, deadline - time.monotonic()))
         hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
         for process in processes:
             if process.is_alive():

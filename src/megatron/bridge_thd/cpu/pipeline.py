@@ -35,7 +35,7 @@ def global_parameter_name(name: str, layer_offset: int) -> str:
 
 def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, variable_seq_lengths: bool, *,
                   num_layers: int = 4, micro_batch_size: int = 2, seq_length: int = 2048) -> dict:
-    """One step of ``len(batches)`` micro-batches on this rank's pipeline stage.
+    """One step of ``len(batches)`` micro-batches on this rank's pipeline stage (and CP rank).
 
     Args:
         full_state_dict: the PP = 1 model's weights (``build_qwen3_vl(tiny_qwen3_vl_config(
@@ -45,15 +45,16 @@ def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, varia
 
     Returns:
         ``losses``: what the schedule returns (per micro-batch ``{"lm loss": (sum, tokens)}`` on
-        the last stage, empty elsewhere); ``grads``: this stage's gradients by global parameter
-        name; ``layouts``: the layouts the step ran.
+        the last stage, empty elsewhere), summed over the CP group; ``grads``: this stage's
+        gradients by global parameter name, summed over the CP group; ``layouts``: the layouts the step ran.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
     rank = parallel_state.get_pipeline_model_parallel_rank()
     size = parallel_state.get_pipeline_model_parallel_world_size()
-    config = tiny_qwen3_vl_config(num_layers=num_layers, pp=size, variable_seq_lengths=variable_seq_lengths,
+    cp = parallel_state.get_context_parallel_world_size()
+    config = tiny_qwen3_vl_config(num_layers=num_layers, pp=size, cp=cp, variable_seq_lengths=variable_seq_lengths,
                                   seq_length=seq_length)
     model = build_qwen3_vl(config, pre_process=rank == 0, post_process=rank == size - 1)
     offset = rank * num_layers // size
@@ -66,5 +67,13 @@ def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, varia
     )
     grads = {global_parameter_name(name, offset): (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
              for name, p in model.named_parameters()}
-    return dict(losses=[{k: v.clone() for k, v in entry.items()} for entry in losses], grads=grads,
+    losses = [{k: v.clone() for k, v in entry.items()} for entry in losses]
+    if cp > 1:
+        # Each CP rank holds its share of every sample: loss sums and token counts add up over the
+        # CP group (Megatron-Core's per-token loss reduction), and so do gradients (Megatron's DDP
+        # reduces over data x context parallel ranks).
+        group = parallel_state.get_context_parallel_group()
+        for tensor in [v for entry in losses for v in entry.values()] + list(grads.values()):
+            torch.distributed.all_reduce(tensor, group=group)
+    return dict(losses=losses, grads=grads,
                 layouts=sorted({s.layout for s in state.bridge_thd_stats}))
