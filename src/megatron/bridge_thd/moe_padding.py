@@ -77,6 +77,7 @@ Models whose ``forward`` already declares ``padding_mask`` (Megatron-Bridge main
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import logging
 import types
@@ -171,6 +172,24 @@ def _fail_if_unsupported(config) -> None:
             f"config.mlp_chunks_for_training={chunks}: Megatron-Core's chunked MLP path calls the MoE layer without "
             "padding_mask. Set mlp_chunks_for_training=1 or do not use with_padding_mask."
         )
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        policy = getattr(config, "moe_token_drop_policy", "probs")
+        if policy != "probs":
+            raise ValueError(
+                f"config.moe_token_drop_policy={policy!r} with moe_expert_capacity_factor: 'position' keeps the "
+                "earliest tokens of the router's token order, which is sequence-major (s, b) in the padded layout and "
+                "sample-major in a THD row, so the kept tokens depend on the layout by definition. Use "
+                "moe_token_drop_policy='probs' (Megatron-Core's default) or do not use with_padding_mask."
+            )
+    recompute_modules = getattr(config, "recompute_modules", None) or []
+    if _uses_seq_aux_loss(config) and getattr(config, "recompute_granularity", None) == "selective" \
+            and "moe" in recompute_modules:
+        raise ValueError(
+            "config.moe_router_load_balancing_type='seq_aux_loss' with recompute_modules=['moe']: the recomputed "
+            "routers run in the backward pass, after with_padding_mask's forward has returned, without the sample "
+            "boundaries of the THD row, so their seq_aux_loss would be a whole-row statistic. Drop 'moe' from "
+            "recompute_modules, or use another load-balancing type."
+        )
 
 
 def _moe_layers(model) -> list:
@@ -213,10 +232,189 @@ def _fix_expert_bias(layers: list) -> None:
         router._apply_expert_bias = types.MethodType(_apply_expert_bias_with_token_mask, router)
 
 
+def _uses_seq_aux_loss(config) -> bool:
+    balancing = getattr(config, "moe_router_load_balancing_type", None)
+    names = balancing if isinstance(balancing, (list, tuple)) else [balancing]
+    return "seq_aux_loss" in names
+
+
+# The padding mask of the router call in progress ((tokens,) bool, True = padding), for the token
+# dropping Megatron-Core's TopKRouter.routing calls without it; and the samples of the THD row in
+# the model forward in progress (see _thd_samples).
+_ROUTING_PADDING: contextvars.ContextVar = contextvars.ContextVar("bridge_thd_routing_padding", default=None)
+_THD_SAMPLES: contextvars.ContextVar = contextvars.ContextVar("bridge_thd_thd_samples", default=None)
+
+
+def capacity_token_dropping(
+    routing_probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    padding_mask: torch.Tensor,
+    *,
+    router_topk: int,
+    capacity_factor: float,
+    pad_to_capacity: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron-Core's ``apply_router_token_dropping`` (``moe_utils.py``, policy ``"probs"``) over the
+    real tokens only: padding takes no capacity, and the capacity comes from the real token count.
+
+    Each expert keeps the ``ceil(real_tokens * topk / experts * capacity_factor)`` routed real
+    tokens of highest probability, what Megatron-Core keeps for a batch holding only the real
+    tokens; so every layout of the same samples (THD, static THD, padded) keeps the same tokens.
+    The capacity is a device tensor (no host synchronisation): one ``topk`` with the static bound
+    ``get_capacity(tokens * topk, ...)`` (capacity from every slot, never smaller), then a rank test.
+
+    Args:
+        routing_probs: ``(tokens, experts)`` probabilities of the selected experts (0 elsewhere).
+        routing_map: ``(tokens, experts)`` bool, the top-k selection.
+        padding_mask: ``(tokens,)`` bool, True = padding.
+        pad_to_capacity: ``moe_pad_expert_input_to_capacity``: every expert gets exactly the static
+            bound of slots (static shapes); the slots past the real capacity carry probability 0.
+
+    Returns:
+        ``(probs, routing_map)`` after dropping, shapes as given.
+    """
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    num_tokens, num_experts = routing_probs.shape
+    real = ~padding_mask.reshape(num_tokens, 1)
+    routed = routing_map & real
+    real_tokens = real.sum().to(torch.float64)
+    capacity = torch.ceil(real_tokens * router_topk / num_experts * capacity_factor)
+    bound = min(num_tokens, get_capacity(num_tokens=num_tokens * router_topk, num_experts=num_experts,
+                                         capacity_factor=capacity_factor))
+    # Routed real tokens first, by probability; everything else (padding included) after them.
+    key = torch.where(routed, routing_probs, torch.full_like(routing_probs, -1.0))
+    _, order = torch.topk(key, k=bound, dim=0, sorted=True)  # (bound, experts)
+    within = torch.arange(bound, device=key.device)[:, None] < capacity
+    in_bound = torch.zeros_like(routed).scatter(0, order, True)
+    kept = torch.zeros_like(routed).scatter(0, order, within.expand(bound, num_experts)) & routed
+    final_map = in_bound if pad_to_capacity else kept
+    return routing_probs * kept, final_map
+
+
+_UPSTREAM_TOKEN_DROPPING = None
+
+
+def _token_dropping(routing_probs, routing_map, router_topk, capacity_factor, drop_policy="probs",
+                    pad_to_capacity=False):
+    """Stands in for ``megatron.core.transformer.moe.router.apply_router_token_dropping``: inside a
+    router of a :func:`with_padding_mask` model that got a mask, :func:`capacity_token_dropping`;
+    anywhere else Megatron-Core's own function, unchanged."""
+    padding_mask = _ROUTING_PADDING.get()
+    if padding_mask is None:
+        return _UPSTREAM_TOKEN_DROPPING(routing_probs, routing_map, router_topk=router_topk,
+                                        capacity_factor=capacity_factor, drop_policy=drop_policy,
+                                        pad_to_capacity=pad_to_capacity)
+    return capacity_token_dropping(routing_probs, routing_map, padding_mask, router_topk=router_topk,
+                                   capacity_factor=capacity_factor, pad_to_capacity=pad_to_capacity)
+
+
+def _install_token_dropping() -> None:
+    """Point Megatron-Core's router module at :func:`_token_dropping` (once; it defers to the
+    original whenever no mask is in flight)."""
+    global _UPSTREAM_TOKEN_DROPPING
+    from megatron.core.transformer.moe import router as router_module
+
+    if router_module.apply_router_token_dropping is not _token_dropping:
+        _UPSTREAM_TOKEN_DROPPING = router_module.apply_router_token_dropping
+        router_module.apply_router_token_dropping = _token_dropping
+
+
+def _routing_with_padding(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+    """``TopKRouter.routing`` with the call's padding mask visible to the token dropping.
+
+    The mask arrives as the routing argument itself (also when ``recompute_modules=['moe']``
+    re-runs the router in the backward pass), so dropping is the same in both passes."""
+    token = _ROUTING_PADDING.set(None if padding_mask is None else padding_mask.reshape(-1))
+    try:
+        return type(self).routing(self, logits, padding_mask=padding_mask)
+    finally:
+        _ROUTING_PADDING.reset(token)
+
+
+def _apply_seq_aux_loss_per_sample(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
+                                   with_padding_mask=False):
+    """``TopKRouter._apply_seq_aux_loss`` per sample of a THD row (``router.py``).
+
+    Megatron-Core folds the batch dimension into the experts: ``(s, b * E)``, a switch loss per
+    sequence, divided by ``b``. A THD row reaches the router as one sequence (``b = 1``), so it
+    would become a whole-row statistic. Here each token's scores and routing go to its sample's
+    block, ``(samples, E)`` summed per sample, with ``b`` = the number of samples of the
+    micro-batch (zero-length samples count, as all-padding rows of the padded layout do; padding
+    segments such as the static tail do not): Megatron-Core's own formula on the same numbers.
+    Outside a THD forward (the padded layout, ``b > 1``) it is Megatron-Core's method unchanged.
+    """
+    samples = _THD_SAMPLES.get()
+    if samples is None or bsz != 1:
+        return type(self)._apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
+                                              with_padding_mask=with_padding_mask)
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+    coeff = self.get_aux_loss_coeff("seq_aux_loss")
+    if coeff == 0:
+        return probs
+    sample_of_token, num_slots, num_samples = samples
+    experts = self.config.num_moe_experts
+    index = sample_of_token.reshape(-1)
+    scores = scores_for_aux_loss.new_zeros(num_slots, experts).index_add(0, index, scores_for_aux_loss)
+    counts = scores_for_aux_loss.new_zeros(num_slots, experts).index_add(0, index, routing_map.to(scores.dtype))
+    global_counts = reduce_from_tensor_model_parallel_region(counts.reshape(-1), self.tp_cp_group)
+    local_num_tokens = counts.sum() / (self.topk * num_samples)
+    total_num_tokens = global_counts.sum() / (self.topk * num_samples)
+    aux_loss = switch_load_balancing_loss_func(
+        probs=scores.reshape(1, -1), tokens_per_expert=global_counts, total_num_tokens=total_num_tokens,
+        topk=self.topk, num_experts=experts, moe_aux_loss_coeff=coeff, fused=self.config.moe_router_fusion,
+    ) / num_samples
+    return self.attach_and_log_load_balancing_loss(
+        probs, coeff, aux_loss, "seq_load_balancing_loss", self.tp_cp_group, valid_token_count=local_num_tokens * num_samples,
+    )
+
+
+def thd_sample_index(packed_seq_params, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which sample each slot of a THD row belongs to, and how many samples the row holds.
+
+    A segment is a sample unless it is a padding segment: physical length > 0 and no real token
+    (the ``thd_static`` tail, the aligned segment of an all-padding micro-batch, Energon's
+    sequence-parallel dummy). Zero-length segments (all-padding samples) are samples. Pure tensor
+    ops, no host synchronisation.
+
+    Returns:
+        ``(1, N)`` int64 physical segment of each slot (slots past the last boundary: the last
+        segment), and a 0-dim int64 count of samples.
+    """
+    cu_real = packed_seq_params.cu_seqlens_q.to(torch.int64)
+    cu_physical = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    cu_physical = cu_real if cu_physical is None else cu_physical.to(torch.int64)
+    segments = cu_real.numel() - 1
+    positions = torch.arange(total_tokens, device=cu_real.device)
+    segment = torch.searchsorted(cu_physical[1:], positions, right=True).clamp_max(segments - 1)
+    padding_segment = (cu_real.diff() == 0) & (cu_physical.diff() > 0)
+    return segment.unsqueeze(0), (~padding_segment).sum()
+
+
+def _fix_routers(layers: list) -> None:
+    """Per router instance (state dicts and other models untouched): token dropping that sees the
+    padding mask, and seq_aux_loss per sample of a THD row."""
+    for layer in layers:
+        router = layer.mlp.router
+        config = router.config
+        if getattr(config, "moe_expert_capacity_factor", None) is not None:
+            _install_token_dropping()
+            router.routing = types.MethodType(_routing_with_padding, router)
+        if _uses_seq_aux_loss(config):
+            router._apply_seq_aux_loss = types.MethodType(_apply_seq_aux_loss_per_sample, router)
+
+
 class PaddingMaskForward:
     """Mixin of the classes :func:`with_padding_mask` creates; its ``forward`` is set per class."""
 
-    def _padding_mask_for_layers(self, padding_mask: torch.Tensor, input_ids, packed_seq_params) -> torch.Tensor:
+    # Read by the step (by name, without importing this module): the routers of this model keep
+    # padding out of expert capacity and compute seq_aux_loss per sample of a THD row.
+    bridge_thd_routes_real_tokens_only = True
+
+    def _padding_mask_for_layers(self, padding_mask: torch.Tensor, input_ids, packed_seq_params, *,
+                                 dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """The mask cut the way the model cuts its hidden states: ``(b, s_local)`` bool.
 
         ``padding_mask`` has the shape of ``input_ids``: ``(1, N)`` for a THD row, ``(B, T)`` for
@@ -233,7 +431,7 @@ class PaddingMaskForward:
                 f"padding_mask: shape {tuple(padding_mask.shape)} does not match input_ids {tuple(input_ids.shape)}; "
                 "pass one flag per input token (True = padding), before any context-parallel split"
             )
-        mask = padding_mask.to(device=input_ids.device, dtype=torch.bool)
+        mask = padding_mask.to(device=input_ids.device, dtype=dtype)
         if packed_seq_params is not None and input_ids.dim() == 2 and input_ids.size(0) > 1:
             raise ValueError(
                 "padding_mask: legacy packed BSHD input (packed_seq_params with input_ids of "
@@ -342,8 +540,19 @@ class PaddingMaskForward:
         if padding_mask is None:
             return base_forward(self, *args, **kwargs)
         mask = self._padding_mask_for_layers(padding_mask, input_ids, packed_seq_params)
-        with self._padding_mask_hooks(layers, mask):
-            return base_forward(self, *args, **kwargs)
+        samples = None
+        if packed_seq_params is not None and tuple(padding_mask.shape) == tuple(input_ids.shape) \
+                and input_ids.size(0) == 1 and _uses_seq_aux_loss(self.config):
+            segment, num_samples = thd_sample_index(packed_seq_params, input_ids.size(1))
+            # Cut exactly as the mask (and the hidden states): CP zigzag, SP scatter.
+            local = self._padding_mask_for_layers(segment, input_ids, packed_seq_params, dtype=torch.int64)
+            samples = (local.transpose(0, 1), packed_seq_params.cu_seqlens_q.numel() - 1, num_samples)
+        token = _THD_SAMPLES.set(samples)
+        try:
+            with self._padding_mask_hooks(layers, mask):
+                return base_forward(self, *args, **kwargs)
+        finally:
+            _THD_SAMPLES.reset(token)
 
 
 def _signature_with_padding_mask(base_forward) -> inspect.Signature:
@@ -429,6 +638,7 @@ def with_padding_mask(model):
     _fail_if_unsupported(config)
     layers = _moe_layers(core)
     _fix_expert_bias(layers)
+    _fix_routers(layers)
     mtp = getattr(getattr(core, "language_model", None), "mtp", None)
     if mtp is not None:
         from megatron.core.transformer.moe.moe_layer import MoELayer

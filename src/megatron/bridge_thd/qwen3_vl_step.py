@@ -362,6 +362,41 @@ def _pass_declared_extras(model, forward_args: dict, extras: dict, layout: str) 
     )
 
 
+def check_moe_routing(model_config, core_model, layout: str) -> None:
+    """Refuse MoE settings whose result would depend on the layout (before the first forward).
+
+    Megatron-Core 0.19.2's token dropping (``moe_expert_capacity_factor``) sizes the capacity from
+    every slot and lets padding compete for it, and its ``seq_aux_loss`` reshapes the router's
+    ``(s, b)`` tokens per sequence, so a THD row (``b = 1``) becomes one whole-row statistic. Both
+    are made layout-independent by :func:`megatron.bridge_thd.moe_padding.with_padding_mask`
+    (docs/moe.md); without it a THD layout is refused, and the padded layout (what
+    Megatron-Bridge's own step runs) only logs that padding takes capacity.
+    """
+    capacity = getattr(model_config, "moe_expert_capacity_factor", None)
+    balancing = getattr(model_config, "moe_router_load_balancing_type", None)
+    seq_aux = "seq_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else [balancing])
+    if not getattr(model_config, "num_moe_experts", None) or (capacity is None and not seq_aux):
+        return
+    if getattr(core_model, "bridge_thd_routes_real_tokens_only", False):
+        return
+    setting = (f"model.moe_expert_capacity_factor={capacity}" if capacity is not None
+               else "model.moe_router_load_balancing_type='seq_aux_loss'")
+    why = ("padding slots compete with real tokens for expert capacity and the capacity is sized from every slot "
+           "(the thd_static tail is most of the row), so the tokens dropped and the loss depend on the layout"
+           if capacity is not None else
+           "Megatron-Core computes seq_aux_loss per (s, b) sequence and a THD row is one sequence, so it becomes a "
+           "whole-row statistic instead of a per-sample one")
+    if layout == "bshd":
+        _log_once("moe_routing_bshd", f"bridge_thd: {setting} with the padded layout: padding counts as tokens ({why}); "
+                  "register megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook to exclude it", logging.WARNING)
+        return
+    raise ValueError(
+        f"{setting} with dataset.packing_layout={layout!r}: {why} (measured on the tiny MoE model in docs/moe.md). "
+        "Register megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook (cfg.model.register_pre_wrap_hook) so "
+        "the routers see real tokens only, or set dataset.packing_layout='bshd'."
+    )
+
+
 def prepare_micro_batch(
     batch: dict,
     model,
@@ -391,6 +426,7 @@ def prepare_micro_batch(
     tokens, labels, loss_mask, multi_modal = _batch_on_device(batch, next(core_model.parameters()).device, is_last_stage)
     settings = _step_settings(state, model_config, pg_collection)
     layout, seq_length, sizes = settings.layout, settings.seq_length, settings.sizes
+    check_moe_routing(model_config, core_model, layout)
 
     # The keep mask is captured here, before any pad/truncate helper could drop a 2D mask.
     keep, mask_checks = capture_keep_mask(batch, tokens, state, model_config)
