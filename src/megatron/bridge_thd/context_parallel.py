@@ -7,13 +7,17 @@ every rank gets the same share of causal attention work. Rank r's local row is t
 concatenation, in segment order, of its two chunks of every segment.
 
 These are pure tensor functions: no host synchronisation, no loop over segments.
+:func:`thd_padding_chunks` reports which of those chunks hold no real token (Transformer
+Engine issue 2186, ``docs/te-cp-padding.md``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["thd_partition_indices", "thd_local_positions"]
+__all__ = ["thd_partition_indices", "thd_local_positions", "thd_padding_chunks", "PaddingChunks"]
 
 
 def _check_cp(cp_size, cp_rank) -> None:
@@ -79,3 +83,87 @@ def thd_partition_indices(
     """
     segment, offset = thd_local_positions(cu_seqlens_padded, total_tokens, cp_size, cp_rank)
     return cu_seqlens_padded.to(torch.int64)[segment] + offset
+
+
+@dataclass(frozen=True)
+class PaddingChunks:
+    """How many real tokens each CP rank's two chunks of every segment hold.
+
+    Shapes: C = cp_size, S = number of segments.
+
+    Attributes:
+        chunk_ids: ``(C, 2)`` int64, the chunks rank r holds: ``(r, 2C - 1 - r)``.
+        chunk_size: ``(S,)`` int64, the chunk length ``L_s / (2C)`` of each segment.
+        chunk_real: ``(C, S, 2)`` int64, real tokens in chunk ``chunk_ids[r, k]`` of segment s.
+        segment_real: ``(S,)`` int64, the segment's real length.
+    """
+
+    chunk_ids: torch.Tensor
+    chunk_size: torch.Tensor
+    chunk_real: torch.Tensor
+    segment_real: torch.Tensor
+
+    @property
+    def all_padding(self) -> torch.Tensor:
+        """``(C, S, 2)`` bool: the chunk has tokens and none of them is real."""
+        return (self.chunk_real == 0) & (self.chunk_size > 0)[None, :, None]
+
+    @property
+    def all_padding_in_real_segment(self) -> torch.Tensor:
+        """``(C, S, 2)`` bool: an all-padding chunk of a segment that has real tokens elsewhere,
+        the case of TransformerEngine issue 2186 (a ring step attends from this chunk, empty as
+        a query, to real keys of other chunks)."""
+        return self.all_padding & (self.segment_real > 0)[None, :, None]
+
+    def locations(self, which: torch.Tensor | None = None) -> torch.Tensor:
+        """``(K, 3)`` int64 rows ``(rank, segment, chunk)`` where ``which`` (default
+        :attr:`all_padding`) is True, chunk in ``[0, 2C)``; sorted by rank, segment, then the
+        rank's first chunk before its second. Reads the result on the host (diagnostics, tests)."""
+        which = self.all_padding if which is None else which
+        rank, segment, k = which.nonzero(as_tuple=True)
+        return torch.stack([rank, segment, self.chunk_ids[rank, k]], dim=1)
+
+
+def thd_padding_chunks(cu_seqlens, cu_seqlens_padded: torch.Tensor | None = None, *, cp_size: int) -> PaddingChunks:
+    """Which CP chunks of a THD row hold no real token, per rank, segment and chunk.
+
+    Real tokens sit at the start of their segment, so chunk c (``[c * l, (c + 1) * l)`` of a
+    segment of length L, ``l = L / (2 * cp)``) holds ``clamp(n - c * l, 0, l)`` of its n real
+    tokens; rank r holds chunks r and ``2 * cp - 1 - r``. Vectorised over ranks, segments and
+    chunks; no host synchronisation (a segment not divisible by ``2 * cp`` is a device assert).
+
+    Args:
+        cu_seqlens: ``(S + 1,)`` real boundaries, or a :class:`~megatron.bridge_thd.packing.PackedBatch`
+            (its ``cu_seqlens`` and ``cu_seqlens_padded``; then leave ``cu_seqlens_padded`` None).
+        cu_seqlens_padded: ``(S + 1,)`` physical boundaries.
+        cp_size: the context-parallel group size.
+
+    Returns:
+        A :class:`PaddingChunks`.
+    """
+    if hasattr(cu_seqlens, "cu_seqlens_padded"):
+        if cu_seqlens_padded is not None:
+            raise ValueError("cu_seqlens_padded: pass a PackedBatch alone, or both boundary tensors")
+        cu_seqlens, cu_seqlens_padded = cu_seqlens.cu_seqlens, cu_seqlens.cu_seqlens_padded
+    _check_cp(cp_size, 0)
+    for name, value in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() < 1:
+            raise ValueError(f"{name}: expected a (S + 1,) tensor, got {value!r}")
+    if cu_seqlens.shape != cu_seqlens_padded.shape:
+        raise ValueError(
+            f"cu_seqlens, cu_seqlens_padded: shapes {tuple(cu_seqlens.shape)} and {tuple(cu_seqlens_padded.shape)} "
+            "differ; real and padded boundaries come in pairs"
+        )
+    chunks = 2 * cp_size
+    real = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    physical = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).to(torch.int64)
+    torch._assert_async(
+        (physical % chunks == 0).all(),
+        f"cu_seqlens_padded: a segment is not divisible by 2 * cp_size = {chunks}; align with required_alignment",
+    )
+    size = physical // chunks
+    ranks = torch.arange(cp_size, device=real.device)
+    chunk_ids = torch.stack([ranks, chunks - 1 - ranks], dim=1)
+    held = real[None, :, None] - chunk_ids[:, None, :] * size[None, :, None]
+    chunk_real = torch.minimum(held.clamp_min(0), size[None, :, None])
+    return PaddingChunks(chunk_ids=chunk_ids, chunk_size=size, chunk_real=chunk_real, segment_real=real)
