@@ -3,13 +3,17 @@
 Two kinds of config objects are used:
 
 * ``types.SimpleNamespace`` objects shaped like a ``ConfigContainer`` (``cfg.dataset``,
-  ``cfg.model``, ``cfg.train``);
+  ``cfg.model``, ``cfg.train``), where every attribute present counts as set by the user, and
+  :class:`BridgeLikeDataset`, a dataclass with Bridge's dataset defaults, where a value equal to
+  its default does not;
 * Megatron-Bridge 0.6.2's own classes, where they load on the CPU: ``TransformerConfig``
   (``models/transformer_config.py``, with its deferred ``finalize()``), ``DataloaderConfig``
   (``data/base.py``) and ``MockVLMSFTDatasetConfig``, whose class body is executed from the
   installed ``data/builders/mock_vlm_sft.py`` (its module imports PIL and transformers, which the
   class itself does not use), plus ``_enable_safe_hybridep_dispatch``,
-  ``validate_cuda_graph_configuration`` and ``DirectSFTDataset``.
+  ``validate_cuda_graph_configuration``, ``DirectSFTDataset`` and the CUDA graph check
+  ``Qwen3VLModel.__init__`` runs on its language model config
+  (``models/qwen_vl/modelling_qwen3_vl/model.py``).
 
 ``training/config.py`` (``ConfigContainer.validate``) cannot be imported here: it imports
 ``data.builders.direct_hf_sft`` -> ``data.sources.hf`` -> ``datasets`` (not installed), and
@@ -57,6 +61,26 @@ def make_cfg(dataset=None, model=None, train=None):
         model=SimpleNamespace(**{**base_model, **(model or {})}),
         train=SimpleNamespace(**{**base_train, **(train or {})}),
     )
+
+
+@dataclasses.dataclass
+class BridgeLikeDataset:
+    """The packing fields of Megatron-Bridge 0.6.2's VLM dataset dataclasses, with their defaults
+    (``DirectHFSFTDatasetConfig``, ``MockVLMSFTDatasetConfig``): a value equal to its field's
+    default is not the user's, so ``configure`` may change it."""
+
+    seq_length: int = 4096
+    skip_getting_attention_mask_from_dataset: bool = True
+    enable_in_batch_packing: bool = False
+    defer_in_batch_packing_to_step: bool = False
+    pad_to_max_length: bool = False
+
+
+def make_bridge_like_cfg(dataset=None, model=None, train=None):
+    """``make_cfg`` with a :class:`BridgeLikeDataset` (its fields at their defaults unless given)."""
+    cfg = make_cfg(model=model, train=train)
+    cfg.dataset = BridgeLikeDataset(**(dataset or {}))
+    return cfg
 
 
 def snapshot(cfg):
@@ -122,6 +146,25 @@ def mock_vlm_config_cls(bridge):
     }
     exec(compile(class_source, str(path), "exec"), namespace)
     return namespace["MockVLMSFTDatasetConfig"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_build_check(bridge):
+    """The check Megatron-Bridge 0.6.2's ``Qwen3VLModel.__init__`` runs on its language model config.
+
+    ``_expose_language_model_for_cuda_graph_helper`` (``models/qwen_vl/modelling_qwen3_vl/model.py``,
+    the installed function itself) called on a stand-in ``self`` whose ``language_model.config`` is
+    the given model config; building the whole model needs CUDA graphs' own machinery.
+    """
+    model_module = load_bridge_module("models.qwen_vl.modelling_qwen3_vl.model")
+    check = model_module.Qwen3VLModel._expose_language_model_for_cuda_graph_helper
+
+    def run(model_config):
+        language_model = SimpleNamespace(config=model_config, position_embedding_type="mrope", rotary_pos_emb=None,
+                                         decoder=None)
+        check(SimpleNamespace(language_model=language_model))
+
+    return run
 
 
 def bridge_transformer_config(bridge, **overrides):
@@ -248,11 +291,47 @@ def test_copied_upstream_lines_are_current():
         "models/qwen_vl/qwen3_vl_step.py": [
             "if not skip_getting_attention_mask_from_dataset: required_device_keys.add(\"attention_mask\")",
         ],
+        "training/comm_overlap.py": [
+            "comm_overlap_cfg.overlap_moe_expert_parallel_comm = False",
+            "if user_value is not None: setattr(comm_overlap_cfg, field.name, user_value)",
+            "comm_overlap_cfg = self._get_model_comm_overlap_cfgs(model_config, ddp_config) "
+            "self._apply_cfgs(comm_overlap_cfg, model_config)",
+        ],
     }
     for relative, snippets in expected.items():
         text = _normalized((root / relative).read_text())
         for snippet in snippets:
             assert _normalized(snippet) in text, f"{relative} no longer contains: {snippet}"
+
+
+# The file:line references configure.py and docs/configure.md cite (Megatron-Bridge paths, and
+# one Megatron-Core path through "../core").
+CITED_LINES = {
+    ("models/qwen_vl/modelling_qwen3_vl/model.py", 388): "assert not self.language_model.config.variable_seq_lengths",
+    ("models/qwen_vl/modelling_qwen3_vl/model.py", 384): '"cuda_graph_impl", "none") != "none"',
+    ("models/qwen_vl/modelling_qwen3_vl/model.py", 373): "self._expose_language_model_for_cuda_graph_helper()",
+    ("training/config.py", 1236): "if enable_in_batch_packing:",
+    ("training/config.py", 1237): "transformer_config._enable_in_batch_packing = True",
+    ("models/transformer_config.py", 188): "_enable_in_batch_packing\", False) and self.pipeline_model_parallel_size",
+    ("models/transformer_config.py", 189): "self.variable_seq_lengths = True",
+    ("training/config.py", 1505): "assert self.model.seq_length == data_seq_length",
+    ("training/config.py", 1156): "enable_offline_packing and enable_in_batch_packing are mutually exclusive.",
+    ("training/config.py", 1207): "requires_fixed_seq_len = (",
+    ("training/config.py", 1249): "_enable_safe_hybridep_dispatch(transformer_config, uses_thd=uses_thd)",
+    ("training/config.py", 1482): "micro_batch_size should be greater than 1 when using enable_in_batch_packing=True.",
+    ("training/config.py", 1883): "if cfg.comm_overlap is not None:",
+    ("training/config.py", 1885): "cfg.comm_overlap.setup(cfg.model, cfg.optimizer, cfg.ddp)",
+    ("data/datasets/direct_sft.py", 91): "enable_in_batch_packing and not defer_in_batch_packing_to_step",
+    ("../core/transformer/transformer_config.py", 2648): "variable sequence length, please use alltoall dispatcher",
+}
+
+
+@needs_bridge
+@pytest.mark.parametrize("cited", list(CITED_LINES), ids=lambda c: f"{c[0]}:{c[1]}")
+def test_cited_upstream_lines_are_current(cited):
+    relative, line = cited
+    text = (bridge_root() / relative).read_text().splitlines()[line - 1]
+    assert CITED_LINES[cited] in text, f"{relative}:{line} is now: {text.strip()}"
 
 
 @needs_bridge
@@ -330,11 +409,30 @@ def test_either_packing_name_alone_sets_both(given):
 
 @pytest.mark.parametrize("pack, enable", [(True, False), (False, True)])
 def test_both_packing_names_set_differently_is_refused(pack, enable):
+    """Changed by issue 16 item 7: the name set to False is refused as an explicit setting the layout
+    contradicts (one rule for every flag, with force=True as the way out), not by a message of its own."""
     cfg = make_cfg(dataset=dict(pack_sequences_in_batch=pack, enable_in_batch_packing=enable))
     before = snapshot(cfg)
-    with pytest.raises(ValueError, match=r"pack_sequences_in_batch=.*enable_in_batch_packing="):
+    with pytest.raises(ValueError) as info:
         configure(cfg)
+    message = str(info.value)
+    off = "pack_sequences_in_batch" if not pack else "enable_in_batch_packing"
+    assert f"dataset.{off}=False was set explicitly" in message
+    assert "enable_in_batch_packing" in message and "pack_sequences_in_batch" in message
+    assert "force=True" in message
     assert snapshot(cfg) == before
+
+
+def test_explicit_packing_off_is_refused_and_force_overwrites_it(caplog):
+    cfg = make_cfg(dataset=dict(enable_in_batch_packing=False))
+    with pytest.raises(ValueError, match=r"dataset.enable_in_batch_packing=False was set explicitly, but .*"
+                       r"layout 'thd'.*set it to True.*force=True"):
+        configure(cfg)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, force=True)
+    assert cfg.dataset.enable_in_batch_packing is True
+    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "explicit dataset.enable_in_batch_packing=False with True" in warnings[0]
 
 
 def test_pack_alias_skipped_where_the_object_refuses_new_attributes():
@@ -369,6 +467,78 @@ def test_explicit_defer_false_is_refused():
         configure(cfg)
     assert "rejects packed batches" in str(info.value)
     assert snapshot(cfg) == before
+    configure(cfg, force=True)
+    assert cfg.dataset.defer_in_batch_packing_to_step is True
+
+
+def test_explicit_skip_attention_mask_is_refused_and_forced(caplog):
+    cfg = make_cfg(dataset=dict(skip_getting_attention_mask_from_dataset=True))
+    before = snapshot(cfg)
+    with pytest.raises(ValueError) as info:
+        configure(cfg, "thd_static")
+    message = str(info.value)
+    assert "dataset.skip_getting_attention_mask_from_dataset=True was set explicitly" in message
+    assert "2D attention mask" in message and "set it to False" in message and "force=True" in message
+    assert snapshot(cfg) == before
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, "thd_static", force=True)
+    assert cfg.dataset.skip_getting_attention_mask_from_dataset is False
+    records = [r for r in caplog.records if r.name == LOGGER]
+    assert [r.levelno for r in records] == [logging.INFO, logging.WARNING]
+    assert "force=True overwrites the explicit dataset.skip_getting_attention_mask_from_dataset=True" in (
+        records[1].getMessage()
+    )
+
+
+def test_explicit_packing_layout_differing_from_the_argument_is_refused():
+    cfg = configure(make_cfg(), "thd")
+    with pytest.raises(ValueError, match=r"dataset.packing_layout='thd' was set explicitly, but configure was called "
+                       r"with layout='bshd'.*or call configure with that layout.*force=True"):
+        configure(cfg, "bshd")
+    assert configure(cfg, "bshd", force=True).dataset.packing_layout == "bshd"
+
+
+def test_values_equal_to_what_the_layout_needs_are_not_overrides(caplog):
+    cfg = make_cfg(
+        dataset=dict(enable_in_batch_packing=True, pack_sequences_in_batch=True, defer_in_batch_packing_to_step=True,
+                     packing_layout="thd", skip_getting_attention_mask_from_dataset=False, pad_to_max_length=True),
+        model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=True),
+    )
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, "thd")
+    assert "changed: nothing" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_several_explicit_overrides_are_listed_together_and_force_warns_once_each(caplog):
+    cfg = make_cfg(
+        dataset=dict(enable_in_batch_packing=False, skip_getting_attention_mask_from_dataset=True,
+                     pad_to_max_length=False),
+        model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=False),
+    )
+    with pytest.raises(ValueError) as info:
+        configure(cfg, "thd")
+    message = str(info.value)
+    for setting in ("dataset.enable_in_batch_packing=False", "dataset.skip_getting_attention_mask_from_dataset=True",
+                    "dataset.pad_to_max_length=False", "model.variable_seq_lengths=False"):
+        assert f"{setting} was set explicitly" in message
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, "thd", force=True)
+    assert cfg.model.variable_seq_lengths is True and cfg.dataset.pad_to_max_length is True
+    assert len([r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]) == 4
+
+
+def test_force_lifts_only_explicit_overrides():
+    cfg = make_cfg(dataset=dict(seq_length=2048), train=dict(micro_batch_size=1))
+    with pytest.raises(ValueError) as info:
+        configure(cfg, force=True)
+    assert "micro_batch_size=1" in str(info.value) and "dataset.seq_length=2048" in str(info.value)
+
+
+@pytest.mark.parametrize("force", [None, 1, "yes"])
+def test_bad_force_argument(force):
+    with pytest.raises(ValueError, match="^force: "):
+        configure(make_cfg(), force=force)
 
 
 def test_defer_true_given_is_kept():
@@ -388,6 +558,23 @@ def test_is_explicit():
     assert is_explicit(D(), "required")  # no plain default: cannot tell, counts as set
     assert not is_explicit(D(), "absent")
     assert is_explicit(SimpleNamespace(flag=False), "flag")
+
+    class OwnInit:
+        """Like Bridge's GPTDatasetConfig: the flag is a constructor parameter, not a dataclass field."""
+
+        def __init__(self, skip_getting_attention_mask_from_dataset: bool = True):
+            self.skip_getting_attention_mask_from_dataset = skip_getting_attention_mask_from_dataset
+
+    assert not is_explicit(OwnInit(), "skip_getting_attention_mask_from_dataset")
+    assert is_explicit(OwnInit(False), "skip_getting_attention_mask_from_dataset")
+
+    class ClassDefault:
+        flag = False
+
+    instance = ClassDefault()
+    assert not is_explicit(instance, "flag")
+    instance.flag = True
+    assert is_explicit(instance, "flag")
 
 
 @pytest.mark.parametrize(
@@ -444,10 +631,26 @@ def test_no_train_section_skips_the_check():
 
 
 def test_thd_with_pp_sets_variable_seq_lengths():
-    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=False))
+    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2))
     configure(cfg, "thd")
     assert cfg.model.variable_seq_lengths is True
     assert configured_layout(cfg) == "thd"
+
+
+def test_thd_with_pp_refuses_an_explicit_variable_seq_lengths_false(caplog):
+    """Changed by issue 16 item 7: this used to be overwritten with an INFO line."""
+    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=False))
+    before = snapshot(cfg)
+    with pytest.raises(ValueError, match=r"model.variable_seq_lengths=False was set explicitly, but layout 'thd' with "
+                       r"pipeline_model_parallel_size=2 .*exchange shapes.*layout='thd_static'.*force=True"):
+        configure(cfg, "thd")
+    assert snapshot(cfg) == before
+    configure(cfg, "thd_static")  # the static layout does not need it: accepted, kept False
+    assert cfg.model.variable_seq_lengths is False
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        configure(cfg, "thd", force=True)
+    assert cfg.model.variable_seq_lengths is True and configured_layout(cfg) == "thd"
+    assert "model.variable_seq_lengths=False with True" in caplog.text
 
 
 def test_thd_with_pp_without_configure_falls_back_to_static():
@@ -481,9 +684,17 @@ def test_pad_to_max_length_follows_bridge_rule(layout, pp, ep, expected):
     model = dict(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
     if ep > 1:
         model.update(num_moe_experts=8, moe_token_dispatcher_type="alltoall")
-    cfg = make_cfg(dataset=dict(pad_to_max_length=False), model=model)
+    cfg = make_bridge_like_cfg(model=model)  # pad_to_max_length at its dataclass default, False
     configure(cfg, layout)
     assert cfg.dataset.pad_to_max_length is expected
+
+
+def test_explicit_pad_to_max_length_false_with_pp_is_refused():
+    cfg = make_cfg(dataset=dict(pad_to_max_length=False), model=dict(pipeline_model_parallel_size=2))
+    with pytest.raises(ValueError, match=r"dataset.pad_to_max_length=False was set explicitly, but Megatron-Bridge "
+                       r"0.6.2's validate\(\) forces it True for PP>1 or EP>1.*force=True"):
+        configure(cfg, "bshd")
+    assert configure(cfg, "bshd", force=True).dataset.pad_to_max_length is True
 
 
 def test_pad_to_max_length_not_added_without_the_field():
@@ -545,7 +756,7 @@ def test_thd_with_cuda_graphs_is_refused(model, argument):
 
 @pytest.mark.parametrize("layout", ["thd_static", "bshd"])
 def test_static_layouts_with_cuda_graphs_fix_the_collate_width(layout):
-    cfg = make_cfg(dataset=dict(pad_to_max_length=False), model=dict(cuda_graph_impl="transformer_engine"))
+    cfg = make_bridge_like_cfg(model=dict(cuda_graph_impl="transformer_engine"))
     configure(cfg, layout)
     assert cfg.dataset.pad_to_max_length is True
     assert cfg.dataset.packing_layout == layout
@@ -570,16 +781,15 @@ def test_cuda_graphs_with_variable_seq_lengths_is_a_contradiction(layout):
 
 
 def test_variable_seq_lengths_set_by_bridges_hook_is_not_the_users_contradiction():
-    """After Bridge's validate() (hook + finalize) a static layout with PP>1 has variable_seq_lengths=True."""
+    """After Bridge's validate() (hook + finalize) a static layout with PP>1 has variable_seq_lengths=True.
+
+    Changed by issue 16 item 7: with CUDA graphs in the model config and PP>1 the config is now
+    refused (Qwen3VLModel asserts at build, see the tests below); this note remains for graphs
+    declared only through ``cuda_graphs=True``, which Qwen3VLModel does not see."""
     cfg = make_cfg(
-        model=dict(
-            cuda_graph_impl="transformer_engine",
-            pipeline_model_parallel_size=2,
-            variable_seq_lengths=True,
-            _enable_in_batch_packing=True,
-        )
+        model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=True, _enable_in_batch_packing=True)
     )
-    configure(cfg, "thd_static")
+    configure(cfg, "thd_static", cuda_graphs=True)
     assert cfg.model.variable_seq_lengths is True
 
 
@@ -607,10 +817,7 @@ def test_hybridep_with_cuda_graphs_requires_bshd(layout):
 
 
 def test_hybridep_with_cuda_graphs_and_bshd_is_fine():
-    cfg = make_cfg(
-        dataset=dict(pad_to_max_length=False),
-        model=dict(HYBRIDEP, expert_model_parallel_size=4, cuda_graph_impl="transformer_engine"),
-    )
+    cfg = make_bridge_like_cfg(model=dict(HYBRIDEP, expert_model_parallel_size=4, cuda_graph_impl="transformer_engine"))
     configure(cfg, "bshd")
     assert cfg.dataset.pad_to_max_length is True
     assert not getattr(cfg.model, "moe_hybridep_pad_uneven_dispatch_inputs", False)
@@ -618,12 +825,156 @@ def test_hybridep_with_cuda_graphs_and_bshd_is_fine():
 
 @pytest.mark.parametrize("layout", ["thd", "thd_static"])
 def test_hybridep_without_cuda_graphs_allows_thd_and_pads(layout, caplog):
-    cfg = make_cfg(model=dict(HYBRIDEP, expert_model_parallel_size=4, moe_hybridep_pad_uneven_dispatch_inputs=False))
+    cfg = make_cfg(model=dict(HYBRIDEP, expert_model_parallel_size=4))
     with caplog.at_level(logging.INFO, logger=LOGGER):
         configure(cfg, layout)
     assert cfg.model.moe_hybridep_pad_uneven_dispatch_inputs is True
     assert cfg.dataset.packing_layout == layout
     assert "HybridEP without CUDA graphs" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals of what fails later (issue 16 item 7)
+# ---------------------------------------------------------------------------------------------
+
+PIPELINE_GRAPHS = {
+    "te": (dict(cuda_graph_impl="transformer_engine"), "model.cuda_graph_impl='transformer_engine'"),
+    "full_iteration": (dict(cuda_graph_impl="full_iteration"), "model.cuda_graph_impl='full_iteration'"),
+    "local": (dict(cuda_graph_impl="local"), "model.cuda_graph_impl='local'"),
+    "enable_cuda_graph": (dict(enable_cuda_graph=True), "model.enable_cuda_graph=True"),
+    "external_cuda_graph": (dict(external_cuda_graph=True), "model.external_cuda_graph=True"),
+}
+
+
+@pytest.mark.parametrize("graphs", list(PIPELINE_GRAPHS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_graphs_with_pipeline_parallelism_are_refused_for_every_layout(layout, graphs):
+    settings, named = PIPELINE_GRAPHS[graphs]
+    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2, **settings))
+    before = snapshot(cfg)
+    with pytest.raises(ValueError) as info:
+        configure(cfg, layout)
+    message = str(info.value)
+    assert message.startswith(f"configure: the config contradicts megatron.bridge_thd's step:\n- {named}")
+    assert "with model.pipeline_model_parallel_size=2: " in message
+    assert "modelling_qwen3_vl/model.py:388" in message
+    assert "model.cuda_graph_impl='none'" in message and "model.pipeline_model_parallel_size=1" in message
+    # One problem: not the PP=1 advice ("use layout='thd_static'" / "'bshd'"), which would fail the same way.
+    assert message.count("\n- ") == 1
+    assert snapshot(cfg) == before
+
+
+@pytest.mark.parametrize("layout", ["thd_static", "bshd"])
+def test_cuda_graphs_without_pipeline_parallelism_are_accepted(layout):
+    configure(make_cfg(model=dict(cuda_graph_impl="transformer_engine")), layout)
+
+
+def test_cuda_graphs_declared_by_argument_only_are_not_the_pipeline_refusal():
+    """Qwen3VLModel reads cuda_graph_impl from the model config; graphs it does not see do not trip it."""
+    configure(make_cfg(model=dict(pipeline_model_parallel_size=2)), "thd_static", cuda_graphs=True)
+
+
+@pytest.mark.parametrize(
+    "graph_settings",
+    [
+        dict(),
+        dict(cuda_graph_impl="transformer_engine"),
+        dict(cuda_graph_impl="full_iteration"),
+        dict(cuda_graph_impl="local", cuda_graph_modules=["full_iteration"]),
+        dict(enable_cuda_graph=True),
+        dict(external_cuda_graph=True),
+        dict(cuda_graph_scope="full_iteration"),  # deprecated scope with cuda_graph_impl "none": no graphs
+    ],
+    ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "none",
+)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_pipeline_graph_refusal_is_exactly_qwen3_vl_models_assert(
+    bridge, mock_vlm_config_cls, qwen3_vl_build_check, pp, graph_settings
+):
+    """configure refuses a config exactly when Megatron-Bridge 0.6.2 would fail to build Qwen3VLModel.
+
+    The Bridge side: the flags configure sets (in-batch packing on, deferred to the step), the
+    packing part of ``validate()`` with the real ``finalize()``, then the real build-time check.
+    """
+
+    def config():
+        model = bridge_transformer_config(bridge, pipeline_model_parallel_size=pp, **graph_settings)
+        dataset = mock_vlm_config_cls(seq_length=4096, hf_processor_path="Qwen/Qwen3-VL-8B-Instruct")
+        return SimpleNamespace(dataset=dataset, model=model, train=SimpleNamespace(micro_batch_size=4))
+
+    upstream = config()
+    upstream.dataset.enable_in_batch_packing = upstream.dataset.defer_in_batch_packing_to_step = True
+    bridge_062_packing_validate(upstream, bridge, mock_vlm_config_cls)
+    try:
+        qwen3_vl_build_check(upstream.model)
+        builds = True
+    except AssertionError as error:
+        assert "variable_seq_lengths=False" in str(error)
+        builds = False
+
+    try:
+        configure(config(), "thd_static")
+        accepted = True
+    except ValueError as error:
+        assert "modelling_qwen3_vl/model.py:388" in str(error)
+        accepted = False
+    assert accepted is builds
+    assert builds is (pp == 1 or not graph_settings or "cuda_graph_scope" in graph_settings)
+
+
+MOE_EP = dict(num_moe_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2)
+
+
+@pytest.mark.parametrize("where", ["model", "comm_overlap"])
+@pytest.mark.parametrize("layout", ["thd", "thd_static"])
+def test_moe_overlap_with_a_thd_layout_is_refused(layout, where):
+    cfg = make_cfg(model=MOE_EP)
+    if where == "model":
+        cfg.model.overlap_moe_expert_parallel_comm = True
+    else:
+        cfg.comm_overlap = SimpleNamespace(overlap_moe_expert_parallel_comm=True)
+    before = snapshot(cfg)
+    with pytest.raises(ValueError) as info:
+        configure(cfg, layout)
+    message = str(info.value)
+    assert f"{where}.overlap_moe_expert_parallel_comm=True with layout={layout!r}" in message
+    assert "return_schedule_plan" in message
+    assert f"set {where}.overlap_moe_expert_parallel_comm=False, or use layout='bshd'" in message
+    assert snapshot(cfg) == before
+
+
+def test_moe_overlap_with_bshd_is_accepted():
+    cfg = make_cfg(model=dict(MOE_EP, overlap_moe_expert_parallel_comm=True))
+    configure(cfg, "bshd")
+    configure(make_cfg(model=MOE_EP), "thd")  # off: fine
+
+
+def test_moe_overlap_in_the_model_that_comm_overlap_turns_off_is_accepted():
+    """A ``comm_overlap`` section whose value is None writes False into the model config
+    (``CommOverlapConfig.setup``), so the model's True never reaches the schedule."""
+    cfg = make_cfg(model=dict(MOE_EP, overlap_moe_expert_parallel_comm=True))
+    cfg.comm_overlap = SimpleNamespace(overlap_moe_expert_parallel_comm=None)
+    configure(cfg, "thd")
+
+
+def test_seq_length_mismatch_is_refused_naming_both_values():
+    cfg = make_cfg(dataset=dict(seq_length=2048), model=dict(seq_length=4096))
+    before = snapshot(cfg)
+    with pytest.raises(ValueError) as info:
+        configure(cfg, "thd")
+    message = str(info.value)
+    assert "dataset.seq_length=2048 and model.seq_length=4096 differ" in message
+    assert "Set dataset.seq_length and model.seq_length to the same value" in message
+    assert snapshot(cfg) == before
+
+
+def test_seq_length_read_from_the_transformer_config_and_missing_ones_skip_the_check():
+    cfg = make_cfg()
+    cfg.model = SimpleNamespace(transformer=SimpleNamespace(pipeline_model_parallel_size=1, seq_length=1024))
+    with pytest.raises(ValueError, match=r"dataset.seq_length=4096 and model.seq_length=1024 differ"):
+        configure(cfg)
+    del cfg.dataset.seq_length
+    configure(cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,7 +996,7 @@ def test_all_problems_are_reported_together():
 
 
 def test_changes_are_logged_at_info(caplog):
-    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=False))
+    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2))
     with caplog.at_level(logging.INFO, logger=LOGGER):
         configure(cfg, "thd")
     records = [r for r in caplog.records if r.name == LOGGER]
@@ -656,14 +1007,14 @@ def test_changes_are_logged_at_info(caplog):
         "dataset.defer_in_batch_packing_to_step: unset -> True",
         "dataset.packing_layout: unset -> 'thd'",
         "dataset.skip_getting_attention_mask_from_dataset: unset -> False",
-        "model.variable_seq_lengths: False -> True",
+        "model.variable_seq_lengths: unset -> True",
     ):
         assert change in text
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_second_call_changes_nothing(layout, caplog):
-    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2), dataset=dict(pad_to_max_length=False))
+    cfg = make_bridge_like_cfg(model=dict(pipeline_model_parallel_size=2))
     configure(cfg, layout)
     after_first = snapshot(cfg)
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -820,19 +1171,27 @@ GRAPHS = {"no_graphs": dict(), "te_graphs": dict(cuda_graph_impl="transformer_en
 @pytest.mark.parametrize("model_kind", list(MODELS))
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_configured_config_passes_bridges_packing_validation(bridge, mock_vlm_config_cls, layout, pp, model_kind, graphs):
+def test_configured_config_passes_bridges_packing_validation(
+    bridge, mock_vlm_config_cls, qwen3_vl_build_check, layout, pp, model_kind, graphs
+):
     """configure, then the packing part of Bridge 0.6.2's validate (incl. the real model finalize).
 
-    Combinations configure refuses (CUDA graphs with 'thd'; HybridEP + CUDA graphs with a THD
-    layout) are checked to be refused; for the rest, Bridge's checks pass, the step resolves the
-    requested layout, Bridge changes none of the flags configure set, and a second configure
-    call after Bridge's validate changes nothing.
+    Combinations configure refuses (CUDA graphs with PP>1, any layout; CUDA graphs with 'thd';
+    HybridEP + CUDA graphs with a THD layout) are checked to be refused; for the rest, Bridge's
+    checks pass, Qwen3VLModel's build-time check on the language model config passes, the step
+    resolves the requested layout, Bridge changes none of the flags configure set, and a second
+    configure call after Bridge's validate changes nothing.
     """
     model = bridge_transformer_config(bridge, pipeline_model_parallel_size=pp, **MODELS[model_kind], **GRAPHS[graphs])
     dataset = mock_vlm_config_cls(seq_length=4096, hf_processor_path="Qwen/Qwen3-VL-8B-Instruct")
     cfg = SimpleNamespace(dataset=dataset, model=model, train=SimpleNamespace(micro_batch_size=4))
-    refused = graphs == "te_graphs" and (layout == "thd" or (model_kind == "hybridep" and layout != "bshd"))
-    if refused:
+    with_graphs = graphs == "te_graphs"
+    if with_graphs and pp > 1:  # issue 16 item 7: Qwen3VLModel would assert at build
+        with pytest.raises(ValueError, match=r"cuda_graph_impl='transformer_engine' with "
+                           r"model.pipeline_model_parallel_size=2: .*modelling_qwen3_vl/model.py:388"):
+            configure(cfg, layout)
+        return
+    if with_graphs and (layout == "thd" or (model_kind == "hybridep" and layout != "bshd")):
         with pytest.raises(ValueError, match="CUDA graphs"):
             configure(cfg, layout)
         return
@@ -853,6 +1212,7 @@ def test_configured_config_passes_bridges_packing_validation(bridge, mock_vlm_co
     assert {name: getattr(dataset, name) for name in flags} == flags
     assert model.moe_hybridep_pad_uneven_dispatch_inputs == hybridep_padding
     assert model.variable_seq_lengths is (pp > 1)
+    qwen3_vl_build_check(model)
     assert configured_layout(cfg) == layout
     after_validate = (copy.deepcopy(vars(dataset)), dict(vars(model)))
     configure(cfg, layout)
@@ -885,3 +1245,16 @@ def test_module_docstring_has_the_flag_table():
         "model.moe_hybridep_pad_uneven_dispatch_inputs",
     ):
         assert f"`{flag}" in doc
+
+
+def test_docs_explain_the_refusals_without_repeating_the_flag_table():
+    docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "configure.md").read_text()
+    assert "| Purpose | Megatron-Bridge 0.6.2 |" in configure_module.__doc__
+    assert "| Purpose | Megatron-Bridge 0.6.2 |" not in docs
+    for heading in (
+        "### CUDA graphs with pipeline parallelism (every layout)",
+        "### MoE expert-parallel communication overlap with a THD layout",
+        "### `dataset.seq_length` differs from `model.seq_length`",
+        "### Explicit settings the layout contradicts",
+    ):
+        assert heading in docs

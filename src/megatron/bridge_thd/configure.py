@@ -8,12 +8,15 @@
     cfg = configure(qwen3_vl_recipe_config(), layout="thd")   # same object, mutated
     finetune(cfg, forward_step_func=forward_step)
 
-``configure(cfg, layout="thd", *, cuda_graphs=None)`` takes a Megatron-Bridge ``ConfigContainer``
-(or any object with ``cfg.dataset``, ``cfg.model`` and ``cfg.train`` shaped like it), checks the
-settings that decide how a micro-batch reaches the step, sets the flags below, logs what it
-changed at INFO and returns ``cfg``. Every check runs before anything is written: a config it
-refuses is left untouched, and the ``ValueError`` lists each problem with the setting, what is
-wrong and how to fix it. Calling it twice is harmless (the second call changes nothing).
+``configure(cfg, layout="thd", *, cuda_graphs=None, force=False)`` takes a Megatron-Bridge
+``ConfigContainer`` (or any object with ``cfg.dataset``, ``cfg.model`` and ``cfg.train`` shaped
+like it), checks the settings that decide how a micro-batch reaches the step, sets the flags
+below, logs what it changed at INFO and returns ``cfg``. Every check runs before anything is
+written: a config it refuses is left untouched, and the ``ValueError`` lists each problem with the
+settings involved, what is wrong and how to fix it. A value the user set explicitly is never
+overwritten silently: when it differs from what the layout needs, ``configure`` refuses; with
+``force=True`` it overwrites it and logs one WARNING line per setting. Calling it twice with the
+same layout is harmless (the second call changes nothing).
 
 Flags it sets
 -------------
@@ -26,7 +29,7 @@ Flags it sets
 | layout of the packed row | `dataset.packing_layout` * (ours) | (ours) | `layout` |
 | the dataset's 2D mask reaches the step | `dataset.skip_getting_attention_mask_from_dataset` | same | `False` |
 | fixed collate width | `dataset.pad_to_max_length` | same (forced for PP>1 or EP>1) | `True` for PP>1 or EP>1 (Bridge's rule, where the field exists) and with CUDA graphs |
-| pipeline p2p exchanges shapes | `model.variable_seq_lengths`, or the hook `model._enable_in_batch_packing` | same | `True` for `"thd"` with PP>1 (see Rules); not set for the static layouts |
+| pipeline p2p exchanges shapes | `model.variable_seq_lengths`, or the hook `model._enable_in_batch_packing` | same | `True` for `"thd"` with PP>1; not set for the static layouts |
 | HybridEP pads uneven dispatch inputs | `model.moe_hybridep_pad_uneven_dispatch_inputs` (Megatron-Core 0.19.2) | `moe_hybridep_pad_variable_tokens` in Core versions that name it so (Bridge lists both) | `True` for HybridEP without CUDA graphs (what Bridge's validate sets itself) |
 
 `*` not a field of Megatron-Bridge's dataset config dataclasses: set as a plain attribute, so
@@ -36,79 +39,14 @@ it from CP/SP); it only matters when the collate packs, which ``defer_in_batch_p
 turns off. The step reads ``pack_sequences_in_batch`` or ``enable_in_batch_packing``; an input that
 sets only one of them counts for both.
 
-Rules
------
-
-* ``layout`` is ``"thd"`` (row length varies per micro-batch), ``"thd_static"`` (row padded to
-  ``micro_batch_size * round_up(seq_length, align)``) or ``"bshd"`` (padded batch).
-* ``micro_batch_size == 1`` is refused, as Megatron-Bridge 0.6.2 refuses it with
-  ``enable_in_batch_packing`` (``training/config.py``, ``validate``): packing one sample gains
-  nothing.
-* Offline packing (``dataset.enable_offline_packing``, ``offline_packing_specs``, older
-  ``packed_sequence_specs``) is refused: it is mutually exclusive with in-batch packing in Bridge,
-  and its batches carry ``cu_seqlens``, which the step rejects.
-* ``dataset.defer_in_batch_packing_to_step=False`` set explicitly is refused: the collate would
-  pack the batch itself and the step rejects a packed batch. "Explicitly" means: on a dataclass,
-  a value other than the field's default (the default, ``False``, is simply overwritten); on
-  any other object (e.g. ``types.SimpleNamespace``), the attribute being present.
-  ``pack_sequences_in_batch`` and ``enable_in_batch_packing`` both set explicitly to different
-  values are refused the same way.
-* Pipeline parallelism: ``"thd"`` needs ``variable_seq_lengths=True`` (stages exchange shapes,
-  the row length changes per micro-batch; without it the step falls back to ``"thd_static"``).
-  On a Bridge config with a deferred ``finalize()`` and the default ``allgather`` dispatcher,
-  setting it before ``finalize()`` makes Megatron-Core's post-init raise ("Token dispatcher type:
-  allgather does not support variable sequence length"), also for dense models; there
-  ``configure`` sets ``model._enable_in_batch_packing = True`` instead, the hook through which
-  Bridge's ``TransformerConfig.finalize()`` sets ``variable_seq_lengths=True`` after that check
-  (``models/transformer_config.py``), exactly as Bridge's ``validate()`` does. ``"thd_static"``
-  and ``"bshd"`` leave ``variable_seq_lengths`` alone, but note that Bridge 0.6.2's
-  ``validate()`` sets the hook whenever ``enable_in_batch_packing`` is on, so after it
-  ``variable_seq_lengths`` is ``True`` for every layout with PP>1 (the static row lengths stay
-  fixed; p2p then exchanges shapes first, which costs a ``torch.cuda.synchronize()`` per exchange
-  in Megatron-Core 0.19.2's ``p2p_communication._communicate_shapes``).
-* CUDA graphs (``model.cuda_graph_impl`` not in ``(None, "none")``, ``model.enable_cuda_graph``,
-  ``model.external_cuda_graph``, a legacy ``full_iteration`` ``cuda_graph_scope``, or
-  ``cuda_graphs=True``) need a static layout: ``"thd"`` is refused (use ``"thd_static"``),
-  ``variable_seq_lengths=True`` is refused unless Bridge's own hook set it, and
-  ``pad_to_max_length`` is set so the collate width is fixed. ``cuda_graphs=False`` while the
-  model config enables them is refused.
-* HybridEP (``model.moe_token_dispatcher_type == "flex"`` and ``model.moe_flex_dispatcher_backend
-  == "hybridep"``, Megatron-Core 0.19.2 ``TransformerConfig``): with CUDA graphs the dispatch
-  inputs must be equal on every rank and capture-safe, so only ``"bshd"`` is accepted (``"thd"``
-  rows differ in length per rank; ``"thd_static"`` rows are equal in length but this package
-  does not support packed attention with HybridEP inside CUDA graphs). Without CUDA graphs THD is
-  allowed: Bridge 0.6.2 pads uneven HybridEP dispatch inputs itself
-  (``_enable_safe_hybridep_dispatch``), and ``configure`` sets the same padding field.
-* MoE with the ``allgather`` dispatcher and ``expert_model_parallel_size > 1``: Megatron-Core's
-  allgather dispatcher gathers equal-sized token blocks over the TP x EP group, and EP ranks hold
-  different micro-batches, so ``"thd"`` (row length differs per rank) is refused; use
-  ``"thd_static"``/``"bshd"`` or the ``alltoall``/``flex`` dispatcher.
-
-The attention mask
-------------------
-
-The step needs each sample's real tokens, taken from the dataset's 2D attention mask.
-``configure`` sets ``skip_getting_attention_mask_from_dataset=False`` for consistency with the
-other Bridge steps, but nothing depends on it for Qwen-VL: Bridge 0.6.2's Qwen-VL collate
-(``models/qwen_vl/data/collate_fn.py``) always emits ``attention_mask``, the flag only decides
-whether Bridge's own ``qwen3_vl_step.get_batch_from_iterator`` moves it to the GPU, and
-``megatron.bridge_thd``'s step reads ``batch["attention_mask"]`` whatever the flag says.
-
-Testing note: Megatron-Bridge 0.6.2's ``training/config.py`` (``ConfigContainer``) cannot be
-imported on a CPU-only machine without extra packages: it imports
-``data.builders.direct_hf_sft`` -> ``data.sources.hf`` -> ``datasets`` (not installed), and
-``data.builders.mock_vlm_sft`` needs ``PIL``, ``data.builders.energon`` needs
-``megatron.energon``; and ``megatron.bridge_thd.upstream``'s bare-package loader skips package
-``__init__`` files, so ``data.builders.gpt_sft``'s ``from megatron.bridge.data.packing import
-PackedSequenceSpecs`` fails even with those stubbed. The tests therefore run ``configure`` on
-``SimpleNamespace`` configs and on Bridge's real ``models.transformer_config.TransformerConfig``
-(which loads), and check the packing conditions copied from ``training/config.py`` (with a test
-that the copied lines are still in the installed file).
+The rules, every refusal with the upstream code that motivates it, how "set explicitly" is told
+from a dataclass default, and what ``force`` does and does not lift: ``docs/configure.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from typing import Any
 
@@ -117,6 +55,7 @@ __all__ = [
     "LAYOUTS",
     "STATIC_LAYOUTS",
     "cuda_graphs_enabled",
+    "effective_cuda_graph_impl",
     "uses_hybridep",
     "is_explicit",
 ]
@@ -125,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 LAYOUTS = ("thd", "thd_static", "bshd")
 STATIC_LAYOUTS = ("thd_static", "bshd")
+THD_LAYOUTS = ("thd", "thd_static")
 # Megatron-Bridge 0.6.2 models/transformer_config.py _HYBRIDEP_PADDING_FIELDS (0.19.2 has the first).
 HYBRIDEP_PADDING_FIELDS = ("moe_hybridep_pad_uneven_dispatch_inputs", "moe_hybridep_pad_variable_tokens")
 # Offline (pre-packed dataset) settings: 0.6.2 names, then the older ``packed_sequence_specs``.
@@ -162,6 +102,23 @@ def cuda_graphs_enabled(model: Any) -> bool:
     )
 
 
+def effective_cuda_graph_impl(model: Any) -> str:
+    """``model.cuda_graph_impl`` as Megatron-Core 0.19.2's ``TransformerConfig.__post_init__`` leaves it.
+
+    The deprecated switches are mapped as that post-init maps them (``enable_cuda_graph`` ->
+    ``"local"``, ``external_cuda_graph`` -> ``"transformer_engine"``); ``None`` or a missing
+    attribute reads as ``"none"``, as Megatron-Bridge's ``Qwen3VLModel`` reads a missing one.
+    """
+    impl = getattr(model, "cuda_graph_impl", "none")
+    if impl not in (None, "none"):
+        return impl
+    if getattr(model, "enable_cuda_graph", False):
+        return "local"
+    if getattr(model, "external_cuda_graph", False):
+        return "transformer_engine"
+    return "none"
+
+
 def uses_hybridep(model: Any) -> bool:
     """Whether MoE tokens go through the flex dispatcher's HybridEP backend."""
     return (
@@ -170,34 +127,58 @@ def uses_hybridep(model: Any) -> bool:
     )
 
 
+def _default_value(obj: Any, name: str) -> Any:
+    """The value ``obj.name`` holds when nobody set it, or ``_MISSING`` when that cannot be told.
+
+    In this order: the dataclass field's plain default; the default of the class constructor's
+    parameter of that name (Bridge's ``GPTDatasetConfig`` takes
+    ``skip_getting_attention_mask_from_dataset`` in its own ``__init__``, not as a field); a plain
+    class attribute. A field built by ``default_factory`` or a required one has no default here.
+    """
+    cls = type(obj)
+    field = getattr(cls, "__dataclass_fields__", {}).get(name) if dataclasses.is_dataclass(obj) else None
+    if field is not None:
+        return _MISSING if field.default is dataclasses.MISSING else field.default
+    try:
+        parameter = inspect.signature(cls).parameters.get(name)
+    except (TypeError, ValueError):  # builtins such as SimpleNamespace have no signature
+        parameter = None
+    if parameter is not None:
+        return _MISSING if parameter.default is inspect.Parameter.empty else parameter.default
+    default = inspect.getattr_static(cls, name, _MISSING)
+    return _MISSING if hasattr(default, "__get__") else default  # a property or method is no default
+
+
 def is_explicit(obj: Any, name: str) -> bool:
     """Whether ``obj.name`` was set by the user, as far as can be told.
 
-    On a dataclass field: its value differs from the field's default (a field without a plain
-    default counts as explicit). Anything else present on the object counts as explicit.
+    Present and different from its default (:func:`_default_value`); present without a known
+    default (a ``types.SimpleNamespace`` attribute, a required field) counts as explicit. A value
+    equal to the default cannot be told from the default and counts as not set.
     """
     value = getattr(obj, name, _MISSING)
     if value is _MISSING:
         return False
-    field = getattr(obj, "__dataclass_fields__", {}).get(name) if dataclasses.is_dataclass(obj) else None
-    if field is None or field.default is dataclasses.MISSING:
-        return True
-    return value != field.default
+    default = _default_value(obj, name)
+    return default is _MISSING or value != default
 
 
 def _size(model: Any, name: str) -> int:
     return int(getattr(model, name, 1) or 1)
 
 
-def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None) -> Any:
+def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None, force: bool = False) -> Any:
     """Set ``cfg``'s packing flags for ``megatron.bridge_thd.qwen3_vl_step.forward_step``.
 
     Args:
         cfg: a Megatron-Bridge ``ConfigContainer`` or an object shaped like it (``cfg.dataset``,
-            ``cfg.model`` (its ``.transformer`` when it has one), ``cfg.train``).
-        layout: ``"thd"``, ``"thd_static"`` or ``"bshd"`` (see the module docstring).
+            ``cfg.model`` (its ``.transformer`` when it has one), ``cfg.train``, optionally
+            ``cfg.comm_overlap``).
+        layout: ``"thd"``, ``"thd_static"`` or ``"bshd"`` (see ``docs/configure.md``).
         cuda_graphs: ``None`` reads the model config; ``True`` declares CUDA graphs the model
             config does not show; ``False`` asserts none (refused if the model enables them).
+        force: overwrite settings the user set explicitly to values the layout cannot use, with a
+            WARNING line each, instead of refusing them. It lifts nothing else.
 
     Returns:
         ``cfg`` itself, mutated.
@@ -206,17 +187,20 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None)
         ValueError: ``layout`` is not a known layout, or the config contradicts the step (every
             problem found is listed; nothing is changed then).
     """
-    _check_arguments(layout, cuda_graphs)
+    _check_arguments(layout, cuda_graphs, force)
     settings = _read_settings(cfg, layout, cuda_graphs)
 
     problems, notes = _find_problems(settings)
+    changes, change_notes = _plan_changes(settings)
+    overrides = _explicit_overrides(changes)
+    if not force:
+        problems += [override.refusal() for override in overrides]
     if problems:
         raise ValueError("configure: the config contradicts megatron.bridge_thd's step:\n- " + "\n- ".join(problems))
 
     # ---- everything checked: write ----
-    changes, change_notes = _plan_changes(settings)
     changed = _apply(changes)
-    _log(settings, changed, notes + change_notes)
+    _log(settings, changed, notes + change_notes, overrides)
     return cfg
 
 
@@ -236,16 +220,42 @@ class _Settings:
     ep: int
     model_graphs: bool  # the model config enables CUDA graphs
     graphs: bool  # CUDA graphs on, from the model config or the argument
+    graph_impl: str  # the model's cuda_graph_impl after Megatron-Core's post-init
     hybridep: bool
     dispatcher: Any
+    moe_overlap: str | None  # the setting that turns MoE EP communication overlap on, if any
+    seq_lengths: tuple[Any, Any]  # (dataset.seq_length, model.seq_length)
+
+    @property
+    def pipeline_graphs(self) -> bool:
+        """PP>1 with CUDA graphs in the model config: Qwen3VLModel refuses to build (see the check)."""
+        return self.pp > 1 and self.graph_impl != "none"
 
 
-def _check_arguments(layout: Any, cuda_graphs: Any) -> None:
-    """Refuse a ``layout`` or ``cuda_graphs`` argument that ``configure`` does not know."""
+def _check_arguments(layout: Any, cuda_graphs: Any, force: Any) -> None:
+    """Refuse a ``layout``, ``cuda_graphs`` or ``force`` argument that ``configure`` does not know."""
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout: {layout!r} is not one of {LAYOUTS}")
     if cuda_graphs not in (None, True, False):
         raise ValueError(f"cuda_graphs: {cuda_graphs!r}; pass None (read the model config), True or False")
+    if not isinstance(force, bool):
+        raise ValueError(f"force: {force!r}; pass True or False")
+
+
+def _moe_overlap_setting(cfg: Any, model: Any) -> str | None:
+    """The setting that turns MoE EP communication overlap on as Megatron-Bridge 0.6.2 resolves it, or None.
+
+    With a ``cfg.comm_overlap`` section, ``runtime_config_update`` (``training/config.py``) runs
+    ``CommOverlapConfig.setup``, which writes the section's value into the model config, ``False``
+    when the user left it ``None`` (``training/comm_overlap.py``, ``_get_model_comm_overlap_cfgs``).
+    Without one, the model config's own value stands.
+    """
+    comm_overlap = getattr(cfg, "comm_overlap", None)
+    if comm_overlap is not None:
+        value = getattr(comm_overlap, "overlap_moe_expert_parallel_comm", None)
+        return "comm_overlap.overlap_moe_expert_parallel_comm" if value else None
+    on = getattr(model, "overlap_moe_expert_parallel_comm", False)
+    return "model.overlap_moe_expert_parallel_comm" if on else None
 
 
 def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None) -> _Settings:
@@ -257,6 +267,7 @@ def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None) -> _Settings
     # Bridge's validate reads the model's transformer config this way (GPTModelConfig proxies it).
     model = getattr(model_root, "transformer", model_root)
     model_graphs = cuda_graphs_enabled(model)
+    model_seq_length = getattr(model_root, "seq_length", None)
     return _Settings(
         layout=layout,
         cuda_graphs=cuda_graphs,
@@ -267,8 +278,14 @@ def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None) -> _Settings
         ep=_size(model, "expert_model_parallel_size"),
         model_graphs=model_graphs,
         graphs=model_graphs or bool(cuda_graphs),
+        graph_impl=effective_cuda_graph_impl(model),
         hybridep=uses_hybridep(model),
         dispatcher=getattr(model, "moe_token_dispatcher_type", None),
+        moe_overlap=_moe_overlap_setting(cfg, model),
+        seq_lengths=(
+            getattr(dataset, "seq_length", None),
+            model_seq_length if model_seq_length is not None else getattr(model, "seq_length", None),
+        ),
     )
 
 
@@ -281,12 +298,14 @@ def _find_problems(s: _Settings) -> tuple[list[str], list[str]]:
     problems = [
         *_cuda_graphs_argument_problems(s),
         *_offline_packing_problems(s.dataset),
-        *_packing_switch_problems(s.dataset),
         *_micro_batch_size_problems(s.train),
+        *_seq_length_problems(s),
+        *_cuda_graphs_pipeline_problems(s),
         *_hybridep_problems(s),
         *_cuda_graphs_layout_problems(s),
         *_variable_seq_lengths_problems(s, notes),
         *_moe_allgather_problems(s),
+        *_moe_overlap_problems(s),
     ]
     return problems, notes
 
@@ -320,29 +339,6 @@ def _offline_packing_problems(dataset: Any) -> list[str]:
     return problems
 
 
-def _packing_switch_problems(dataset: Any) -> list[str]:
-    """Packing switches set explicitly against the step: the two names disagree, or packing not deferred."""
-    problems = []
-    # The two names of the packing switch.
-    if is_explicit(dataset, "enable_in_batch_packing") and is_explicit(dataset, "pack_sequences_in_batch"):
-        enable, pack = getattr(dataset, "enable_in_batch_packing"), getattr(dataset, "pack_sequences_in_batch")
-        if bool(enable) != bool(pack):
-            problems.append(
-                f"dataset.pack_sequences_in_batch={pack!r} and dataset.enable_in_batch_packing={enable!r}: both names "
-                "of the same switch are set, to different values; set one of them (configure turns packing on)"
-            )
-
-    defer = getattr(dataset, "defer_in_batch_packing_to_step", None)
-    if is_explicit(dataset, "defer_in_batch_packing_to_step") and not defer:
-        problems.append(
-            f"dataset.defer_in_batch_packing_to_step={defer!r}: with in-batch packing on, the collate then packs "
-            "the micro-batch itself (cu_seqlens in the batch), and megatron.bridge_thd's step rejects packed batches; "
-            "set it to True or leave it unset (configure sets it), "
-            "or use Megatron-Bridge's vlm_step for collate-time packing"
-        )
-    return problems
-
-
 def _micro_batch_size_problems(train: Any) -> list[str]:
     """``micro_batch_size == 1``, which Bridge refuses with in-batch packing."""
     if getattr(train, "micro_batch_size", None) != 1:
@@ -354,10 +350,58 @@ def _micro_batch_size_problems(train: Any) -> list[str]:
     ]
 
 
+def _seq_length_problems(s: _Settings) -> list[str]:
+    """``dataset.seq_length`` and ``model.seq_length`` both set, to different values."""
+    dataset_length, model_length = s.seq_lengths
+    if dataset_length is None or model_length is None or dataset_length == model_length:
+        return []
+    # Megatron-Bridge 0.6.2 training/config.py:1505 asserts equality only for five dataset config classes.
+    return [
+        f"dataset.seq_length={dataset_length!r} and model.seq_length={model_length!r} differ: the collate pads and "
+        "truncates to dataset.seq_length, while megatron.bridge_thd's step truncates samples and sizes static rows "
+        "by model.seq_length (qwen3_vl_step._step_settings) and the pipeline schedule sizes its p2p buffers by it "
+        "(training/train.py); Megatron-Bridge 0.6.2 checks the two only for some dataset configs. Set "
+        "dataset.seq_length and model.seq_length to the same value"
+    ]
+
+
+def _graph_setting(model: Any) -> str:
+    """The model setting that turns CUDA graphs on, as ``name=value`` for a message."""
+    impl = getattr(model, "cuda_graph_impl", "none")
+    if impl not in (None, "none"):
+        return f"model.cuda_graph_impl={impl!r}"
+    name = "enable_cuda_graph" if getattr(model, "enable_cuda_graph", False) else "external_cuda_graph"
+    impl = effective_cuda_graph_impl(model)
+    return f"model.{name}=True (Megatron-Core's post-init makes it cuda_graph_impl={impl!r})"
+
+
+def _cuda_graphs_pipeline_problems(s: _Settings) -> list[str]:
+    """CUDA graphs in the model config with PP>1: Qwen3VLModel asserts at build, for every layout."""
+    # Megatron-Bridge 0.6.2 models/qwen_vl/modelling_qwen3_vl/model.py:388, in
+    # Qwen3VLModel._expose_language_model_for_cuda_graph_helper (called by __init__): when the
+    # language model config's cuda_graph_impl != "none" it asserts `not config.variable_seq_lengths`.
+    # With in-batch packing on (every layout configure sets up) training/config.py:1236-1237
+    # (validate) sets transformer_config._enable_in_batch_packing, and models/transformer_config.py:188-189
+    # (finalize) turns that into variable_seq_lengths=True when pipeline_model_parallel_size > 1.
+    # Any cuda_graph_impl counts ("local", "transformer_engine", "full_iteration", or the deprecated
+    # switches mapped to them), dense or MoE; PP=1 leaves variable_seq_lengths alone.
+    if not s.pipeline_graphs:
+        return []
+    return [
+        f"{_graph_setting(s.model)} with model.pipeline_model_parallel_size={s.pp}: Megatron-Bridge 0.6.2's "
+        "Qwen3VLModel asserts at build that CUDA graphs run without model.variable_seq_lengths "
+        "(models/qwen_vl/modelling_qwen3_vl/model.py:388), and for in-batch packing with PP>1 its validate() and "
+        "finalize() set variable_seq_lengths=True (training/config.py:1237, models/transformer_config.py:189) "
+        f"whatever the layout ({s.layout!r} included); set model.cuda_graph_impl='none' (and enable_cuda_graph / "
+        "external_cuda_graph False) or model.pipeline_model_parallel_size=1"
+    ]
+
+
 def _hybridep_problems(s: _Settings) -> list[str]:
     """HybridEP with CUDA graphs and a layout other than ``"bshd"``: dispatch inputs must match across ranks."""
     layout = s.layout
-    if not (s.graphs and s.hybridep and layout != "bshd"):
+    # With PP>1, _cuda_graphs_pipeline_problems already refuses every layout (one problem, not two).
+    if not (s.graphs and s.hybridep and layout != "bshd") or s.pipeline_graphs:
         return []
     reason = (
         "'thd' rows differ in length per rank, so HybridEP dispatch inputs would be uneven"
@@ -375,8 +419,8 @@ def _hybridep_problems(s: _Settings) -> list[str]:
 
 def _cuda_graphs_layout_problems(s: _Settings) -> list[str]:
     """``"thd"`` with CUDA graphs, which cannot replay a row whose length changes."""
-    # With HybridEP, _hybridep_problems already reports "thd" (one problem, not two).
-    if not (s.graphs and s.layout == "thd" and not s.hybridep):
+    # With HybridEP, _hybridep_problems already reports "thd"; with PP>1, _cuda_graphs_pipeline_problems.
+    if not (s.graphs and s.layout == "thd" and not s.hybridep) or s.pipeline_graphs:
         return []
     return [
         "layout: 'thd' gives a row whose length changes every micro-batch, which CUDA graphs cannot replay; use "
@@ -386,7 +430,7 @@ def _cuda_graphs_layout_problems(s: _Settings) -> list[str]:
 
 def _variable_seq_lengths_problems(s: _Settings, notes: list[str]) -> list[str]:
     """``variable_seq_lengths=True`` with CUDA graphs, unless Bridge's hook set it (then a note is appended)."""
-    if not (s.graphs and getattr(s.model, "variable_seq_lengths", False)):
+    if not (s.graphs and getattr(s.model, "variable_seq_lengths", False)) or s.pipeline_graphs:
         return []
     if s.pp > 1 and bool(getattr(s.model, "_enable_in_batch_packing", False)):
         notes.append(
@@ -413,18 +457,68 @@ def _moe_allgather_problems(s: _Settings) -> list[str]:
     ]
 
 
-# ---- step 3: compute the changes ----
+def _moe_overlap_problems(s: _Settings) -> list[str]:
+    """MoE EP communication overlap with a THD layout: the step builds schedule plans only for ``"bshd"``."""
+    # Megatron-Core 0.19.2 pipeline_parallel/combined_1f1b.py calls forward_step(..., return_schedule_plan=True)
+    # when overlap_moe_expert_parallel_comm is on; megatron.bridge_thd's qwen3_vl_step.forward_step raises there
+    # for a THD row (it carries packed_seq_params).
+    if s.moe_overlap is None or s.layout not in THD_LAYOUTS:
+        return []
+    return [
+        f"{s.moe_overlap}=True with layout={s.layout!r}: Megatron-Core's combined 1F1B schedule "
+        "(pipeline_parallel/combined_1f1b.py) then asks the forward step for a schedule plan "
+        "(return_schedule_plan=True), and megatron.bridge_thd's step builds one only for the padded layout (it "
+        f"raises at the first step for a THD row); set {s.moe_overlap}=False, or use layout='bshd' with a model "
+        "that has build_schedule_plan (Megatron-Bridge 0.6.2's Qwen3VLModel has none)"
+    ]
+
+
+# ---- step 3: compute the changes, and find those that would overwrite an explicit setting ----
 
 
 @dataclasses.dataclass(frozen=True)
 class _Change:
-    """One attribute to set; ``required=False`` skips an object that does not take it."""
+    """One attribute to set; ``required=False`` skips an object that does not take it.
+
+    ``why`` says why the layout needs ``value`` and ``alternative`` another way out, both for the
+    refusal when the attribute holds a different value the user set explicitly; ``guarded=False``
+    marks a change that may overwrite anything (Bridge's private hook).
+    """
 
     obj: Any
     section: str
     name: str
     value: Any
     required: bool = True
+    why: str = ""
+    alternative: str = ""
+    guarded: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Override:
+    """A planned change that would overwrite a value the user set explicitly."""
+
+    change: _Change
+    old: Any
+
+    @property
+    def setting(self) -> str:
+        return f"{self.change.section}.{self.change.name}={self.old!r}"
+
+    def refusal(self) -> str:
+        change = self.change
+        return (
+            f"{self.setting} was set explicitly, but {change.why}; set it to {change.value!r} or remove the setting "
+            f"(configure sets it){change.alternative}, or pass force=True to let configure overwrite it"
+        )
+
+    def warning(self) -> str:
+        change = self.change
+        return (
+            f"bridge_thd.configure: force=True overwrites the explicit {self.setting} with {change.value!r}: "
+            f"{change.why}"
+        )
 
 
 def _plan_changes(s: _Settings) -> tuple[list[_Change], list[str]]:
@@ -436,20 +530,42 @@ def _plan_changes(s: _Settings) -> tuple[list[_Change], list[str]]:
 
 def _dataset_changes(s: _Settings) -> list[_Change]:
     """The dataset's packing flags, and ``pad_to_max_length`` where a fixed collate width is needed."""
-    dataset = s.dataset
+    dataset, layout = s.dataset, s.layout
+    packing_on = (
+        f"configure turns in-batch packing on for every layout, and megatron.bridge_thd's step reads "
+        f"dataset.enable_in_batch_packing and dataset.pack_sequences_in_batch as one switch, so False contradicts "
+        f"layout {layout!r}"
+    )
     changes = [
-        _Change(dataset, "dataset", "enable_in_batch_packing", True),
-        _Change(dataset, "dataset", "pack_sequences_in_batch", True, required=False),
-        _Change(dataset, "dataset", "defer_in_batch_packing_to_step", True),
-        _Change(dataset, "dataset", "packing_layout", s.layout),
-        _Change(dataset, "dataset", "skip_getting_attention_mask_from_dataset", False),
+        _Change(dataset, "dataset", "enable_in_batch_packing", True, why=packing_on,
+                alternative=", or do not call configure (train unpacked with Megatron-Bridge's own step)"),
+        _Change(dataset, "dataset", "pack_sequences_in_batch", True, required=False, why=packing_on,
+                alternative=", or do not call configure (train unpacked with Megatron-Bridge's own step)"),
+        _Change(dataset, "dataset", "defer_in_batch_packing_to_step", True,
+                why="with in-batch packing on, the collate then packs the micro-batch itself (cu_seqlens in the "
+                "batch; Megatron-Bridge 0.6.2 data/datasets/direct_sft.py), and megatron.bridge_thd's step rejects "
+                "packed batches",
+                alternative=", or use Megatron-Bridge's vlm_step for collate-time packing"),
+        _Change(dataset, "dataset", "packing_layout", layout,
+                why=f"configure was called with layout={layout!r}, and the step reads its layout from here",
+                alternative=", or call configure with that layout"),
+        _Change(dataset, "dataset", "skip_getting_attention_mask_from_dataset", False,
+                why="the step takes each sample's real tokens from the dataset's 2D attention mask, which this "
+                "flag asks the data path to leave out (a dataset that honours it gives the step no mask, and the "
+                "step then fails at the first micro-batch)"),
     ]
+    reasons = []
     # Megatron-Bridge 0.6.2 training/config.py validate(): pad_to_max_length forced for PP>1 or EP>1.
     if hasattr(dataset, "pad_to_max_length") and (s.pp > 1 or s.ep > 1):
-        changes.append(_Change(dataset, "dataset", "pad_to_max_length", True))
+        reasons.append(
+            f"Megatron-Bridge 0.6.2's validate() forces it True for PP>1 or EP>1 (PP={s.pp}, EP={s.ep}; "
+            "training/config.py)"
+        )
     if s.graphs:
         # Every training graph needs a static token width (Bridge's comment for offline packing).
-        changes.append(_Change(dataset, "dataset", "pad_to_max_length", True))
+        reasons.append("CUDA graphs replay fixed shapes, so the collate must pad every micro-batch to seq_length")
+    if reasons:
+        changes.append(_Change(dataset, "dataset", "pad_to_max_length", True, why="; and ".join(reasons)))
     return changes
 
 
@@ -460,7 +576,8 @@ def _pipeline_changes(s: _Settings, notes: list[str]) -> list[_Change]:
         changes = []
         deferred_post_init = callable(getattr(model, "finalize", None))
         if deferred_post_init:
-            changes.append(_Change(model, "model", "_enable_in_batch_packing", True))
+            # Bridge's validate() sets this private hook itself whenever in-batch packing is on.
+            changes.append(_Change(model, "model", "_enable_in_batch_packing", True, guarded=False))
         if deferred_post_init and s.dispatcher == "allgather":
             notes.append(
                 "model.variable_seq_lengths is set to True by the model config's finalize() (hook "
@@ -468,7 +585,12 @@ def _pipeline_changes(s: _Settings, notes: list[str]) -> list[_Change]:
                 "check"
             )
         else:
-            changes.append(_Change(model, "model", "variable_seq_lengths", True))
+            changes.append(_Change(
+                model, "model", "variable_seq_lengths", True,
+                why=f"layout 'thd' with pipeline_model_parallel_size={s.pp} sends a row whose length changes every "
+                "micro-batch, so the pipeline stages must exchange shapes",
+                alternative=", or use layout='thd_static' (fixed row length, no shape exchange)",
+            ))
         return changes
     if s.pp > 1:
         notes.append(
@@ -487,7 +609,23 @@ def _hybridep_changes(s: _Settings, notes: list[str]) -> list[_Change]:
         "HybridEP without CUDA graphs: per-rank token counts may differ; Megatron-Bridge 0.6.2 pads "
         f"uneven HybridEP dispatch inputs ({', '.join(fields)}=True), so layout {s.layout!r} is allowed"
     )
-    return [_Change(s.model, "model", name, True, required=False) for name in fields]
+    why = (
+        "packed rows give HybridEP different token counts per rank, and Megatron-Bridge 0.6.2's "
+        "_enable_safe_hybridep_dispatch (models/transformer_config.py) sets it True itself for in-batch packing "
+        "without CUDA graphs"
+    )
+    return [_Change(s.model, "model", name, True, required=False, why=why) for name in fields]
+
+
+def _explicit_overrides(changes: list[_Change]) -> list[_Override]:
+    """The planned changes that would replace a value the user set explicitly (see :func:`is_explicit`)."""
+    overrides = []
+    for change in changes:
+        if change.guarded and is_explicit(change.obj, change.name):
+            old = getattr(change.obj, change.name)
+            if old != change.value:
+                overrides.append(_Override(change, old))
+    return overrides
 
 
 # ---- step 4: apply them and log ----
@@ -513,8 +651,8 @@ def _apply(changes: list[_Change]) -> list[str]:
     return made
 
 
-def _log(s: _Settings, changes: list[str], notes: list[str]) -> None:
-    """Log at INFO the layout, the parallel sizes, what changed and the notes."""
+def _log(s: _Settings, changes: list[str], notes: list[str], overrides: list[_Override]) -> None:
+    """Log at INFO the layout, the parallel sizes, what changed and the notes; a WARNING per forced overwrite."""
     logger.info(
         "bridge_thd.configure: layout=%s (PP=%d, EP=%d, CUDA graphs %s); changed: %s%s",
         s.layout,
@@ -524,3 +662,5 @@ def _log(s: _Settings, changes: list[str], notes: list[str]) -> None:
         "; ".join(changes) if changes else "nothing",
         "".join(f"\n  note: {note}" for note in notes),
     )
+    for override in overrides:
+        logger.warning("%s", override.warning())
