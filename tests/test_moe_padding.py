@@ -28,7 +28,7 @@ import logging
 
 import pytest
 import torch
-from _real_model import FakeGroup
+from _real_model import FakeGroup, worst_relative_gradient_error
 
 from megatron.bridge_thd import qwen3_vl_step
 from megatron.bridge_thd.cpu.launcher import run_on_gloo
@@ -434,3 +434,64 @@ def test_cp2_statistics_summed_over_ranks_equal_each_sample_alone(models, batche
         aux = sum(rank["aux"] for rank in per_rank)
         assert torch.equal(counts, reference["counts"]), layout
         torch.testing.assert_close(aux, reference["aux"], rtol=RTOL, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. the all-to-all dispatcher with expert parallelism (EP = 2 over gloo)
+
+_LOCAL_EXPERT = __import__("re").compile(r"(.*\.local_experts\.)(\d+)(\..*)")
+
+
+def _global_expert_name(name: str, ep_rank: int, per_rank: int) -> str:
+    """``...local_experts.k...`` on expert-parallel rank r is global expert ``r * per_rank + k``."""
+    match = _LOCAL_EXPERT.match(name)
+    return name if match is None else f"{match.group(1)}{ep_rank * per_rank + int(match.group(2))}{match.group(3)}"
+
+
+def ep_worker(state_dict, cases, ep):
+    """Each rank (data-parallel x expert-parallel): the wrapped model with the all-to-all
+    dispatcher (Megatron-Bridge's Qwen3-VL MoE setting) and this rank's experts of the EP = 1
+    weights; every layout on the same micro-batch; stats, loss and gradients by global name."""
+    from megatron.core import parallel_state
+
+    config = tiny_qwen3_vl_config(ep=ep, **dict(CONFIG, moe_token_dispatcher_type="alltoall"))
+    model = build_qwen3_vl(config, seed=0)
+    ep_rank, per_rank = parallel_state.get_expert_model_parallel_rank(), config.num_moe_experts // ep
+    model.load_state_dict({name: state_dict[_global_expert_name(name, ep_rank, per_rank)] for name in model.state_dict()})
+    with_padding_mask(model)
+    out = {}
+    for layout, batch, settings in cases:
+        model.zero_grad(set_to_none=True)
+        got = _measured_run(model, batch, layout, settings)
+        got["run"].loss.backward()
+        grads = {_global_expert_name(n, ep_rank, per_rank): p.grad.clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
+        out[layout] = dict(aux=got["aux"], z=got["z"], counts=got["counts"], loss=float(got["run"].loss), grads=grads)
+    return out
+
+
+def test_alltoall_dispatcher_with_ep2_keeps_the_statistics_of_each_sample_alone(models, batches, reference):
+    """Megatron-Bridge's Qwen3-VL MoE recipes use ``moe_token_dispatcher_type="alltoall"``: with it
+    and EP = 2 over gloo (2 data-parallel ranks on the same micro-batch, experts 0-1 on one and 2-3
+    on the other) the routers' statistics still equal each sample alone, in every layout, and the
+    loss and every gradient (each expert's on the rank that owns it) equal the EP = 1 run's."""
+    plain, _ = models
+    cases = [(layout, batches[side], settings) for layout, (side, settings) in CASES.items()]
+    single = ep_worker(plain.state_dict(), cases, 1)  # EP = 1, all-to-all, this process
+    ranks = run_on_gloo(ep_worker, plain.state_dict(), cases, 2, ep=2, dp=2, timeout=300)
+    for layout in CASES:
+        for rank in ranks:
+            got = rank[layout]
+            assert torch.equal(got["counts"], reference["counts"]), layout
+            torch.testing.assert_close(got["aux"], reference["aux"], rtol=RTOL, atol=0)
+            torch.testing.assert_close(got["z"], reference["z"], rtol=RTOL, atol=0)
+            assert got["loss"] == pytest.approx(single[layout]["loss"], rel=1e-6)
+        # Each expert's gradient lives on the rank that owns it. The all-to-all brings it the
+        # tokens of both data-parallel ranks, which hold the same micro-batch here: twice EP = 1's
+        # (Megatron's DDP then reduces expert gradients over the expert-data-parallel group only).
+        experts = [{n: g / 2 for n, g in rank[layout]["grads"].items() if "local_experts" in n} for rank in ranks]
+        assert set(experts[0]).isdisjoint(experts[1])
+        grads = {**ranks[0][layout]["grads"], **experts[0], **experts[1]}
+        assert set(grads) == set(single[layout]["grads"])
+        error, where = worst_relative_gradient_error(grads, single[layout]["grads"])
+        assert error <= 1e-5, f"{layout}: {where} relative gradient error {error:.2e}"

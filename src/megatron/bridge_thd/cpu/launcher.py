@@ -49,14 +49,16 @@ def _worker(rank, world_size, port, sizes, fn, args, folder):
             torch.distributed.destroy_process_group()
 
 
-def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, timeout: float = 300.0) -> list:
-    """Call ``fn(*args)`` on ``tp * cp * pp`` gloo processes and return every rank's result.
+def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1,
+                timeout: float = 300.0) -> list:
+    """Call ``fn(*args)`` on ``tp * cp * pp * dp`` gloo processes and return every rank's result.
 
     Args:
         fn: a module-level function (it is pickled by reference); it runs after the process
             groups exist and inside ``cpu_stack()``.
         args: picklable arguments (tensors are fine).
-        tp, cp, pp, ep: Megatron-Core model-parallel sizes.
+        tp, cp, pp, ep, dp: Megatron-Core parallel sizes (expert parallelism is carved out of
+            the data-parallel x context-parallel ranks, so ``ep`` must divide ``dp * cp``).
         timeout: seconds for the whole world (one deadline, not per process) before every
             process still alive is killed and an error is raised.
 
@@ -66,10 +68,12 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, t
     Raises:
         RuntimeError: a rank raised (its traceback is in the message) or did not finish in time.
     """
-    for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep)):
+    for name, value in (("tp", tp), ("cp", cp), ("pp", pp), ("ep", ep), ("dp", dp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    world_size = tp * cp * pp
+    if (dp * cp) % ep:
+        raise ValueError(f"ep: {ep} must divide dp * cp = {dp * cp} (Megatron-Core carves expert parallelism out of them)")
+    world_size = tp * cp * pp * dp
     sizes = dict(tp=tp, cp=cp, pp=pp, ep=ep)
     context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="bridge_thd_gloo_") as folder:
@@ -103,5 +107,5 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, t
             else:
                 errors.append(f"rank {rank}:\n{report['error']}")
         if errors:
-            raise RuntimeError(f"run_on_gloo({getattr(fn, '__name__', fn)}, tp={tp}, cp={cp}, pp={pp}): " + "\n".join(errors))
+            raise RuntimeError(f"run_on_gloo({getattr(fn, '__name__', fn)}, tp={tp}, cp={cp}, pp={pp}, ep={ep}, dp={dp}): " + "\n".join(errors))
         return results

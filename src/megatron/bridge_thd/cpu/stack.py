@@ -19,7 +19,11 @@ a ``with`` block and restores each name on exit (re-entrant: an inner block is a
 4. Only without CUDA: Megatron-Core 0.19.2's pipeline schedules allocate ``total_num_tokens``
    with ``device="cuda"`` and ``p2p_communication`` calls ``torch.cuda.synchronize()``; both
    are redirected to the CPU (``torch.zeros`` in ``schedules`` and the module's ``torch.cuda``
-   seen through a proxy).
+   seen through a proxy). The MoE all-to-all dispatcher (``transformer/moe/token_dispatcher.py``)
+   creates a ``torch.cuda.Stream()`` for its device-to-host copies of the split sizes and enters
+   it with ``torch.cuda.stream``: through the same proxy these are an in-order no-op stream.
+   Its ``maybe_move_tensor_to_cpu`` turns the split sizes into numpy arrays only for CUDA
+   tensors; on the CPU they are converted the same way (``all_to_all_single`` refuses tensors).
 5. Only when flash-linear-attention is absent: Megatron-Core's Gated DeltaNet
    (``ssm/gated_delta_net``) imports fla's ``causal_conv1d``, ``l2norm`` and
    ``chunk_gated_delta_rule`` at module level (None without fla) and refuses to build
@@ -79,12 +83,33 @@ def _thd_get_partitioned_indices(cu_seqlens, total_tokens, world_size, rank):
     return thd_partition_indices(cu_seqlens, int(total_tokens), int(world_size), int(rank))
 
 
+class _NoStream:
+    """A CUDA stream on a machine without one: every kernel runs in order on the CPU anyway."""
+
+    def wait_stream(self, stream):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def record_event(self, event=None):
+        return self  # an event whose synchronize() returns at once
+
+
+_NO_STREAM = _NoStream()
+
+
 class _CudaWithoutSync:
-    """``torch.cuda`` as ``p2p_communication`` sees it: ``synchronize`` is a no-op on the CPU."""
+    """``torch.cuda`` as ``p2p_communication`` and the MoE all-to-all dispatcher see it:
+    ``synchronize`` is a no-op and streams are one in-order no-op stream on the CPU."""
 
     def __getattr__(self, name):
         if name == "synchronize":
             return lambda *args, **kwargs: None
+        if name in ("Stream", "current_stream"):
+            return lambda *args, **kwargs: _NO_STREAM
+        if name == "stream":
+            return lambda stream=None: contextlib.nullcontext()
         return getattr(torch.cuda, name)
 
 
@@ -102,6 +127,15 @@ class _TorchOnCpu:
         if name == "cuda":
             return _CudaWithoutSync()
         return value
+
+
+def _split_sizes_on_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` as the all-to-all dispatcher relies on it: on a GPU
+    the split sizes come back as numpy arrays, which ``all_to_all_single`` takes as sizes; a CPU
+    tensor is left a tensor there, which it refuses, so it is converted the same way."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 def _fla_available() -> bool:
@@ -167,11 +201,14 @@ def _patches() -> list[tuple[object, str, object]]:
     if not torch.cuda.is_available():
         import megatron.core.pipeline_parallel.p2p_communication as p2p
         import megatron.core.pipeline_parallel.schedules as schedules
+        import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
         patches += [
             (torch.cuda, "current_device", _cpu_device),
             (schedules, "torch", _TorchOnCpu()),
             (p2p, "torch", _TorchOnCpu()),
+            (token_dispatcher, "torch", _TorchOnCpu()),
+            (token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_host),
         ]
     if not _te_available():
         import megatron.core.utils as mcore_utils
