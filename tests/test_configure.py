@@ -1258,3 +1258,27 @@ def test_docs_explain_the_refusals_without_repeating_the_flag_table():
         "### Explicit settings the layout contradicts",
     ):
         assert heading in docs
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE capacity and seq_aux_loss with a THD layout need the padding hook (docs/moe.md)
+
+
+@pytest.mark.parametrize("moe_settings,name", [
+    (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor"),
+    (dict(moe_router_load_balancing_type="seq_aux_loss"), "seq_aux_loss"),
+    (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"]), "seq_aux_loss"),
+])
+def test_moe_capacity_or_seq_aux_loss_with_thd_need_the_padding_hook(moe_settings, name):
+    from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
+
+    for layout in ("thd", "thd_static"):
+        with pytest.raises(ValueError, match=f"{name}.*layout='{layout}'.*padding_mask_pre_wrap_hook"):
+            configure(make_cfg(model=dict(num_moe_experts=4, **moe_settings)), layout)
+    # With the hook registered (as Megatron-Bridge's provider stores it), or the padded layout: accepted.
+    cfg = make_cfg(model=dict(num_moe_experts=4, **moe_settings))
+    cfg.model._pre_wrap_hooks = [padding_mask_pre_wrap_hook]
+    configure(cfg, "thd")
+    configure(make_cfg(model=dict(num_moe_experts=4, **moe_settings)), "bshd")
+    # A dense model ignores MoE settings.
+    configure(make_cfg(model=dict(moe_settings)), "thd")

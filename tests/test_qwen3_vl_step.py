@@ -823,3 +823,32 @@ def test_list_of_model_chunks_is_rejected(ref, right_batch):
     state = minimal_state(seq_length=SEQ, micro_batch_size=B)
     with pytest.raises(ValueError, match="^model: forward_step takes one model chunk"):
         forward_step(state, iter([right_batch]), [ref])
+
+
+# ---------------------------------------------------------------------------------------------
+# TransformerEngine issue 2186 (docs/te-cp-padding.md): THD + CP refused on an affected stack
+
+
+@pytest.mark.parametrize("layout", ["thd", "thd_static", "bshd"])
+def test_thd_with_cp_is_refused_before_the_forward_on_an_affected_te_stack(ref, right_batch, monkeypatch, layout):
+    from megatron.bridge_thd import te_compat
+
+    # What the detection would read on an H100 with TE 2.6 and cuDNN 9.7.1 (the issue's report).
+    monkeypatch.setattr(te_compat, "installed_te_version", lambda: "2.6.0")
+    monkeypatch.setattr(te_compat, "_detected_device", lambda: ((9, 0), (9, 7, 1)))
+    monkeypatch.delenv("NVTE_FUSED_ATTN", raising=False)
+    monkeypatch.delenv("BRIDGE_THD_ALLOW_TE_CP_PADDING", raising=False)
+    model = RecordingSpy(ref)
+    model.pg_collection = fake_pg(cp=2)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout=layout)
+    if layout == "bshd":  # no ragged attention, no all-padding chunk: accepted
+        run_step(model, right_batch, state)
+        assert model.calls
+        return
+    with pytest.raises(ValueError, match="issue 2186.*cuDNN"):
+        run_step(model, right_batch, state)
+    assert not model.calls
+    # The same stack with cuDNN 9.18: accepted.
+    monkeypatch.setattr(te_compat, "_detected_device", lambda: ((9, 0), (9, 18, 0)))
+    run_step(model, right_batch, state)
+    assert model.calls

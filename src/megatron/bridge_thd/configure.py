@@ -225,6 +225,7 @@ class _Settings:
     dispatcher: Any
     moe_overlap: str | None  # the setting that turns MoE EP communication overlap on, if any
     seq_lengths: tuple[Any, Any]  # (dataset.seq_length, model.seq_length)
+    pre_wrap_hooks: tuple = ()  # the model provider's registered pre-wrap hooks
 
     @property
     def pipeline_graphs(self) -> bool:
@@ -286,6 +287,7 @@ def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None) -> _Settings
             getattr(dataset, "seq_length", None),
             model_seq_length if model_seq_length is not None else getattr(model, "seq_length", None),
         ),
+        pre_wrap_hooks=tuple(getattr(model_root, "_pre_wrap_hooks", None) or ()),
     )
 
 
@@ -306,6 +308,7 @@ def _find_problems(s: _Settings) -> tuple[list[str], list[str]]:
         *_variable_seq_lengths_problems(s, notes),
         *_moe_allgather_problems(s),
         *_moe_overlap_problems(s),
+        *_moe_routing_problems(s),
     ]
     return problems, notes
 
@@ -454,6 +457,35 @@ def _moe_allgather_problems(s: _Settings) -> list[str]:
         "allgather dispatcher gathers equal-sized token blocks across the expert-parallel ranks, which hold "
         "different micro-batches whose 'thd' rows differ in length; use layout='thd_static' or 'bshd', or "
         "moe_token_dispatcher_type='alltoall' / 'flex'"
+    ]
+
+
+def _moe_routing_problems(s: _Settings) -> list[str]:
+    """Expert capacity or ``seq_aux_loss`` with a THD layout, without the MoE padding hook.
+
+    Megatron-Core 0.19.2's token dropping lets padding take expert capacity and sizes it from every
+    slot, and its ``seq_aux_loss`` is per ``(s, b)`` sequence (a THD row is one); the results then
+    depend on the layout (docs/moe.md). ``moe_padding.padding_mask_pre_wrap_hook`` makes both
+    layout-independent; the step refuses the same combination at the first micro-batch.
+    """
+    from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
+
+    if s.layout not in THD_LAYOUTS or not getattr(s.model, "num_moe_experts", None):
+        return []
+    if padding_mask_pre_wrap_hook in s.pre_wrap_hooks:
+        return []
+    balancing = getattr(s.model, "moe_router_load_balancing_type", None)
+    settings = []
+    if getattr(s.model, "moe_expert_capacity_factor", None) is not None:
+        settings.append(f"model.moe_expert_capacity_factor={s.model.moe_expert_capacity_factor}")
+    if "seq_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else [balancing]):
+        settings.append("model.moe_router_load_balancing_type='seq_aux_loss'")
+    return [
+        f"{setting} with layout={s.layout!r}: padding would take expert capacity / seq_aux_loss would be one "
+        "whole-row statistic, so the result would depend on the layout; register "
+        "megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook (cfg.model.register_pre_wrap_hook) before "
+        "configure, or use layout='bshd'"
+        for setting in settings
     ]
 
 

@@ -34,6 +34,7 @@ import torch
 from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, raise_failed_checks
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids_deferred
 from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment, scatter_into_row
+from megatron.bridge_thd.te_compat import check_te_cp_padding
 from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
 
 __all__ = ["forward_step", "PackingStats", "LAYOUTS", "prepare_micro_batch", "PreparedMicroBatch"]
@@ -453,6 +454,9 @@ def prepare_micro_batch(
         forward_args, extras = _bshd_forward_args(tokens, labels, loss_mask, mrope, keep, bshd_width)
         attention_work = torch.tensor(batch_size * bshd_width**2, device=tokens.device)
     else:
+        # TransformerEngine issue 2186 (docs/te-cp-padding.md): refused before any row is built on
+        # Hopper with cuDNN < 9.18; detected once, nothing at all when cp = 1.
+        check_te_cp_padding(sizes["cp"])
         align = required_alignment(sizes["tp"], sizes["cp"], sequence_parallel=settings.sequence_parallel,
                                    fp8=settings.fp8)
         total_length = None
