@@ -24,14 +24,19 @@ VERL layout (left-padded prompt + right-padded response), where the seed loop do
 CPU timings only show the host-side cost; on a GPU, ops ~ kernel launches and host syncs ~
 stream stalls, which is what the op / sync columns are for. Timing lives here, never in tests.
 
+A full run writes the measured values to ``benchmarks/results/bench_pack.json``; the printed
+report and the README block (``scripts/readme_figures.py``) are both rendered from them by
+:func:`render` / :func:`summary`, so the README never holds a hand-copied figure.
+
 Usage:
-    .venv/bin/python benchmarks/bench_pack.py [--quick] [--output PATH] [--threads N] [--no-verl-layout]
+    .venv/bin/python benchmarks/bench_pack.py [--quick] [--output PATH] [--json PATH] [--threads N] [--no-verl-layout]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import statistics
@@ -57,6 +62,10 @@ VOCAB = 151_936  # Qwen vocabulary size; real token ids are drawn from [1, VOCAB
 SEED = 1234
 CONTENDED_CORES = 0.3  # other processes' CPU use (cores) above which a timing is retried
 MAX_ATTEMPTS = 3
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_pack.json"
+CONFIGS = [(b, t) for t in (2048, 8192) for b in (4, 16, 64)]  # right-padded table
+VERL_CONFIGS = [(b, 2048) for b in (4, 16, 64)]  # VERL-layout table
+QUICK_CONFIGS = [(4, 2048)]
 QUIET_PROBE_S = 1.0  # length of one "is the machine quiet?" probe before a retry
 
 
@@ -199,6 +208,7 @@ IMPLS: dict[str, Callable] = {
     "seed PR loop": seed_pr_loop,
     "verl loop": verl_loop,
 }
+VERL_IMPLS = ["ours (dynamic)", "ours (static)", "verl loop"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,10 +339,22 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def counted_rows(configs, layout: str, impl_names: list[str]) -> list[dict]:
+    """Ops and host syncs per call of each implementation (no timing): deterministic, cheap.
+
+    ``tests/test_readme_figures.py`` recomputes these to check the committed results."""
+    rows = []
+    for batch_size, seq_len in configs:
+        b = make_batch(batch_size, seq_len, layout, SEED + batch_size * 100_003 + seq_len)
+        for name in impl_names:
+            ops, syncs = count(IMPLS[name], b)
+            rows.append(dict(B=batch_size, T=seq_len, impl=name, ops=ops, host_syncs=syncs))
+    return rows
+
+
 def run_table(
-    configs, layout: str, impl_names: list[str], timing: dict, progress, contended: list[bool],
-    max_attempts: int, waiter: "QuietWaiter",
-) -> list[list[str]]:
+    configs, layout: str, impl_names: list[str], timing: dict, progress, max_attempts: int, waiter: "QuietWaiter",
+) -> list[dict]:
     rows = []
     for batch_size, seq_len in configs:
         b = make_batch(batch_size, seq_len, layout, SEED + batch_size * 100_003 + seq_len)
@@ -350,26 +372,117 @@ def run_table(
                      f"during timing (attempt {attempt + 1}/{max_attempts})")
             if attempt + 1 < max_attempts:
                 waiter.wait(threshold)
-        flag = "*" if load.cores > threshold else ""
-        contended.append(load.cores > threshold)
-        measured = {}
+        contended = bool(load.cores > threshold)
         for name in impl_names:
             ops, syncs = count(IMPLS[name], b)
             ms, reps = times[name]
-            measured[name] = (ops, syncs, ms, reps)
+            rows.append(dict(B=batch_size, T=seq_len, impl=name, ops=ops, host_syncs=syncs, ms=ms, reps=reps,
+                             contended=contended))
             progress(f"  [{layout}] B={batch_size} T={seq_len} {name}: {ops} ops, {syncs} syncs, {ms:.3f} ms (n={reps})")
-        ref_name = "seed PR loop" if "seed PR loop" in measured else "verl loop"
-        ref_ms = measured[ref_name][2]
-        for name in impl_names:
-            ops, syncs, ms, _ = measured[name]
-            rows.append([str(batch_size), str(seq_len), name, str(ops), str(syncs), f"{ms:.3f}{flag}", f"{ms / ref_ms:.2f}x{flag}"])
     return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering (pure: results dict in, markdown out; scripts/readme_figures.py uses these)
+# --------------------------------------------------------------------------------------------
+
+TABLE_INTROS = {
+    "right": "Packing a right-padded batch (real lengths ~ U[T/8, T], seed {seed}) with labels, loss_mask and MRoPE "
+             "position_ids (3, B, T), align_to={align_to}. Ratio = time / seed PR loop time (< 1 is faster). On a GPU "
+             "every op is a kernel launch and every host sync a stream stall; CPU times show host cost only.",
+    "verl": "VERL layout (left-padded prompt of width T/4 + right-padded response); the seed PR loop does not support "
+            "it. Ratio = time / verl loop time.",
+}
+
+
+def _table(table: dict) -> str:
+    ratio = {"seed PR loop": "ratio vs seed loop", "verl loop": "ratio vs verl loop"}[table["reference"]]
+    header = ["B", "T", "impl", "ops/call", "host syncs/call", "CPU ms/call (median)", ratio]
+    ref = {(r["B"], r["T"]): r["ms"] for r in table["rows"] if r["impl"] == table["reference"]}
+    rows = []
+    for r in table["rows"]:
+        flag = "*" if r["contended"] else ""
+        rows.append([str(r["B"]), str(r["T"]), r["impl"], str(r["ops"]), str(r["host_syncs"]), f"{r['ms']:.3f}{flag}",
+                     f"{r['ms'] / ref[(r['B'], r['T'])]:.2f}x{flag}"])
+    return markdown(header, rows)
+
+
+def render(results: dict) -> str:
+    """The report this script prints (and the README's benchmark block)."""
+    parts = []
+    for table in results["tables"]:
+        parts += [TABLE_INTROS[table["layout"]].format(**results), "", _table(table), ""]
+    if any(r["contended"] for t in results["tables"] for r in t["rows"]):
+        parts += [
+            f"* other processes used > {results['contention_threshold']:.1f} CPU cores (the cores torch's threads "
+            f"leave free + {CONTENDED_CORES}) while this row was timed, even after {results['max_attempts']} "
+            "attempt(s): its times are unreliable. With > 1 torch thread an implementation that enters intra-op "
+            "parallel regions waits for a scheduler time slice and can look many times slower. Re-run on a quiet "
+            "machine, or with --threads 1.",
+            "",
+        ]
+    parts += [results["env"], f"total runtime {results['total_runtime_s']:.1f} s"]
+    return "\n".join(parts)
+
+
+def _span(values, fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}-{format(hi, fmt)}"
+
+
+def summary(results: dict) -> str:
+    """The paragraph under the tables, every number taken from ``results``."""
+    rows = next(t for t in results["tables"] if t["layout"] == "right")["rows"]
+    by = {(r["B"], r["T"], r["impl"]): r for r in rows}
+    configs = sorted({(r["B"], r["T"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    sizes = sorted({b for b, _ in configs})
+    t0 = min(t for _, t in configs)
+    ops = {impl: sorted({r["ops"] for r in rows if r["impl"] == impl}) for impl in ("ours (dynamic)", "ours (static)")}
+    syncs = {impl: sorted({r["host_syncs"] for r in rows if r["impl"] == impl}) for impl in ops}
+
+    def one(values):
+        return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+    def syncs_text(values):
+        return {0: "none", 1: "one"}.get(values[-1], str(values[-1])) if len(values) == 1 else one(values)
+
+    dyn, stat = syncs["ours (dynamic)"], syncs["ours (static)"]
+    text = (f"Ours dispatches the same {one(ops['ours (dynamic)'])} ops ({one(ops['ours (static)'])} in static mode) "
+            f"whatever B is, with {syncs_text(dyn)} host sync{'' if dyn == [1] else 's'} ({syncs_text(stat)} in static "
+            "mode)")
+    if len(sizes) > 1:
+        small, large = sizes[0], sizes[-1]
+
+        def slope(impl, key):
+            return (by[(large, t0, impl)][key] - by[(small, t0, impl)][key]) / (large - small)
+
+        text += (f"; the seed PR's slice loop launches {slope('seed PR loop', 'ops'):.0f} more ops per sample and "
+                 f"verl's loop {slope('verl loop', 'host_syncs'):.0f} more host syncs per sample (one per tensor: its "
+                 "boolean gathers)")
+    ratios = {(b, t, impl): by[(b, t, impl)]["ms"] / by[(b, t, "seed PR loop")]["ms"]
+              for b, t in configs for impl in ops}
+    worst = max(ratios, key=ratios.get)
+    best = min(ratios, key=ratios.get)
+    verl = [by[(b, t, impl)]["ms"] / by[(b, t, "verl loop")]["ms"] for b, t in configs for impl in ops]
+    why = "; with few samples each of our scatters still reads every padded position" if worst[0] == sizes[0] else ""
+    text += (". On the CPU a slice is a memcpy, so the seed loop is hard to beat there: ours takes at worst "
+             f"{ratios[worst]:.2f}x its time (B={worst[0]}, T={worst[1]}, {worst[2][6:-1]}{why}) and at best "
+             f"{ratios[best]:.2f}x (B={best[0]}, "
+             f"T={best[1]}, {best[2][6:-1]}); against verl's loop it takes {_span(verl, '.2f')}x the time. The method "
+             "(timings interleaved, contention detection) is in `benchmarks/README.md`; CPU timings on a shared "
+             "machine vary from run to run.")
+    if any(r["contended"] for r in rows):
+        text += " Rows marked * were timed while other processes used the CPU: their times are unreliable."
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: B=4, T=2048, few repeats")
     parser.add_argument("--output", type=Path, help="also write the tables to this file")
+    parser.add_argument("--json", type=Path, default=None,
+                        help=f"write the measured values here (default: {RESULTS} for a full run, nowhere with --quick); "
+                        "scripts/readme_figures.py renders the README block from it")
     parser.add_argument("--no-verl-layout", action="store_true", help="skip the VERL-layout table")
     parser.add_argument(
         "--threads", type=int, default=None,
@@ -384,14 +497,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    json_path = args.json if args.json is not None or args.quick else RESULTS
 
     if args.quick:
-        configs = [(4, 2048)]
+        configs = QUICK_CONFIGS
         timing = dict(warmup=2, min_reps=5, max_reps=20, budget_s=0.1)
         max_attempts = 1
         waiter = QuietWaiter(0.0)
     else:
-        configs = [(b, t) for t in (2048, 8192) for b in (4, 16, 64)]
+        configs = CONFIGS
         timing = dict(warmup=3, min_reps=15, max_reps=300, budget_s=1.0)
         max_attempts = MAX_ATTEMPTS
         waiter = QuietWaiter(args.max_wait)
@@ -400,46 +514,28 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     torch.manual_seed(SEED)
 
-    header = ["B", "T", "impl", "ops/call", "host syncs/call", "CPU ms/call (median)", "ratio vs seed loop"]
-    contended: list[bool] = []
-    rows = run_table(configs, "right", list(IMPLS), timing, progress, contended, max_attempts, waiter)
-    env = (
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU {cpu_model()} "
-        f"({os.cpu_count()} logical cores), python {platform.python_version()}"
-    )
-    parts = [
-        f"Packing a right-padded batch (real lengths ~ U[T/8, T], seed {SEED}) with labels, loss_mask and "
-        f"MRoPE position_ids (3, B, T), align_to={ALIGN_TO}. Ratio = time / seed PR loop time (< 1 is faster). "
-        "On a GPU every op is a kernel launch and every host sync a stream stall; CPU times show host cost only.",
-        "",
-        markdown(header, rows),
-    ]
+    tables = [dict(layout="right", reference="seed PR loop",
+                   rows=run_table(configs, "right", list(IMPLS), timing, progress, max_attempts, waiter))]
     if not args.no_verl_layout:
-        verl_configs = configs if args.quick else [(b, 2048) for b in (4, 16, 64)]
-        verl_rows = run_table(verl_configs, "verl", ["ours (dynamic)", "ours (static)", "verl loop"], timing, progress, contended, max_attempts, waiter)
-        verl_header = header[:-1] + ["ratio vs verl loop"]
-        parts += [
-            "",
-            "VERL layout (left-padded prompt of width T/4 + right-padded response); the seed PR loop does not "
-            "support it. Ratio = time / verl loop time.",
-            "",
-            markdown(verl_header, verl_rows),
-        ]
-    if any(contended):
-        parts += [
-            "",
-            f"* other processes used > {contention_threshold():.1f} CPU cores (the cores torch's threads leave "
-            f"free + {CONTENDED_CORES}) while this row was timed, even after "
-            f"{max_attempts} attempt(s): its times are unreliable. With > 1 torch thread an implementation that "
-            "enters intra-op parallel regions waits for a scheduler time slice and can look many times "
-            "slower. Re-run on a quiet machine, or with --threads 1.",
-        ]
-    parts += ["", env, f"total runtime {time.perf_counter() - t_start:.1f} s"]
-    text = "\n".join(parts)
+        verl_configs = configs if args.quick else VERL_CONFIGS
+        tables.append(dict(layout="verl", reference="verl loop",
+                           rows=run_table(verl_configs, "verl", VERL_IMPLS, timing, progress, max_attempts, waiter)))
+    results = dict(
+        script="benchmarks/bench_pack.py", quick=args.quick, seed=SEED, align_to=ALIGN_TO,
+        env=(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU {cpu_model()} "
+             f"({os.cpu_count()} logical cores), python {platform.python_version()}"),
+        contention_threshold=contention_threshold(), max_attempts=max_attempts,
+        tables=tables, total_runtime_s=round(time.perf_counter() - t_start, 1),
+    )
+    text = render(results)
     print(text)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text + "\n")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {json_path}", file=sys.stderr)
     return 0
 
 

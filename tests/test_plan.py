@@ -23,8 +23,10 @@ TINY = ModelSpec(name="tiny", hf_repo="none", num_layers=2, hidden_size=8, num_a
                  vision=VisionSpec(depth=1, hidden_size=4, num_heads=1, intermediate_size=8, out_hidden_size=8))
 
 
-def _samples(*lengths, patches=0):
-    return SampleLengths(tuple(lengths), tuple(((1, 2, patches // 2),) if patches else () for _ in lengths))
+def _samples(*lengths, patches=0, image_end=None):
+    """Samples with one image of ``patches`` patches each (if > 0), its tokens ending at ``image_end``."""
+    return SampleLengths(tuple(lengths), tuple(((1, 2, patches // 2),) if patches else () for _ in lengths),
+                         image_ends=None if image_end is None else (image_end,) * len(lengths))
 
 
 def test_token_slots_and_attention_work_per_layout_by_hand():
@@ -106,7 +108,7 @@ def test_model_states_count_the_named_sizes():
 
 
 def test_plan_rows_are_consistent():
-    samples = _samples(*([300, 1200, 700, 2500] * 4), patches=400)
+    samples = _samples(*([300, 1200, 700, 2500] * 4), patches=400, image_end=120)
     p = plan(get_preset("qwen3-vl-8b"), samples, PlanSettings(2048, 4, Parallel(tp=2)))
     bshd, thd, static = (p.layouts[k] for k in ("bshd", "thd", "thd_static"))
     assert thd.slots == pytest.approx(300 + 1200 + 700 + 2048)  # align 2, all even
@@ -186,3 +188,84 @@ def test_calibration_prints_measured_and_predicted(capsys):
     assert main(["--calibrate", "--num-samples", "128"]) == 0
     out = capsys.readouterr().out
     assert "measured 1.061" in out and "| 4 | bshd |" in out
+
+
+# --- seq_length that would cut images: refused, as the step refuses it -------------------------
+
+
+def test_receipt_lengths_match_the_batches_the_step_sees():
+    """receipt_lengths(n, seed) describes synthetic_receipt_batch(n, seed=seed) sample by sample:
+    token counts, patches and where the image tokens end."""
+    from megatron.bridge_thd.data import ReceiptSpec, synthetic_receipt_batch
+    from megatron.bridge_thd.plan import receipt_lengths
+
+    samples = receipt_lengths(6, seed=5)
+    batch = synthetic_receipt_batch(6, seed=5)
+    keep = batch["attention_mask"].bool()
+    assert samples.tokens == tuple(keep.sum(1).tolist())
+    assert [samples.patches(i) for i in range(6)] == batch["visual_inputs"].image_grid_thw.prod(1).tolist()
+    image = batch["tokens"] == ReceiptSpec().image_token_id
+    last = image.shape[1] - image.flip(1).int().argmax(1)  # one past the last image token (right padding)
+    assert samples.image_ends == tuple(last.tolist())
+
+
+def test_planner_refuses_exactly_the_seq_lengths_the_step_refuses():
+    """Around every sample's image end (and its length), the step's truncation check and the
+    planner agree on which seq_length cuts an image."""
+    from megatron.bridge_thd.data import ReceiptSpec, synthetic_receipt_batch
+    from megatron.bridge_thd.plan import receipt_lengths
+    from megatron.bridge_thd.plan.lengths import check_seq_length
+    from megatron.bridge_thd.qwen3_vl_step import truncate_to_seq_length
+
+    spec = ReceiptSpec()
+    vision_ids = dict(image_token_id=spec.image_token_id, video_token_id=-1)
+    batch = synthetic_receipt_batch(4, seed=2)
+    samples = receipt_lengths(4, seed=2)
+    keep = batch["attention_mask"].bool()
+    candidates = sorted({e + d for e in samples.image_ends for d in (-1, 0)} | {n - 1 for n in samples.tokens})
+    refused_by_both = 0
+    for seq_length in candidates:
+        _, _, checks = truncate_to_seq_length(keep, batch["tokens"], seq_length, vision_ids)
+        step_refuses = any(bool(c.failed) for c in checks)
+        try:
+            check_seq_length(samples, seq_length)
+            planner_refuses = False
+        except ValueError:
+            planner_refuses = True
+        assert planner_refuses == step_refuses, seq_length
+        refused_by_both += step_refuses
+    assert 0 < refused_by_both < len(candidates)  # both outcomes were exercised
+    # text-only truncation is fine for both: the micro-batches count the truncated tokens
+    longest = max(samples.tokens)
+    batches = micro_batches(samples, 4, longest - 3)
+    assert batches[0].truncated == 3 and max(batches[0].lengths) == longest - 3
+
+
+def test_cli_names_seq_length_the_cut_image_and_the_fix(capsys):
+    assert main(["--model", "qwen3-vl-8b", "--num-samples", "256", "--seq-length", "512"]) == 2
+    err = capsys.readouterr().err
+    assert "bridge-thd plan: error: --seq-length 512 would cut images" in err
+    assert "has image tokens up to token" in err and "Raise --seq-length to at least" in err
+
+
+def test_lengths_files_without_image_end_refuse_a_possible_cut(tmp_path):
+    path = tmp_path / "l.csv"
+    path.write_text("text_tokens,images\n300,1x8x8\n500,\n")  # 316 and 500 tokens
+    samples = load_lengths(path)
+    assert samples.image_ends is None and samples.image_end(1) == 0
+    micro_batches(samples, 1, 400)  # only the text-only sample is truncated: fine
+    with pytest.raises(ValueError, match=r"--seq-length 300 may cut images.*sample 0.*'image_end'.*at least 316"):
+        micro_batches(samples, 1, 300)
+    path.write_text("text_tokens,images,image_end\n300,1x8x8,20\n500,,\n")  # image tokens end at 20
+    samples = load_lengths(path)
+    assert samples.image_ends == (20, None)
+    assert micro_batches(samples, 2, 20)[0].truncated == 316 - 20 + 500 - 20
+    with pytest.raises(ValueError, match=r"--seq-length 19 would cut images.*sample 0 \(316 tokens\).*up to token 20"):
+        micro_batches(samples, 2, 19)
+    js = tmp_path / "l.json"
+    js.write_text(json.dumps([{"text_tokens": 5, "images": [[1, 4, 4]], "image_end": 3}]))
+    with pytest.raises(ValueError, match=r"sample 0: field 'image_end': expected an int in \[4, 9\]"):
+        load_lengths(js)
+    js.write_text(json.dumps([{"text_tokens": 5, "image_end": 2}]))
+    with pytest.raises(ValueError, match="field 'image_end': 2 for a sample without images"):
+        load_lengths(js)

@@ -20,7 +20,7 @@ from megatron.bridge_thd.plan.layouts import Parallel
 from megatron.bridge_thd.plan.lengths import receipt_lengths
 from megatron.bridge_thd.plan.presets import get_preset
 
-__all__ = ["MEASURED_MS", "calibration_plans", "calibration_report"]
+__all__ = ["MEASURED_MS", "calibration_plans", "fit_overhead_mfu", "calibration_report"]
 
 MEASURED_MS = {("bshd", 2): 363.0, ("thd", 2): 342.0, ("bshd", 4): None, ("thd", 4): 505.0}
 
@@ -33,7 +33,7 @@ def calibration_plans(num_samples: int = 1024, seed: int = 0, mfu: float = 0.40,
     return {mbs: plan(spec, samples, replace(base, micro_batch_size=mbs)) for mbs in (2, 4)}
 
 
-def _fit(plans) -> tuple[float, float]:
+def fit_overhead_mfu(plans) -> tuple[float, float]:
     """(overhead_s, mfu) so that the THD MBS 2 and MBS 4 predictions equal the measurements
     (compute-bound roofline: t = overhead + flops_per_gpu / (peak * mfu))."""
     t2, t4 = MEASURED_MS[("thd", 2)] / 1e3, MEASURED_MS[("thd", 4)] / 1e3
@@ -55,13 +55,14 @@ def _rows(plans) -> list[str]:
 
 def _ratios(plans) -> str:
     p2, p4 = plans[2], plans[4]
+    bshd2, thd2, thd4 = MEASURED_MS[("bshd", 2)], MEASURED_MS[("thd", 2)], MEASURED_MS[("thd", 4)]
     best_bshd = max((p.layouts["bshd"] for p in plans.values() if p.layouts["bshd"].fits),
                     key=lambda e: e.samples_per_s, default=p2.layouts["bshd"])
     gain = p4.layouts["thd"].samples_per_s / best_bshd.samples_per_s - 1
-    return (f"MBS 2 padded/THD time ratio: predicted {p2.speedup():.3f}, measured {363 / 342:.3f}; "
+    return (f"MBS 2 padded/THD time ratio: predicted {p2.speedup():.3f}, measured {bshd2 / thd2:.3f}; "
             f"THD MBS 4 / MBS 2 time: predicted {p4.layouts['thd'].step_s / p2.layouts['thd'].step_s:.3f}, "
-            f"measured {505 / 342:.3f}; THD MBS 4 samples/s over best fitting BSHD: predicted {gain:+.0%}, "
-            f"measured {(4 / 505) / (2 / 363) - 1:+.0%} (the measured best BSHD is MBS 2, since MBS 4 ran out of "
+            f"measured {thd4 / thd2:.3f}; THD MBS 4 samples/s over best fitting BSHD: predicted {gain:+.0%}, "
+            f"measured {(4 / thd4) / (2 / bshd2) - 1:+.0%} (the measured best BSHD is MBS 2, since MBS 4 ran out of "
             f"memory; against padded MBS 2 the planner predicts "
             f"{p4.layouts['thd'].samples_per_s / p2.layouts['bshd'].samples_per_s - 1:+.0%})")
 
@@ -72,7 +73,7 @@ def calibration_report(num_samples: int = 1024, seed: int = 0, mfu: float = 0.40
     plans = calibration_plans(num_samples, seed, mfu)
     lines = [f"Calibration: Qwen3.5-VL 2B, cord_v2-like receipts (n={num_samples}), 8xH100, seq_length 2048, DP8",
              "", f"Roofline as is (MFU {mfu:.0%}, no fixed overhead):", *header, *_rows(plans), "", _ratios(plans)]
-    overhead, fitted_mfu = _fit(plans)
+    overhead, fitted_mfu = fit_overhead_mfu(plans)
     if overhead >= 0 and 0 < fitted_mfu <= 1:
         fitted = calibration_plans(num_samples, seed, fitted_mfu, overhead)
         lines += ["", f"Fitted to the two THD points: fixed overhead {overhead * 1e3:.0f} ms/step, effective MFU "

@@ -24,10 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--model", default="qwen3-vl-8b", help="preset name (--list-models)")
     model.add_argument("--hf-config", help="a Hugging Face config.json instead of a preset")
     p.add_argument("--list-models", action="store_true", help="print the presets and GPUs and exit")
-    p.add_argument("--lengths", help="JSON / CSV per-sample lengths file (default: synthetic receipts)")
+    p.add_argument("--lengths", help="JSON / CSV per-sample lengths file: text_tokens, images, optional image_end "
+                   "(default: synthetic receipts)")
     p.add_argument("--num-samples", type=int, default=1024, help="synthetic receipts to draw (default 1024)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--seq-length", type=int, default=2048,
+                   help="model.seq_length (default 2048); refused if truncating a sample to it would cut an image, "
+                   "as the step refuses it")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step per DP replica")
     for name in ("tp", "cp", "pp", "ep"):

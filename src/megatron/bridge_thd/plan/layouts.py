@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from megatron.bridge_thd.packing import required_alignment, round_up
-from megatron.bridge_thd.plan.lengths import SampleLengths
+from megatron.bridge_thd.plan.lengths import SampleLengths, check_seq_length
 
 __all__ = ["LAYOUTS", "Parallel", "MicroBatch", "micro_batches", "layout_stats"]
 
@@ -87,9 +87,16 @@ class MicroBatch:
 
 def micro_batches(samples: SampleLengths, micro_batch_size: int, seq_length: int) -> list[MicroBatch]:
     """Consecutive groups of ``micro_batch_size`` samples (the remainder is dropped, as with
-    ``drop_last``), each sample truncated to ``seq_length``."""
+    ``drop_last``), each sample truncated to ``seq_length`` as the step truncates it (its first
+    ``seq_length`` tokens).
+
+    Raises:
+        ValueError: bad sizes, or a ``seq_length`` whose truncation would cut an image of any sample
+            (the step refuses those micro-batches; :func:`~.lengths.check_seq_length`).
+    """
     _check("micro_batch_size", micro_batch_size)
     _check("seq_length", seq_length)
+    check_seq_length(samples, seq_length)
     count = len(samples) // micro_batch_size
     if count == 0:
         raise ValueError(f"micro_batch_size={micro_batch_size} is larger than the {len(samples)} samples; "

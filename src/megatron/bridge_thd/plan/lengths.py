@@ -1,9 +1,13 @@
 """Per-sample lengths the planner works on: LLM tokens and image patch grids.
 
-A :class:`SampleLengths` is two aligned lists: ``tokens[i]``, the LLM sequence length of sample
-i (text tokens + image tokens), and ``grids[i]``, its images' patch grids ``(t, h, w)`` in ViT
+A :class:`SampleLengths` is aligned lists: ``tokens[i]``, the LLM sequence length of sample
+i (text tokens + image tokens), ``grids[i]``, its images' patch grids ``(t, h, w)`` in ViT
 patches (before the ``spatial_merge``^2 merge; an image contributes ``t*h*w / merge^2`` LLM
-tokens). Sources:
+tokens), and ``image_ends[i]``, where its image tokens end: one past its last image / video
+placeholder token (0 without images; None where the source does not say). The step keeps each
+sample's first ``seq_length`` tokens and refuses a micro-batch where that cuts an image or video
+token (``qwen3_vl_step.truncate_to_seq_length``), so :func:`check_seq_length` refuses such a
+``seq_length`` here too. Sources:
 
 * :func:`receipt_lengths`: the embedded synthetic receipts (``megatron.bridge_thd.data``,
   cord_v2-like at seq_length 2048), drawn with the same sampler the demo uses;
@@ -11,9 +15,12 @@ tokens). Sources:
 
   - JSON: ``[{"text_tokens": 57, "images": [[1, 52, 24]]}, ...]`` or ``{"samples": [...]}``;
     ``text_tokens`` counts every non-image token (prompt, answer, vision start/end markers,
-    eos); ``images`` is optional (text-only sample);
-  - CSV with a header ``text_tokens,images`` and ``images`` written ``1x52x24;1x16x16`` (empty:
-    no image), e.g. ``57,1x52x24``.
+    eos); ``images`` is optional (text-only sample); ``image_end`` is optional: one past the
+    position of the sample's last image / video token (e.g. 3 prompt tokens, a vision start
+    marker and 312 image tokens: 316). Without it, a sample longer than ``seq_length`` that has
+    images is refused (the planner cannot tell whether truncation would cut its image);
+  - CSV with a header ``text_tokens,images`` (optionally ``image_end``) and ``images`` written
+    ``1x52x24;1x16x16`` (empty: no image), e.g. ``57,1x52x24``.
 
 A Megatron-Bridge dataset is not read directly (its loaders need the tokenizer, processor and
 data on disk); dump ``text_tokens`` and ``image_grid_thw`` per sample into one of these formats.
@@ -26,23 +33,32 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SampleLengths", "receipt_lengths", "load_lengths"]
+__all__ = ["SampleLengths", "receipt_lengths", "load_lengths", "check_seq_length"]
 
 
 @dataclass(frozen=True)
 class SampleLengths:
     """``tokens[i]``: LLM tokens of sample i (int >= 1); ``grids[i]``: its images' ``(t, h, w)``
-    patch grids; ``source``: a label for tables and plots."""
+    patch grids; ``source``: a label for tables and plots; ``image_ends``: per sample, one past its
+    last image / video token (0 without images, None: not known), or None (none known)."""
 
     tokens: tuple[int, ...]
     grids: tuple[tuple[tuple[int, int, int], ...], ...]
     source: str = ""
+    image_ends: tuple[int | None, ...] | None = None
 
     def __post_init__(self):
         if len(self.tokens) != len(self.grids):
             raise ValueError(f"SampleLengths: {len(self.tokens)} token counts but {len(self.grids)} grid lists")
         if not self.tokens:
             raise ValueError(f"SampleLengths {self.source!r}: no samples")
+        if self.image_ends is not None:
+            if len(self.image_ends) != len(self.tokens):
+                raise ValueError(f"SampleLengths: {len(self.tokens)} token counts but {len(self.image_ends)} image ends")
+            for i, end in enumerate(self.image_ends):
+                if end is not None and not (1 if self.grids[i] else 0) <= end <= (self.tokens[i] if self.grids[i] else 0):
+                    raise ValueError(f"SampleLengths {self.source!r}: sample {i}: image_end {end} must be in "
+                                     f"[1, {self.tokens[i]}] (its token count) with images, 0 without")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -50,6 +66,56 @@ class SampleLengths:
     def patches(self, i: int) -> int:
         """ViT patches of sample i (sum of t*h*w over its images)."""
         return sum(t * h * w for t, h, w in self.grids[i])
+
+    def image_end(self, i: int) -> int | None:
+        """One past sample i's last image / video token: 0 without images, None if not known."""
+        if not self.grids[i]:
+            return 0
+        return None if self.image_ends is None else self.image_ends[i]
+
+
+def check_seq_length(samples: SampleLengths, seq_length: int) -> None:
+    """Refuse a ``seq_length`` whose truncation would cut an image of some sample, as the step does.
+
+    The step keeps each sample's first ``seq_length`` tokens and raises when a dropped token is an
+    image or video placeholder (``qwen3_vl_step.truncate_to_seq_length``): sample i is refused
+    exactly when ``image_end(i) > seq_length``. Every sample is checked (with shuffling, any sample
+    can land in a micro-batch). Where ``image_end`` is not known, a sample with images longer than
+    ``seq_length`` is refused too (it might be cut).
+
+    Raises:
+        ValueError: naming ``--seq-length``, the sample whose image reaches furthest, and the fix.
+    """
+    cut, unknown = [], []
+    for i, n in enumerate(samples.tokens):
+        if n <= seq_length:
+            continue
+        end = samples.image_end(i)
+        if end is None:
+            unknown.append(i)
+        elif end > seq_length:
+            cut.append(i)
+    source = f" ({samples.source})" if samples.source else ""
+    step = ("the step keeps each sample's first seq_length tokens and refuses a micro-batch where that cuts an "
+            "image or video token")
+    if cut:
+        worst = max(cut, key=lambda i: (samples.image_ends[i], samples.tokens[i]))
+        end = samples.image_ends[worst]
+        raise ValueError(
+            f"--seq-length {seq_length} would cut images: {step}. {len(cut)} of {len(samples)} samples"
+            f"{source} have image tokens past token {seq_length}; the furthest, sample {worst} "
+            f"({samples.tokens[worst]} tokens), has image tokens up to token {end}, so its image tokens "
+            f"{seq_length}-{end - 1} would be cut. Raise --seq-length to at least {end} (every image whole; "
+            f"{max(samples.tokens)} keeps every sample whole), lower the image resolution (max_pixels), or filter "
+            "these samples out of the data set")
+    if unknown:
+        worst = max(unknown, key=lambda i: samples.tokens[i])
+        raise ValueError(
+            f"--seq-length {seq_length} may cut images: {step}. {len(unknown)} of {len(samples)} samples"
+            f"{source} with images are longer than {seq_length} tokens and the lengths give no "
+            f"'image_end' for them (the longest, sample {worst}, has {samples.tokens[worst]} tokens), so the "
+            f"planner cannot tell whether their images would be cut. Add 'image_end' (one past the sample's last "
+            f"image / video token) to the lengths file, or raise --seq-length to at least {samples.tokens[worst]}")
 
 
 def receipt_lengths(num_samples: int, seed: int = 0) -> SampleLengths:
@@ -63,12 +129,14 @@ def receipt_lengths(num_samples: int, seed: int = 0) -> SampleLengths:
         raise ValueError(f"num_samples: expected an int >= 1, got {num_samples!r}")
     generator = torch.Generator().manual_seed(seed)
     spec = ReceiptSpec()
-    tokens, grids = [], []
+    tokens, grids, ends = [], [], []
     for _ in range(num_samples):
         sample_tokens, _, grid = _sample(generator, spec)
         tokens.append(len(sample_tokens))
         grids.append((tuple(grid),))
-    return SampleLengths(tuple(tokens), tuple(grids), source=f"synthetic receipts (n={num_samples}, seed={seed})")
+        ends.append(len(sample_tokens) - sample_tokens[::-1].index(spec.image_token_id))
+    return SampleLengths(tuple(tokens), tuple(grids), source=f"synthetic receipts (n={num_samples}, seed={seed})",
+                         image_ends=tuple(ends))
 
 
 def _int(value, where: str, name: str, minimum: int) -> int:
@@ -89,7 +157,8 @@ def _grid(value, where: str) -> tuple[int, int, int]:
     return tuple(_int(v, where, "images", 1) for v in value)
 
 
-def _sample_tokens(text: int, grids, merge: int, where: str) -> int:
+def _file_sample(text: int, grids, image_end, merge: int, where: str) -> tuple[int, tuple, int | None]:
+    """``(tokens, grids, image_end)`` of one sample; ``image_end`` is the raw field or None."""
     image_tokens = 0
     for t, h, w in grids:
         if (h * w) % (merge * merge):
@@ -98,7 +167,15 @@ def _sample_tokens(text: int, grids, merge: int, where: str) -> int:
     total = text + image_tokens
     if total < 1:
         raise ValueError(f"{where}: sample has no tokens")
-    return total
+    if image_end is None or (isinstance(image_end, str) and not image_end.strip()):
+        return total, grids, None
+    end = _int(image_end, where, "image_end", 0)
+    if not grids and end != 0:
+        raise ValueError(f"{where}: field 'image_end': {end} for a sample without images (expected 0 or no value)")
+    if grids and not image_tokens <= end <= total:
+        raise ValueError(f"{where}: field 'image_end': expected an int in [{image_tokens}, {total}] (the sample's "
+                         f"image tokens .. its token count), got {end}")
+    return total, grids, end
 
 
 def _load_json(path: Path, merge: int):
@@ -117,20 +194,20 @@ def _load_json(path: Path, merge: int):
         if "text_tokens" not in item:
             raise ValueError(f"{where}: field 'text_tokens' is missing")
         grids = tuple(_grid(g, where) for g in item.get("images") or ())
-        yield _sample_tokens(_int(item["text_tokens"], where, "text_tokens", 0), grids, merge, where), grids
+        yield _file_sample(_int(item["text_tokens"], where, "text_tokens", 0), grids, item.get("image_end"), merge, where)
 
 
 def _load_csv(path: Path, merge: int):
     with path.open(newline="") as handle:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or "text_tokens" not in reader.fieldnames:
-            raise ValueError(f"{path}: line 1: header must name 'text_tokens' (and optionally 'images'), "
+            raise ValueError(f"{path}: line 1: header must name 'text_tokens' (and optionally 'images', 'image_end'), "
                              f"got {reader.fieldnames}")
         for row in reader:
             where = f"{path}: line {reader.line_num}"
             images = (row.get("images") or "").strip()
             grids = tuple(_grid(g, where) for g in images.split(";") if g.strip())
-            yield _sample_tokens(_int(row["text_tokens"], where, "text_tokens", 0), grids, merge, where), grids
+            yield _file_sample(_int(row["text_tokens"], where, "text_tokens", 0), grids, row.get("image_end"), merge, where)
 
 
 def load_lengths(path: str | Path, spatial_merge_size: int = 2) -> SampleLengths:
@@ -146,4 +223,6 @@ def load_lengths(path: str | Path, spatial_merge_size: int = 2) -> SampleLengths
     rows = list(loader(path, spatial_merge_size))
     if not rows:
         raise ValueError(f"{path}: no samples in the file")
-    return SampleLengths(tuple(r[0] for r in rows), tuple(r[1] for r in rows), source=str(path))
+    ends = tuple(r[2] for r in rows)
+    return SampleLengths(tuple(r[0] for r in rows), tuple(r[1] for r in rows), source=str(path),
+                         image_ends=None if all(e is None for e in ends) else ends)

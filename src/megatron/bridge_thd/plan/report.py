@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron.bridge_thd.plan.estimate import Plan
 
-__all__ = ["format_plan"]
+__all__ = ["format_plan", "plan_table", "plan_summary"]
 
 GIB = 2**30
 
@@ -25,9 +25,9 @@ def _header(p: Plan) -> list[str]:
     ]
 
 
-def format_plan(p: Plan) -> str:
+def plan_table(p: Plan) -> str:
     """Markdown table: one row per layout, with per micro-batch means and per-GPU peaks."""
-    lines = _header(p) + [
+    lines = [
         "| layout | token slots/µb | padding | attn work Σs² | TFLOP/µb (linear + attn + ViT) | MoE routed/µb "
         "| act GiB/GPU | total GiB/GPU | step ms | samples/s | vs bshd |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -41,8 +41,17 @@ def format_plan(p: Plan) -> str:
             f"| {e.routed:.3g} | {e.activation_peak / GIB:.1f} | {e.memory_peak / GIB:.1f}{'' if e.fits else ' OOM'} "
             f"| {e.step_s * 1e3:.0f} | {e.samples_per_s:.1f} | {base.step_s / e.step_s:.2f}x |"
         )
-    thd = p.layouts["thd"]
-    lines += ["", f"thd vs bshd: {1 - thd.slots / base.slots:.0%} fewer token slots, "
-              f"{1 - thd.attention_work / base.attention_work:.0%} less attention work, "
-              f"{1 - thd.flops.total / base.flops.total:.0%} fewer FLOPs; predicted speed-up {p.speedup():.2f}x."]
     return "\n".join(lines)
+
+
+def plan_summary(p: Plan) -> str:
+    """One sentence: what ``thd`` saves over ``bshd`` and the predicted speed-up."""
+    base, thd = p.layouts["bshd"], p.layouts["thd"]
+    return (f"thd vs bshd: {1 - thd.slots / base.slots:.0%} fewer token slots, "
+            f"{1 - thd.attention_work / base.attention_work:.0%} less attention work, "
+            f"{1 - thd.flops.total / base.flops.total:.0%} fewer FLOPs; predicted speed-up {p.speedup():.2f}x.")
+
+
+def format_plan(p: Plan) -> str:
+    """The header, :func:`plan_table` and :func:`plan_summary`."""
+    return "\n".join(_header(p) + [plan_table(p), "", plan_summary(p)])
