@@ -19,7 +19,8 @@ from _vlm_samples import (
     sample_from_layout,
 )
 from megatron.bridge_thd import pack_bshd_to_thd
-from megatron.bridge_thd.mrope import PADDING_POSITION, qwen3_vl_position_ids
+from megatron.bridge_thd.mrope import PADDING_POSITION, qwen3_vl_position_ids, qwen3_vl_position_ids_deferred
+from megatron.bridge_thd.opcount import count_ops
 from megatron.bridge_thd.reference import ReferenceQwen3VL
 from megatron.bridge_thd.upstream import load_bridge_module
 
@@ -241,3 +242,34 @@ def test_padding_hole_between_vision_start_and_image(hf_model):
     )
     keep_t = torch.tensor(keep).bool()
     assert torch.equal(ours[:, 0, keep_t], hf_positions(hf_model, sample))
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_videos_cost_no_host_sync(hf_model, padding_side):
+    """Videos of 1-3 frames, images, text-only samples: positions (and the deferred checks) with
+    no host read at all, and still Hugging Face's per sample. Hugging Face and Megatron-Bridge
+    split videos per frame with ``repeat_interleave(grid, grid[:, 0])``, a host read."""
+    batch = make_batch(7, 12, 120, padding_side=padding_side, video_prob=1.0)
+    extra = sample_from_layout([2, ("video", 3, 8, 4), 1, ("image", 4, 8), 2, ("video", 2, 4, 4), 1], seed=11)
+    batch = collate(batch.samples + [extra], padding_side)
+    assert (batch.video_grid_thw[:, 0] > 1).any() and len(batch.video_grid_thw) >= 4
+    with count_ops() as counts:
+        positions, checks = qwen3_vl_position_ids_deferred(
+            batch.input_ids, batch.attention_mask, batch.image_grid_thw, batch.video_grid_thw, **TOKEN_IDS,
+            spatial_merge_size=2,
+        )
+    assert counts.host_syncs == 0, counts.sync_sites
+    assert not any(bool(check.failed) for check in checks)
+    for i, sample in enumerate(batch.samples):
+        assert torch.equal(positions[:, i, batch.token_slices[i]], hf_positions(hf_model, sample)), i
+
+
+def test_video_frame_boundaries_are_checked():
+    """One frame of a video masked out as padding: the frame split by offset must not hide it."""
+    sample = sample_from_layout([2, ("video", 3, 4, 8), 2], seed=8)
+    batch = collate([sample])
+    mask = batch.attention_mask.clone()
+    second_frame = [t for t, token in enumerate(sample.input_ids) if token == VIDEO_TOKEN][8]
+    mask[0, second_frame : second_frame + 8] = 0  # the whole second frame (8 tokens) is gone
+    with pytest.raises(ValueError, match="video_grid_thw"):
+        qwen3_vl_position_ids(batch.input_ids, mask, None, batch.video_grid_thw, **TOKEN_IDS)

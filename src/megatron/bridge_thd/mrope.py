@@ -9,9 +9,12 @@ Qwen3-VL's rule (Hugging Face ``Qwen3VLModel.get_rope_index``, Megatron-Bridge
   ``(p + t_i, p + h_i, p + w_i)`` in raster order over the merged grid
   ``(t, h / merge, w / merge)``; afterwards p += max(h, w) / merge.
 
-Every sample starts at 0. Packed through ``pack_bshd_to_thd`` the result becomes ``(3, 1, N)``
-positions that restart per sample, never the degenerate 1D expansion (three equal channels)
-that silently drops the image layout.
+Every sample starts at 0. No host synchronisation: every tensor is sized by the token batch or
+by the grids' row counts (videos are never expanded into a per-frame table, whose size
+``sum(t)`` only a host read could give); the validity checks are deferred to the caller's read.
+Packed through ``pack_bshd_to_thd`` the result becomes ``(3, 1, N)`` positions that restart per
+sample, never the degenerate 1D expansion (three equal channels) that silently drops the image
+layout.
 """
 
 from __future__ import annotations
@@ -26,47 +29,55 @@ PADDING_POSITION = 0
 """Position written at padding positions (the value Hugging Face uses); attention never reads it."""
 
 
-def _expand_video_frames(video_grid_thw: torch.Tensor) -> torch.Tensor:
-    """``(V, 3)`` video grids -> ``(sum t, 3)`` one ``(1, h, w)`` grid per frame."""
-    frames = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
-    frames[:, 0] = 1
-    return frames
-
-
 def _vision_positions(
-    is_vision_token: torch.Tensor, grid_thw: torch.Tensor, spatial_merge_size: int
+    is_vision_token: torch.Tensor, grid_thw: torch.Tensor, spatial_merge_size: int, *, frames: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token layout of the vision items (images, or video frames) of a batch.
+    """Per-token layout of the vision items (images, or videos) of a batch.
 
     Items are consumed in order: row by row, left to right, as the vision tower emits them.
+
+    With ``frames=True`` (videos) each ``(t, h, w)`` item is t frames of ``(1, h, w)``, each frame
+    placed on its own like an image (Qwen3-VL separates frames with timestamp text). The frame of
+    a token comes from its offset inside the video (``offset // (h' * w')``), never from a
+    per-frame grid table: that table (``repeat_interleave(grid, grid[:, 0])``, as Hugging Face
+    builds it) has ``sum(t)`` rows, a size only a host read of the grids can give. Every tensor
+    here has the shape of the token batch or of the ``(K, 3)`` grid, both known on the host.
 
     Args:
         is_vision_token: ``(B, T)`` bool, real tokens of this modality.
         grid_thw: ``(K, 3)`` patch grid of each item.
+        frames: place each temporal slice of an item separately (videos).
 
     Returns:
-        offsets: ``(3, B, T)`` (t, h, w) of each token inside its item's merged grid (0 elsewhere).
-        advance: ``(B, T)`` how far the item moves the text position, put on its last token.
-        first_token: ``(B, T)`` bool, the first token of each item.
+        offsets: ``(3, B, T)`` (t, h, w) of each token inside its item's (or frame's) merged grid
+            (0 elsewhere).
+        advance: ``(B, T)`` how far the item (frame) moves the text position, put on its last token.
+        first_token: ``(B, T)`` bool, the first token of each item (frame).
         token_count_error: 0-dim bool, True when the tokens do not match the grids.
     """
     grid = grid_thw.to(device=is_vision_token.device, dtype=torch.int64)
-    merged_h = grid[:, 1] // spatial_merge_size
-    merged_w = grid[:, 2] // spatial_merge_size
-    tokens_per_item = grid[:, 0] * merged_h * merged_w
-    item_end = tokens_per_item.cumsum(0)
-
-    rank = is_vision_token.flatten().cumsum(0).view_as(is_vision_token) - 1
-    item = torch.searchsorted(item_end, rank.clamp(min=0), right=True).clamp(max=max(len(grid) - 1, 0))
     if len(grid) == 0:
-        zeros = torch.zeros_like(rank)
+        zeros = torch.zeros(is_vision_token.shape, dtype=torch.int64, device=is_vision_token.device)
         error = is_vision_token.any()
         return torch.stack([zeros, zeros, zeros]), zeros, torch.zeros_like(is_vision_token), error
+    merged_h = grid[:, 1] // spatial_merge_size
+    merged_w = grid[:, 2] // spatial_merge_size
+    tokens_per_frame = merged_h * merged_w
+    tokens_per_item = grid[:, 0] * tokens_per_frame
+    item_end = tokens_per_item.cumsum(0)
+
+    # rank: index of each token among the batch's tokens of this modality; item: which grid.
+    rank = is_vision_token.flatten().cumsum(0).view_as(is_vision_token) - 1
+    item = torch.searchsorted(item_end, rank.clamp(min=0), right=True).clamp(max=len(grid) - 1)
     offset = rank - (item_end[item] - tokens_per_item[item])
+    # The unit laid out on the merged grid: a whole item, or one frame of it.
+    unit = tokens_per_frame[item] if frames else tokens_per_item[item]
+    if frames:
+        offset = offset % unit  # offset inside the token's frame (the frame is offset // unit)
     width, height = merged_w[item], merged_h[item]
     offsets = torch.stack([offset // (height * width), offset // width % height, offset % width])
     offsets = torch.where(is_vision_token, offsets, 0)
-    is_last = is_vision_token & (offset == tokens_per_item[item] - 1)
+    is_last = is_vision_token & (offset == unit - 1)
     advance = torch.where(is_last, torch.maximum(height, width), 0)
     first_token = is_vision_token & (offset == 0)
     token_count_error = is_vision_token.sum() != item_end[-1]
@@ -147,13 +158,13 @@ def qwen3_vl_position_ids_deferred(
     is_video = keep & (input_ids == video_token_id)
     empty_grid = torch.zeros(0, 3, dtype=torch.int64, device=input_ids.device)
     image_grids = empty_grid if image_grid_thw is None else image_grid_thw
-    video_frames = empty_grid if video_grid_thw is None else _expand_video_frames(video_grid_thw)
+    video_grids = empty_grid if video_grid_thw is None else video_grid_thw
 
     image_offsets, image_advance, image_first, image_error = _vision_positions(
         is_image, image_grids, spatial_merge_size
     )
     video_offsets, video_advance, video_first, video_error = _vision_positions(
-        is_video, video_frames, spatial_merge_size
+        is_video, video_grids, spatial_merge_size, frames=True
     )
     is_text = keep & ~is_image & ~is_video
     advance = is_text.long() + image_advance + video_advance
@@ -168,9 +179,10 @@ def qwen3_vl_position_ids_deferred(
     previous_real = torch.nn.functional.pad(last_real[:, :-1], (1, 0), value=-1)
     previous_token = torch.where(previous_real >= 0, input_ids.gather(1, previous_real.clamp(min=0)), -1)
     orphan_item = ((image_first | video_first) & (previous_token != vision_start_token_id)).any()
-    image_tokens_in_grids = (
-        image_grids[:, 0] * (image_grids[:, 1] // spatial_merge_size) * (image_grids[:, 2] // spatial_merge_size)
-    ).sum()
+    image_tokens_in_grids, video_tokens_in_grids = (
+        (grids[:, 0] * (grids[:, 1] // spatial_merge_size) * (grids[:, 2] // spatial_merge_size)).sum()
+        for grids in (image_grids, video_grids)
+    )
     checks = [
         DeferredCheck(
             image_error,
@@ -182,7 +194,7 @@ def qwen3_vl_position_ids_deferred(
             video_error,
             "video_grid_thw: the real video tokens of the batch do not match its grids; pass one grid per video in "
             "order of appearance, and never truncate inside a video",
-            lambda: f"{int(is_video.sum())} video tokens",
+            lambda: f"{int(is_video.sum())} video tokens, grids describe {int(video_tokens_in_grids)}",
         ),
         DeferredCheck(
             orphan_item,
