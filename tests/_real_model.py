@@ -20,7 +20,12 @@ from megatron.bridge_thd.cpu.parity import (  # noqa: F401 - re-exported for the
 )
 from megatron.bridge_thd.data import VisualInputs, synthetic_receipt_batch
 
-IMAGE = 250
+IMAGE, VIDEO, VISION_START, VISION_END = 250, 251, 252, 253
+TIMESTAMP_TOKENS = 3  # text tokens before each video frame ("<0.5 seconds>")
+PATCH_FEATURES = 3 * 2 * 4 * 4  # in_channels * temporal_patch_size * patch_size**2 of the tiny tower
+# Videos added to the receipt batches: sample -> patch grid (t, h, w). Frames differ in height and
+# width (the MRoPE raster and max(h, w) advance), several frames each, two samples.
+VIDEOS = {0: (3, 4, 8), 2: (2, 8, 4)}
 
 
 class FakeGroup:
@@ -55,6 +60,60 @@ def trimmed(batch: dict, lengths: list[int]) -> dict:
 
 def receipt_batch(padding: str, seed: int = 1, batch_size: int = 3) -> dict:
     return synthetic_receipt_batch(batch_size, seed=seed, left_padding=padding == "left")
+
+
+def with_videos(batch: dict, videos: dict[int, tuple[int, int, int]] = VIDEOS, seed: int = 0) -> dict:
+    """The batch with a video of patch grid ``(t, h, w)`` put in sample i (``videos[i]``) before
+    its image, after its prompt, laid out as Qwen3-VL's processor does: per frame, timestamp text
+    then ``<vision_start> <video> * (h * w / 4) <vision_end>``. Pixel rows and grids follow the
+    order of appearance; the supervised answer tokens and the padding side are unchanged."""
+    generator = torch.Generator().manual_seed(seed)
+    keep = batch["attention_mask"] != 0
+    left = bool(keep[:, -1].all()) and not bool(keep[:, 0].all())
+    rows, masks, grids, pixels = [], [], [], []
+    for i in range(keep.shape[0]):
+        tokens = batch["tokens"][i][keep[i]].tolist()
+        loss_mask = batch["loss_mask"][i][keep[i]].tolist()
+        if i in videos:
+            t, h, w = videos[i]
+            inserted: list[int] = []
+            for _ in range(t):
+                inserted += torch.randint(1, 240, (TIMESTAMP_TOKENS,), generator=generator).tolist()
+                inserted += [VISION_START] + [VIDEO] * (h * w // 4) + [VISION_END]
+            at = tokens.index(VISION_START)  # after the prompt, before the image
+            assert loss_mask[at - 1] == 0, "the video must not sit inside supervised text"
+            tokens = tokens[:at] + inserted + tokens[at:]
+            loss_mask = loss_mask[:at] + [0.0] * len(inserted) + loss_mask[at:]
+            grids.append((t, h, w))
+            pixels.append(torch.randn(t * h * w, PATCH_FEATURES, generator=generator))
+        rows.append(tokens)
+        masks.append(loss_mask)
+    width = max(len(r) for r in rows)
+    out = {
+        "tokens": torch.zeros(len(rows), width, dtype=torch.long),
+        "labels": torch.full((len(rows), width), -100, dtype=torch.long),
+        "loss_mask": torch.zeros(len(rows), width),
+        "attention_mask": torch.zeros(len(rows), width, dtype=torch.bool),
+        "position_ids": torch.arange(width).expand(len(rows), -1).clone(),
+    }
+    for i, (tokens, loss_mask) in enumerate(zip(rows, masks)):
+        columns = slice(width - len(tokens), width) if left else slice(0, len(tokens))
+        out["tokens"][i, columns] = torch.tensor(tokens)
+        out["labels"][i, columns] = torch.tensor(tokens[1:] + [-100])  # label[t] = token[t + 1]
+        out["loss_mask"][i, columns] = torch.tensor(loss_mask)
+        out["attention_mask"][i, columns] = True
+    visual = batch["visual_inputs"]
+    out["visual_inputs"] = VisualInputs(
+        pixel_values=visual.pixel_values, image_grid_thw=visual.image_grid_thw,
+        pixel_values_videos=torch.cat(pixels) if pixels else None,
+        video_grid_thw=torch.tensor(grids, dtype=torch.long) if grids else None,
+    )
+    return out
+
+
+def video_receipt_batch(padding: str, seed: int = 1, batch_size: int = 3) -> dict:
+    """:func:`receipt_batch` with :data:`VIDEOS` added: images in every sample, videos in two."""
+    return with_videos(receipt_batch(padding, seed=seed, batch_size=batch_size))
 
 
 def last_slot_batch(cp_align: int = 8, seed: int = 1) -> dict:

@@ -3,9 +3,10 @@ real ``Qwen3VLModel`` splitting the row itself (``get_packed_seq_cp_partition_in
 Megatron-Core ``get_batch_on_this_cp_rank`` -> our pure-torch ``thd_get_partitioned_indices``)
 and the CPU THD attention gathering K/V over the CP group.
 
-For CP = 2 and 4, the loss sum and token count (summed over the CP group, as Megatron-Core's
-per-token loss reduction does) and every parameter gradient (all-reduced over the CP group, as
-Megatron's DDP does) must equal the CP = 1 run of the same weights.
+The "left" batch holds an image per sample and two videos. For CP = 2 and 4, the loss sum and
+token count (summed over the CP group, as Megatron-Core's per-token loss reduction does) and every
+parameter gradient (all-reduced over the CP group, as Megatron's DDP does) must equal the CP = 1
+run of the same weights.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from _real_model import (
     all_padding_batch,
     gradients,
     last_slot_batch,
-    receipt_batch,
     step_run,
+    video_receipt_batch,
     worst_relative_gradient_error,
 )
 
@@ -118,9 +119,10 @@ def test_core_attention_refuses_attention_bias():
 
 
 def _cases():
-    """(name, batch, layout, moe): images, left padding, padding only in the last slot, a static
-    row, the padded layout, an all-padding micro-batch."""
-    left = receipt_batch("left")
+    """(name, batch, layout, moe): images, videos of several frames (``_real_model.VIDEOS``), left
+    padding, padding only in the last slot, a static row, the padded layout, an all-padding
+    micro-batch."""
+    left = video_receipt_batch("left")
     return [
         ("left-thd", left, "thd", False),
         ("left-thd_static", left, "thd_static", False),
@@ -183,3 +185,4 @@ def test_cp_equals_cp1_on_the_real_model(cp1_results, cp):
             error, where = worst_relative_gradient_error(got["grads"], expected["grads"])
             assert error <= GRAD_TOLERANCE, f"{name} rank {rank}: {where} relative gradient error {error:.2e}"
     assert reference["left-thd"]["num_tokens"] > 0 and reference["all-padding-thd"]["num_tokens"] == 0
+    assert len(dict((name, b) for name, b, *_ in cases)["left-thd"]["visual_inputs"].video_grid_thw) == 2

@@ -3,7 +3,9 @@
 The step's packed forward (``thd``, ``thd_static``) and its padded one (``bshd``) must equal each
 sample run alone through the same model, which then computes its own MRoPE positions with
 Megatron-Bridge's unpacked ``get_rope_index``: per-token log-probabilities, loss sums, token
-counts and gradients. Dense and MoE (4 experts, top-2, allgather dispatcher).
+counts and gradients. Dense and MoE (4 experts, top-2, allgather dispatcher). Every sample holds
+an image; two hold a video of several frames before it (``_real_model.VIDEOS``), so images and
+videos interleave in the row as Megatron-Bridge's ``reorganize_inputs`` orders them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import pytest
 import torch
 from _real_model import (
     IMAGE,
+    VIDEO,
+    VIDEOS,
     all_padding_batch,
     gradients,
     last_slot_batch,
@@ -23,12 +27,13 @@ from _real_model import (
     per_sample_losses_and_gradients,
     per_sample_from_output,
     per_sample_token_losses,
-    receipt_batch,
+    sample_inputs,
     step_run,
+    video_receipt_batch,
     worst_relative_gradient_error,
 )
 
-from megatron.bridge_thd import qwen3_vl_step
+from megatron.bridge_thd import mrope, qwen3_vl_step
 from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.packing import pack_bshd_to_thd
 from megatron.bridge_thd.upstream import load_bridge_module
@@ -49,7 +54,7 @@ def model(request):
 
 @pytest.fixture(scope="module")
 def batches():
-    return {padding: receipt_batch(padding) for padding in ("right", "left")}
+    return {padding: video_receipt_batch(padding) for padding in ("right", "left")}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +72,9 @@ def test_per_token_logp_equals_each_sample_alone(model, batches, alone, layout, 
         run = step_run(model, batch, layout)
     packed = per_sample_from_output(run, batch)
     assert [p.numel() for p in packed] == [a.numel() for a in alone]
+    # The videos reach the model as they came, in order of appearance.
+    assert torch.equal(run.args["video_grid_thw"], batch["visual_inputs"].video_grid_thw)
+    assert torch.equal(run.args["pixel_values_videos"], batch["visual_inputs"].pixel_values_videos)
     assert max_abs_dlogp(packed, alone, batch) <= DLOGP_TOLERANCE
     # Loss sum and token count: what Megatron-Bridge's loss function reports.
     assert float(run.loss) == pytest.approx(masked_loss_sum(alone, batch), rel=1e-6)
@@ -100,19 +108,20 @@ def test_positions_equal_bridge_packed_get_rope_index(model, batches, layout):
         # (torch.cat of an empty list): drop the static tail, which holds no position to compare.
         with pytest.raises(ValueError, match="non-empty"):
             rope.get_rope_index(2, 250, 251, 252, args["input_ids"], image_grid_thw=args["image_grid_thw"],
-                                packed_seq_params=params)
+                                video_grid_thw=args["video_grid_thw"], packed_seq_params=params)
         params = dataclasses.replace(params, cu_seqlens_q=params.cu_seqlens_q[:-1],
                                      cu_seqlens_q_padded=params.cu_seqlens_q_padded[:-1])
     ids = args["input_ids"][:, : int(params.cu_seqlens_q_padded[-1])]
     theirs, _ = rope.get_rope_index(2, 250, 251, 252, ids, image_grid_thw=args["image_grid_thw"],
-                                    packed_seq_params=params)
+                                    video_grid_thw=args["video_grid_thw"], packed_seq_params=params)
     ours = args["position_ids"][..., : ids.shape[1]]
     real = ids != 0
     assert real.sum() == batch["attention_mask"].sum()
+    assert int((ids == VIDEO).sum()) == sum(t * h * w // 4 for t, h, w in VIDEOS.values())
     assert torch.equal(ours[:, real], theirs[:, real])
 
 
-def test_degenerate_positions_control_fails(model, batches):
+def test_degenerate_positions_control_fails(model, batches, alone):
     """The check can fail: 1D per-sample positions copied to the three MRoPE channels (what a
     naive packer emits) change the log-probabilities of image samples far beyond tolerance."""
     batch = batches["right"]
@@ -126,9 +135,66 @@ def test_degenerate_positions_control_fails(model, batches):
         args["position_ids"] = flat.expand(3, 1, -1).clone()
         degenerate = model(**args)
     run.output = degenerate
-    alone = per_sample_token_losses(model, batch)
     assert all(int((batch["tokens"][i] == IMAGE).sum()) > 0 for i in range(batch["tokens"].shape[0]))
     assert max_abs_dlogp(per_sample_from_output(run, batch), alone, batch) > 1e-3
+
+
+def _assert_only_video_samples_move(run, batch, alone):
+    """max |dlogp| vs alone > 1e-3 on every sample with a video, within tolerance on the others."""
+    packed = per_sample_from_output(run, batch)
+    for i in range(batch["tokens"].shape[0]):
+        one = {k: (v[i : i + 1] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        dlogp = max_abs_dlogp(packed[i : i + 1], alone[i : i + 1], one)
+        assert (dlogp > 1e-3) if i in VIDEOS else (dlogp <= DLOGP_TOLERANCE), (i, dlogp)
+
+
+def test_video_pixels_reach_the_compared_tokens(model, batches, alone):
+    """The check sees the videos: the same row with the video pixels zeroed moves the video
+    samples' log-probabilities far beyond tolerance (and leaves the sample without a video as it was)."""
+    batch = batches["right"]
+    visual = batch["visual_inputs"]
+    blank = {**batch, "visual_inputs": dataclasses.replace(visual, pixel_values_videos=torch.zeros_like(
+        visual.pixel_values_videos))}
+    with torch.no_grad():
+        run = step_run(model, blank, "thd")
+    _assert_only_video_samples_move(run, batch, alone)
+
+
+def test_video_positions_without_the_frame_split_control_fails(model, batches, alone, monkeypatch):
+    """The frame split is load-bearing: laying each video out as one (t, h, w) item, as an image
+    would be, instead of t frames of (1, h, w) each at the running text position, moves the video
+    samples' log-probabilities far beyond tolerance."""
+    vision_positions = mrope._vision_positions
+    monkeypatch.setattr(mrope, "_vision_positions", lambda *args, frames=False: vision_positions(*args))
+    batch = batches["right"]
+    with torch.no_grad():
+        run = step_run(model, batch, "thd")
+    _assert_only_video_samples_move(run, batch, alone)
+
+
+def test_parity_helpers_take_any_mask_the_step_takes(model, batches, alone):
+    """``cpu.parity`` reads the mask as the step does: a float (1.0 / 0.0) or int 2D keep mask,
+    or a 4D Megatron mask (True = masked), not only a bool one (a float mask used to fail with
+    'slice indices must be integers')."""
+    batch = batches["left"]
+    keep = batch["attention_mask"]
+    causal = torch.ones(keep.shape[1], keep.shape[1], dtype=torch.bool).tril()
+    masks = {"float": keep.float(), "int": keep.long(),
+             "4d": ~(causal[None] & keep[:, None, :] & keep[:, :, None])[:, None]}
+    with torch.no_grad():
+        run = step_run(model, {**batch, "attention_mask": masks["float"]}, "thd")
+    assert float(run.loss) == pytest.approx(masked_loss_sum(alone, batch), rel=1e-6)
+    reference = per_sample_from_output(run, batch)
+    for kind, mask in masks.items():
+        other = {**batch, "attention_mask": mask}
+        for i in range(keep.shape[0]):
+            ours, expected = sample_inputs(other, i), sample_inputs(batch, i)
+            assert ours.keys() == expected.keys(), kind
+            assert all(torch.equal(ours[k], expected[k]) for k in ours), kind
+        packed = per_sample_from_output(run, other)
+        assert all(torch.equal(p, r) for p, r in zip(packed, reference)), kind
+        assert max_abs_dlogp(packed, alone, other) <= DLOGP_TOLERANCE, kind
+        assert masked_loss_sum(alone, other) == pytest.approx(masked_loss_sum(alone, batch), rel=1e-12), kind
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -3,14 +3,15 @@ data iterator and the model), counted by ``opcount`` on Megatron-Bridge's real m
 
 On a GPU each counted read stalls the host until the device catches up, on every pipeline stage:
 dynamic ``thd`` needs exactly one (the row length sizes the output, and every validity flag and
-the truncation counts ride in it), ``thd_static`` within ``seq_length`` needs none.
+the truncation counts ride in it), ``thd_static`` within ``seq_length`` needs none. Videos add
+none: a batch with videos costs what the same batch with images only costs.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _real_model import receipt_batch, trimmed
+from _real_model import receipt_batch, trimmed, video_receipt_batch
 
 from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.cpu.stack import cpu_stack
@@ -97,3 +98,33 @@ def test_truncation_that_cuts_an_image_is_refused_in_the_one_read(model):
     batch = trimmed(receipt_batch("right"), receipt_batch("right")["attention_mask"].sum(1).tolist())
     with pytest.raises(ValueError, match=r"seq_length.*samples \[0, 1, 2\]"):
         _syncs(model, batch, "thd", seq_length=20)
+
+
+# Images only: thd 1, thd_static 0, bshd 1 (the tests above). Videos must add nothing.
+SYNCS_PER_LAYOUT = {"thd": 1, "thd_static": 0, "bshd": 1}
+
+
+@pytest.mark.parametrize("layout", list(SYNCS_PER_LAYOUT))
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_videos_add_no_host_sync(model, layout, padding):
+    """Two videos of several frames (and an image per sample): the same count as images only.
+    Splitting videos into frames the way Hugging Face does (``repeat_interleave`` by ``t``
+    without ``output_size``) would add one read in every layout."""
+    batch = video_receipt_batch(padding)
+    assert batch["visual_inputs"].video_grid_thw[:, 0].gt(1).all()
+    counts, prepared = _syncs(model, batch, layout)
+    assert counts.host_syncs == SYNCS_PER_LAYOUT[layout], counts.sync_sites
+    assert torch.equal(prepared.forward_args["video_grid_thw"], batch["visual_inputs"].video_grid_thw)
+    assert torch.equal(prepared.forward_args["pixel_values_videos"], batch["visual_inputs"].pixel_values_videos)
+
+
+def test_frame_expansion_without_output_size_is_counted():
+    """The counter sees the formulation this step avoids: Hugging Face's and Megatron-Bridge's
+    ``get_rope_index`` split ``video_grid_thw`` per frame with a data-sized ``repeat_interleave``."""
+    grid = torch.tensor([[3, 4, 8], [2, 8, 4]])
+    with count_ops() as counts:
+        torch.repeat_interleave(grid, grid[:, 0], dim=0)
+    assert counts.host_syncs == 1, counts.sync_sites
+    with count_ops() as counts:
+        torch.repeat_interleave(grid, grid[:, 0], dim=0, output_size=5)
+    assert counts.host_syncs == 0, counts.sync_sites

@@ -29,16 +29,25 @@ __all__ = ["VisualInputs", "ReceiptSpec", "synthetic_receipt_batch"]
 class VisualInputs:
     """The ``visual_inputs`` entry of a Megatron-Bridge VLM batch.
 
+    The field names are those of Megatron-Bridge's ``GenericVisualInputs``
+    (``training/utils/visual_inputs.py``) and of ``Qwen3VLModel.forward``.
+
     Attributes:
         pixel_values: ``(P, C * temporal_patch * patch * patch)`` flattened patches of all images.
         image_grid_thw: ``(I, 3)`` patch grid of each image, in order of appearance.
+        pixel_values_videos: ``(P_v, C * temporal_patch * patch * patch)`` flattened patches of
+            all videos (``t * h * w`` rows per video).
+        video_grid_thw: ``(V, 3)`` patch grid of each video, in order of appearance.
     """
 
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
 
     def normalized_for_model(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in (("pixel_values", self.pixel_values), ("image_grid_thw", self.image_grid_thw)) if v is not None}
+        fields = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+        return {name: getattr(self, name) for name in fields if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,13 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron.bridge_thd.lengths import keep_mask_from_attention_mask
 from megatron.bridge_thd.qwen3_vl_step import forward_step
 from megatron.bridge_thd.standalone import minimal_state
 
 __all__ = [
     "Recorder",
+    "keep_mask",
     "sample_inputs",
     "per_sample_token_losses",
     "step_run",
@@ -28,7 +30,7 @@ __all__ = [
     "worst_relative_gradient_error",
 ]
 
-IMAGE_TOKEN_ID = 250
+IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 250, 251
 SEQ_LENGTH = 2048
 
 
@@ -46,26 +48,51 @@ class Recorder(torch.nn.Module):
         return self.module(**kwargs)
 
 
-def sample_inputs(batch: dict, i: int, image_token_id: int = IMAGE_TOKEN_ID, merge: int = 2) -> dict:
+def keep_mask(batch: dict) -> torch.Tensor:
+    """``(B, T)`` bool, True at real tokens, from the batch's ``attention_mask`` as the step reads
+    it: a 2D keep mask of any dtype (non-zero = real: bool, int or float 1.0 / 0.0) or a 4D
+    Megatron mask (True = masked)."""
+    tokens = batch["tokens"]
+    keep, _ = keep_mask_from_attention_mask(batch["attention_mask"], *tokens.shape)
+    return keep
+
+
+def _items_of_sample(tokens: torch.Tensor, keep: torch.Tensor, i: int, token_id: int, grids: torch.Tensor,
+                     pixels: torch.Tensor, merge: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Sample i's grids and pixel rows of one modality: the items after those of samples < i, in
+    order of appearance (``t * h * w / merge**2`` tokens and ``t * h * w`` pixel rows each)."""
+    tokens_before = int((tokens[:i] == token_id)[keep[:i]].sum())
+    tokens_through = tokens_before + int((tokens[i] == token_id)[keep[i]].sum())
+    ends = (grids.prod(-1) // merge**2).cumsum(0).tolist()
+    first = sum(1 for e in ends if e <= tokens_before)
+    last = sum(1 for e in ends if e <= tokens_through)
+    if last <= first:
+        return None
+    patch_ends = [0] + grids.prod(-1).cumsum(0).tolist()
+    return grids[first:last], pixels[patch_ends[first] : patch_ends[last]]
+
+
+def sample_inputs(batch: dict, i: int, image_token_id: int = IMAGE_TOKEN_ID, merge: int = 2,
+                  video_token_id: int = VIDEO_TOKEN_ID) -> dict:
     """Sample i of a Megatron-Bridge VLM batch alone, as the model takes an unpacked batch of one
-    (``input_ids``, ``labels``, ``loss_mask`` ``(1, n_i)``; its images in order of appearance)."""
-    keep = batch["attention_mask"][i].bool()
-    ids = batch["tokens"][i][keep]
-    grids = batch["visual_inputs"].image_grid_thw
-    pixels = batch["visual_inputs"].pixel_values
-    args = dict(input_ids=ids[None], labels=batch["labels"][i][keep][None], loss_mask=batch["loss_mask"][i][keep][None])
-    if grids is not None:
-        # Images in order of appearance: sample i's are those after the image tokens of samples < i.
-        tokens_per_image = grids.prod(-1) // merge**2
-        image_tokens = [
-            int((batch["tokens"][j][batch["attention_mask"][j].bool()] == image_token_id).sum()) for j in range(i + 1)
-        ]
-        ends = tokens_per_image.cumsum(0).tolist()
-        first = sum(1 for e in ends if e <= sum(image_tokens[:i]))
-        last = sum(1 for e in ends if e <= sum(image_tokens))
-        patch_ends = [0] + grids.prod(-1).cumsum(0).tolist()
-        if last > first:
-            args.update(pixel_values=pixels[patch_ends[first] : patch_ends[last]], image_grid_thw=grids[first:last])
+    (``input_ids``, ``labels``, ``loss_mask`` ``(1, n_i)``; its images and videos in order of
+    appearance, as ``pixel_values`` / ``image_grid_thw`` and ``pixel_values_videos`` /
+    ``video_grid_thw``). ``attention_mask`` may be any mask the step takes (see :func:`keep_mask`)."""
+    keep = keep_mask(batch)
+    tokens = batch["tokens"]
+    args = dict(input_ids=tokens[i][keep[i]][None], labels=batch["labels"][i][keep[i]][None],
+                loss_mask=batch["loss_mask"][i][keep[i]][None])
+    visual = batch["visual_inputs"]
+    for token_id, grids, pixels, grid_name, pixel_name in (
+        (image_token_id, visual.image_grid_thw, visual.pixel_values, "image_grid_thw", "pixel_values"),
+        (video_token_id, getattr(visual, "video_grid_thw", None), getattr(visual, "pixel_values_videos", None),
+         "video_grid_thw", "pixel_values_videos"),
+    ):
+        if grids is None:
+            continue
+        items = _items_of_sample(tokens, keep, i, token_id, grids, pixels, merge)
+        if items is not None:
+            args[grid_name], args[pixel_name] = items
     return args
 
 
@@ -94,7 +121,7 @@ def step_run(model, batch: dict, layout: str, *, seq_length: int = SEQ_LENGTH, m
 
 def per_sample_from_output(run, batch: dict) -> list[torch.Tensor]:
     """Sample i's per-token values from the step's output, in order of its real tokens."""
-    lengths = batch["attention_mask"].sum(1).tolist()
+    lengths = keep_mask(batch).sum(1).tolist()
     params = run.args["packed_seq_params"]
     if params is None:  # bshd: right-aligned re-lay, sample i in row i
         return [run.output[i, :n] for i, n in enumerate(lengths)]
@@ -105,8 +132,9 @@ def per_sample_from_output(run, batch: dict) -> list[torch.Tensor]:
 def max_abs_dlogp(packed: list[torch.Tensor], alone: list[torch.Tensor], batch: dict) -> float:
     """max |dlogp| over every real token that has a label (per-token losses are -log p)."""
     worst = 0.0
+    keep = keep_mask(batch)
     for i, (p, a) in enumerate(zip(packed, alone)):
-        labelled = batch["labels"][i][batch["attention_mask"][i].bool()] != -100
+        labelled = batch["labels"][i][keep[i]] != -100
         if labelled.any():
             worst = max(worst, float((p - a)[labelled].abs().max()))
     return worst
@@ -115,10 +143,8 @@ def max_abs_dlogp(packed: list[torch.Tensor], alone: list[torch.Tensor], batch: 
 def masked_loss_sum(token_losses: list[torch.Tensor], batch: dict) -> float:
     """What Megatron-Bridge's masked loss sums over the samples: ``sum_i (losses_i * loss_mask_i)``
     over each sample's real tokens (``token_losses[i]``: ``(n_i,)``)."""
-    return sum(
-        float((loss * batch["loss_mask"][i][batch["attention_mask"][i].bool()]).sum())
-        for i, loss in enumerate(token_losses)
-    )
+    keep = keep_mask(batch)
+    return sum(float((loss * batch["loss_mask"][i][keep[i]]).sum()) for i, loss in enumerate(token_losses))
 
 
 def per_sample_losses_and_gradients(model, batch: dict) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
