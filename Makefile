@@ -2,7 +2,7 @@
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench figures clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup_venv.sh
 	./scripts/setup_venv.sh
@@ -20,6 +20,12 @@ bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_pack.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/parity_report.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_verl.py
+	$(PYTHON) $(QUIET_IMPORTS) benchmarks/edge_cases_report.py
+	$(PYTHON) $(QUIET_IMPORTS) scripts/readme_figures.py
+
+# Re-run the demo and rewrite every README figure block from the scripts that produce it.
+figures: $(VENV)/.installed
+	$(PYTHON) $(QUIET_IMPORTS) scripts/readme_figures.py --run demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
