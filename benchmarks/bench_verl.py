@@ -17,15 +17,19 @@ Tables:
    values; an int 0/1 mask is tried on both.
 2. CP = 2 (two gloo processes, Megatron-Core's CP group; rank 0's figures): the same calls; the
    unpack all-gathers over the group. Fixed repeat counts (collectives need every rank in step).
-3. Train vs rollout on Megatron-Bridge 0.6.2's real Qwen3VLModel (tiny, CPU build), CP = 1, 2, 4:
-   the packed training forward (called as VERL calls it: ``input_ids_rmpad``, packed 3D MRoPE
-   ``position_ids``, ``packed_seq_params``, no labels, logits unpacked) vs each sample run alone:
-   mean and max |dlogp| and ``token_mult_prob_error`` (mean of exp(|dlogp|)) over the response
-   tokens, the gradient error of the summed response log-probs (summed over CP ranks), and the
-   tokens the attention is told are real.
-4. VERL's actual call for vision models (``pre_process=False``: the padded ``(B, T)`` ids, the
-   mask and the packed metadata go to the model, which packs after the vision embedding), CP = 1,
-   for a batch and for a batch of one sample.
+3. Train vs rollout on Megatron-Bridge 0.6.2's real Qwen3VLModel (tiny, CPU build), CP = 1, 2, 4,
+   for VERL's two model calls: the packed call (``model_forward_gen(vision_model=False)``:
+   ``input_ids_rmpad``, packed 3D MRoPE ``position_ids``, ``packed_seq_params``, no labels, logits
+   unpacked) and the vision-model call (``vision_model=True``: ``pre_process=False``, the padded
+   ``(B, T)`` ids and mask go to the model, which packs after the vision embedding), each without
+   and with ``use_fp8_padding``, vs each sample run alone: mean and max |dlogp| and
+   ``token_mult_prob_error`` (mean of exp(|dlogp|)) over the response tokens, the gradient error
+   of the summed response log-probs (summed over CP ranks), and the tokens the attention is told
+   are real. A call that fails shows its exception.
+4. VERL's vision-model call with a batch of one sample, CP = 1.
+
+The VLM batch, VERL's loader and both model calls are :mod:`megatron.bridge_thd.cpu.verl_support`,
+the code the tests assert on.
 
 CPU times show host cost only; on a GPU every op is a kernel launch and every host sync a stream
 stall, which is what the op / sync columns are for.
@@ -55,12 +59,9 @@ from _tables import markdown  # noqa: E402
 warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-ROOT = Path(__file__).resolve().parents[1]
-# The loader of VERL's util.py, the VLM batch and the model call are the ones the tests assert on.
-sys.path.insert(0, str(ROOT / "tests"))
-import test_interop_verl as shared  # noqa: E402
-
 from megatron.bridge_thd import verl as ours  # noqa: E402
+from megatron.bridge_thd.cpu import verl_support as shared  # noqa: E402
+from megatron.bridge_thd.cpu.parity import gradients  # noqa: E402
 from megatron.bridge_thd.cpu.launcher import run_on_gloo  # noqa: E402
 from megatron.bridge_thd.opcount import count_ops  # noqa: E402
 
@@ -210,7 +211,7 @@ def random_specs(batch_size: int, seed: int) -> list[tuple]:
 
 def vlm_path_rows(verl_path: str, batch_size: int) -> list[list[str]]:
     """VERL's own call for vision models (metadata only, the model packs (B, T) itself), CP = 1,
-    for the batch and for its first sample alone (B = 1)."""
+    for the first sample of the batch alone (B = 1: the model takes the padded row for a packed one)."""
     from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
     from megatron.bridge_thd.cpu.stack import cpu_stack
 
@@ -219,22 +220,25 @@ def vlm_path_rows(verl_path: str, batch_size: int) -> list[list[str]]:
         "ours": (ours.preprocess_packed_seqs, ours.postprocess_packed_seqs),
         "verl": (verl_util.preprocess_packed_seqs, verl_util.postprocess_packed_seqs),
     }
-    specs = random_specs(batch_size, SEED)
+    specs = random_specs(batch_size, SEED)[:1]
     rows = []
     with cpu_stack(), torch.no_grad():
         model = build_qwen3_vl(tiny_qwen3_vl_config(), seed=0)
-        for b_specs in (specs, specs[:1]):
-            batch = shared.verl_vlm_batch(seed=SEED, specs=b_specs)
-            alone = shared.per_sample_response_logp(model, batch)
-            for impl, helpers in impls.items():
-                try:
-                    logp = shared.response_logp(shared.vlm_path_forward(model, batch, *helpers), batch)
-                except ValueError as error:
-                    rows.append([str(len(b_specs)), impl, "", "", "", f"ValueError: {str(error)[:60]}..."])
-                    continue
-                f = shared.train_vs_rollout(logp, alone)
-                rows.append([str(len(b_specs)), impl, f"{f['mean']:.2e}", f"{f['max']:.2e}", f"{f['mult']:.9f}", ""])
+        batch = shared.verl_vlm_batch(seed=SEED, specs=specs)
+        alone = shared.per_sample_response_logp(model, batch)
+        for impl, helpers in impls.items():
+            try:
+                logp = shared.response_logp(shared.vlm_path_forward(model, batch, *helpers), batch)
+            except ValueError as error:
+                rows.append([str(len(specs)), impl, "", "", "", f"ValueError: {str(error)[:60]}..."])
+                continue
+            f = shared.train_vs_rollout(logp, alone)
+            rows.append([str(len(specs)), impl, f"{f['mean']:.2e}", f"{f['max']:.2e}", f"{f['mult']:.9f}", ""])
     return rows
+
+
+CALLS = (("packed", "packed"), ("packed_fp8", "packed, FP8 padding"), ("vision", "vision"),
+         ("vision_fp8", "vision, FP8 padding"))
 
 
 def train_vs_rollout_rows(verl_path: str, batch_size: int, cp_sizes) -> list[list[str]]:
@@ -249,7 +253,7 @@ def train_vs_rollout_rows(verl_path: str, batch_size: int, cp_sizes) -> list[lis
         alone = shared.per_sample_response_logp(model, batch)
         model.zero_grad(set_to_none=True)
         sum(a.sum() for a in alone).backward()
-        reference = shared._grads(model)
+        reference = gradients(model)
         state_dict = model.state_dict()
         alone = [a.detach() for a in alone]
         runs = {1: [shared.real_model_worker(state_dict, batch, verl_path, 1)]} if 1 in cp_sizes else {}
@@ -259,18 +263,30 @@ def train_vs_rollout_rows(verl_path: str, batch_size: int, cp_sizes) -> list[lis
     real_tokens = int(batch["attention_mask"].sum())
     rows = []
     for cp, ranks in runs.items():
-        for impl in ("ours", "verl"):
-            figures = shared.train_vs_rollout(ranks[0][impl]["logp"], alone)
-            # Every rank unpacks the same gathered batch: the worst rank is reported.
-            for r in ranks[1:]:
-                other = shared.train_vs_rollout(r[impl]["logp"], alone)
-                figures = {k: max(figures[k], other[k]) for k in figures}
-            summed = {name: sum(r[impl]["grads"][name] for r in ranks) for name in reference}
-            grad_error, _ = shared._relative_grad_error(summed, reference)
-            rows.append([
-                str(cp), impl, f"{figures['mean']:.2e}", f"{figures['max']:.2e}", f"{figures['mult']:.9f}",
-                f"{grad_error:.2e}", f"{ranks[0][impl]['tokens_as_real']} / {real_tokens} / {ranks[0][impl]['row_length']}",
-            ])
+        for call, label in CALLS:
+            for impl in ("ours", "verl"):
+                entry = ranks[0][impl].get(call)
+                if entry is None:
+                    rows.append([str(cp), label, impl, "", "", "", "", "", "not run under CP (a crash inside the "
+                                 "model's CP collectives could hang the other ranks)"])
+                    continue
+                if "error" in entry:
+                    rows.append([str(cp), label, impl, "", "", "", "", "", f"{entry['error']}: {entry['message'][:70]}..."])
+                    continue
+                # Every rank unpacks the same gathered batch: the worst rank is reported.
+                figures = shared.train_vs_rollout(entry["logp"], alone)
+                for r in ranks[1:]:
+                    other = shared.train_vs_rollout(r[impl][call]["logp"], alone)
+                    figures = {k: max(figures[k], other[k]) for k in figures}
+                grad_error = ""
+                if "grads" in entry:
+                    grad_error = f"{shared.summed_gradient_error(ranks, (impl, call), reference)[0]:.2e}"
+                told = (f"{entry['tokens_as_real']} / {real_tokens} / {entry['row_length']}"
+                        if "row_length" in entry else f"(model's own) / {real_tokens} / (model's own)")
+                rows.append([
+                    str(cp), label, impl, f"{figures['mean']:.2e}", f"{figures['max']:.2e}", f"{figures['mult']:.9f}",
+                    grad_error, told, "",
+                ])
     return rows
 
 
@@ -326,10 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "### Train vs rollout on the tiny real Qwen3VLModel: packed forward vs each sample alone (response tokens)",
         "",
-        markdown(["CP", "helpers", "mean abs dlogp", "max abs dlogp", "token_mult_prob_error",
-                  "rel. grad error", "tokens told real / real tokens / row"], tvr),
+        markdown(["CP", "VERL call", "helpers", "mean abs dlogp", "max abs dlogp", "token_mult_prob_error",
+                  "rel. grad error", "tokens told real / real tokens / row", "error"], tvr),
         "",
-        "### VERL's vision-model call (pre_process=False: the model packs the padded (B, T) batch itself), CP = 1",
+        "### VERL's vision-model call with one sample (the model takes the padded (1, T) row for a packed one), CP = 1",
         "",
         markdown(["B", "helpers", "mean abs dlogp", "max abs dlogp", "token_mult_prob_error", "error"], vlm),
         "",

@@ -3,8 +3,10 @@
 Datasets hand the step one of three mask conventions; this module turns each of them into a
 keep mask ``(B, T)`` (True = real token) or straight into cu_seqlens:
 
-* a 2D keep mask ``(B, T)`` (bool, int or float; non-zero = real) with real tokens at any
-  positions: right padding, left padding, or VERL's left-padded prompt + right-padded response;
+* a 2D keep mask ``(B, T)`` (bool, or 0 / 1 values of an int or float dtype; 1 = real) with real
+  tokens at any positions: right padding, left padding, or VERL's left-padded prompt +
+  right-padded response. :func:`keep_mask_from_2d` is the one rule for it, shared by the step
+  and the VERL drop-in;
 * a 4D Megatron mask ``(B|1, 1, T, T)``, True = masked: causal plus key (and optionally query)
   padding, as ``get_ltor_masks_and_position_ids`` builds it;
 * a sample-ID mask ``(1, L)`` of an already packed row, ``[[1, 1, 2, 2, 2, 0, 0]]`` style:
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 __all__ = [
     "DeferredCheck",
     "raise_failed_checks",
+    "keep_mask_from_2d",
     "keep_mask_from_attention_mask",
     "keep_mask_from_real_lengths",
     "real_lengths",
@@ -70,20 +73,66 @@ def raise_failed_checks(checks: list[DeferredCheck], flags: list | None = None) 
             raise ValueError(check.text())
 
 
+def keep_mask_from_2d(mask: torch.Tensor, name: str = "attention_mask") -> tuple[torch.Tensor, list[DeferredCheck]]:
+    """The one rule for a 2D keep mask: bool, or only 0 and 1 in an int or float dtype.
+
+    Any other value (2, 0.5, -1, NaN: a mask of weights, of token ids or of sample ids) is an
+    error, never "non-zero = real": such a mask is a collate bug that would otherwise be packed
+    silently. The value check is deferred (no host read here): the caller reads it with its own
+    one host read, or turns it into a device assert.
+
+    Args:
+        mask: ``(B, T)`` keep mask, 1 / True = real token, 0 / False = padding (shape checked by
+            the caller).
+        name: the argument's name, for the error message.
+
+    Returns:
+        keep: ``(B, T)`` bool, True where the token is real.
+        checks: one :class:`DeferredCheck` (none for a bool mask) that fails on a value other
+            than 0 / 1; its text names the argument, the first bad values and the fix.
+
+    Raises:
+        ValueError: on a complex dtype.
+    """
+    if mask.is_complex():
+        raise ValueError(
+            f"{name}: expected a bool mask or 0/1 values of an int or float dtype (1 = real token, 0 = padding), "
+            f"got dtype {mask.dtype}; pass mask.real.bool() or build the mask as bool"
+        )
+    keep = mask != 0
+    if mask.dtype == torch.bool:
+        return keep, []
+    bad = keep & (mask != 1)  # NaN is != 0 and != 1: flagged too
+
+    def bad_values() -> str:
+        # Only called once the check has failed: the host read costs nothing on the good path.
+        return f"found {sorted(set(mask[bad].flatten()[:1000].tolist()))[:5]}"
+
+    check = DeferredCheck(
+        bad.any(),
+        f"{name}: a 2D keep mask must be bool or hold only 0 and 1 (1 = real token, 0 = padding); it holds other "
+        f"values. Pass ({name} != 0) if every non-zero entry marks a real token, or fix the collate that wrote "
+        "them (a mask of weights, token ids or sample ids is not a keep mask)",
+        bad_values,
+    )
+    return keep, [check]
+
+
 def keep_mask_from_attention_mask(
     attention_mask: torch.Tensor, batch_size: int, seq_len: int
 ) -> tuple[torch.Tensor, list[DeferredCheck]]:
     """Keep mask from a 2D keep mask or a 4D Megatron mask.
 
     Args:
-        attention_mask: ``(B, T)`` keep mask, non-zero = real token, at any positions; or
+        attention_mask: ``(B, T)`` keep mask, bool or 0 / 1 (1 = real token), at any positions; or
             ``(B|1, 1, T, T)`` Megatron mask, True (non-zero) = masked, causal with padding.
         batch_size: B, the batch the mask must describe.
         seq_len: T.
 
     Returns:
         keep: ``(B, T)`` bool, True where the token is real.
-        checks: data-dependent checks (the 4D mask must be causal-with-padding).
+        checks: data-dependent checks (a 2D mask holds only 0 / 1, see :func:`keep_mask_from_2d`;
+            a 4D mask must be causal-with-padding).
 
     Raises:
         ValueError: on a mask whose shape matches neither convention.
@@ -94,7 +143,7 @@ def keep_mask_from_attention_mask(
                 f"attention_mask: 2D keep mask has shape {tuple(attention_mask.shape)} but input_ids is "
                 f"({batch_size}, {seq_len}); pass the dataset's (B, T) mask for this very batch"
             )
-        return attention_mask != 0, []
+        return keep_mask_from_2d(attention_mask, "attention_mask")
     if attention_mask.dim() == 4:
         b, heads, s1, s2 = attention_mask.shape
         if b not in (1, batch_size) or heads != 1 or s1 != seq_len or s2 != seq_len:

@@ -28,13 +28,20 @@ What differs from VERL:
   MoE routing and anything counting tokens treat the alignment slots as real tokens;
 * any mask dtype: bool, int or float with values 0 / 1 (VERL's ``input_ids[i, mask[i]]`` needs
   a bool mask; an int mask becomes integer indexing and crashes or silently gathers the wrong
-  tokens);
+  tokens). Other values (2, 0.5) raise ``ValueError``: the rule and the message are the step's
+  (:func:`megatron.bridge_thd.lengths.keep_mask_from_2d`), read in this call's one host read;
 * an all-padding micro-batch gives a row of one aligned padding segment instead of an empty
   ``(1, 0)`` row that no model can run;
 * ``postprocess_packed_seqs`` checks that the output and the mask belong to the metadata (one
   host read) and raises ``ValueError`` instead of unpacking the wrong slots. E.g. VERL's own call
   for vision models hands the padded ``(B, T)`` batch to Megatron-Bridge 0.6.2's Qwen3-VL, which
-  with B = 1 takes the padded row for an already packed one.
+  with B = 1 takes the padded row for an already packed one;
+* ``use_fp8_padding=True`` with ``pre_process=False`` on the first pipeline stage raises
+  ``ValueError`` up front. That is VERL's vision-model call, where the model packs the padded
+  batch itself with its own alignment and no FP8 padding, so FP8 boundaries describe a longer
+  row than the one it attends over (VERL's helpers then crash inside attention with an
+  ``IndexError``). The packed call (``pre_process=True``, VERL's text-model path) works with FP8
+  padding on Qwen3-VL at any CP size.
 
 Gradients through ``postprocess_packed_seqs`` follow VERL: the CP all-gather is differentiable
 with respect to this rank's own shard only. Every CP rank computes the same loss over the
@@ -45,14 +52,12 @@ group (as Megatron's gradient reduction does) gives the CP=1 gradient.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.bridge_thd.context_parallel import thd_partition_indices
-from megatron.bridge_thd.lengths import DeferredCheck, raise_failed_checks
+from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_2d, raise_failed_checks
 from megatron.bridge_thd.packing import (
     pack_bshd_to_thd,
     required_alignment,
@@ -79,6 +84,21 @@ def _parallel_sizes() -> tuple[int, int, int, object]:
     return mpu.get_tensor_model_parallel_world_size(), cp_size, mpu.get_context_parallel_rank(), cp_group
 
 
+def _model_builds_the_row() -> bool:
+    """Whether a ``pre_process=False`` call here means that the model packs the padded batch
+    itself: True on the first pipeline stage (and without pipeline parallelism), where a model
+    with embeddings runs. In VERL 0.9.1 the only such call is ``model_forward_gen(vision_model=True)``
+    (and its fused twin): it hands the padded ``(B, T)`` ids and mask to the model. On a later
+    stage ``pre_process=False`` is the text-model path (hidden states arrive from the stage that
+    packed the row with these very boundaries); with virtual pipeline stages the chunk is unknown
+    here, so False."""
+    from megatron.core import parallel_state as mpu
+
+    if not mpu.model_parallel_is_initialized() or mpu.get_pipeline_model_parallel_world_size() == 1:
+        return True
+    return mpu.get_pipeline_model_parallel_rank() == 0 and mpu.get_virtual_pipeline_model_parallel_world_size() is None
+
+
 def _check_flag(name: str, value) -> bool:
     # A string such as "False" would be truthy: accept only real booleans (and 0 / 1).
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
@@ -97,17 +117,6 @@ def _check_mask(attention_mask, batch_size: int, seq_len: int) -> None:
             f"attention_mask: expected shape ({batch_size}, {seq_len}) (one 0/1 entry per token of input_ids), "
             f"got {tuple(attention_mask.shape)}"
         )
-    if attention_mask.is_complex():
-        raise ValueError(f"attention_mask: expected a bool, int or float 0/1 mask, got dtype {attention_mask.dtype}")
-
-
-def _mask_values_check(attention_mask: torch.Tensor) -> list[DeferredCheck]:
-    """0/1 values only: a float mask of weights or a mask of token ids is a caller bug that
-    "non-zero = real" would silently accept. Read with the caller's one host read."""
-    if attention_mask.dtype == torch.bool:
-        return []
-    bad = ((attention_mask != 0) & (attention_mask != 1)).any()
-    return [DeferredCheck(bad, "attention_mask: expected 0/1 values (1 = real token, 0 = padding)")]
 
 
 
@@ -159,6 +168,21 @@ def preprocess_packed_seqs(
     _check_mask(attention_mask, batch_size, seq_len)
     pre_process = _check_flag("pre_process", pre_process)
     use_fp8_padding = _check_flag("use_fp8_padding", use_fp8_padding)
+    if use_fp8_padding and not pre_process and _model_builds_the_row():
+        # Megatron-Bridge 0.6.2's Qwen3VLModel packs a padded (B > 1, T) batch itself with its own
+        # preprocess_packed_seqs (slots of tp * cp * 2, no FP8 rule): the FP8 boundaries returned
+        # here would describe a longer row than the one it attends over (IndexError / reads past
+        # the row). Refused before anything runs, whatever the batch.
+        raise ValueError(
+            "use_fp8_padding: True with pre_process=False on the first pipeline stage: the model will pack the "
+            "padded (B, T) batch itself (VERL's model_forward_gen(vision_model=True) passes input_ids and "
+            "attention_mask to Megatron-Bridge's Qwen3VLModel, which packs them into slots of tp * cp * 2 without "
+            "FP8 padding), so FP8 boundaries (slots of lcm(align, 16), row stretched to align * 128) would not "
+            "describe the row it attends over. Fix: call the model with the packed row instead (pre_process=True: "
+            "input_ids_rmpad and the packed 3D MRoPE position_ids, VERL's text-model call, which Qwen3VLModel "
+            "accepts at any CP size), or set use_fp8_padding=False for this model (VERL sets it for fp8 "
+            "'e4m3' / 'hybrid')"
+        )
 
     tp_size, cp_size, cp_rank, _ = _parallel_sizes()
     # VERL aligns to tp (with or without sequence parallelism) times 2 * cp: the project's rule
@@ -177,7 +201,7 @@ def preprocess_packed_seqs(
         mask,
         align_to=slot_align,
         min_length=slot_align,
-        checks=_mask_values_check(mask),
+        # The mask's 0/1 check (lengths.keep_mask_from_2d, the step's rule) rides the packer's read.
         host_values=host_values,
     )
     row_length = packed.padding_mask.shape[-1]
@@ -275,23 +299,26 @@ def postprocess_packed_seqs(
     row_length = local_length * cp_size
     device = output.device
     mask = attention_mask.to(device)
-    keep = mask != 0
+    # The step's rule (one rule, one error): bool or 0/1 values, checked in this call's host read.
+    keep, mask_checks = keep_mask_from_2d(mask, "attention_mask")
     cu = cu_padded.to(device=device, dtype=torch.int64)
     starts, slots = cu[:batch_size], cu[1 : batch_size + 1] - cu[:batch_size]
     lengths = keep.sum(dim=1)
 
-    checks = [
+    checks = mask_checks + [
         DeferredCheck(
             cu[-1] != row_length,
             f"output: {local_length} slots on each of {cp_size} CP ranks do not make the packed row of "
-            "packed_seq_params (cu_seqlens_q_padded[-1]); pass this rank's output for this very batch",
+            "packed_seq_params (cu_seqlens_q_padded[-1]); pass this rank's output for this very batch (a model "
+            "that packed the padded batch itself, as Megatron-Bridge's Qwen3VLModel does on VERL's vision-model call, "
+            "builds its own row: with one sample, or with use_fp8_padding=True under virtual pipeline stages)",
         ),
         DeferredCheck(
             (lengths > slots).any(),
             "attention_mask: more real tokens than packed_seq_params has slots for; pass the mask given "
             "to preprocess_packed_seqs",
         ),
-    ] + _mask_values_check(mask)
+    ]
     # VERL's own params carry the padded boundaries as the real ones (the same tensor); ours
     # carry the real ones, which must match the mask.
     if isinstance(cu_real, torch.Tensor) and cu_real is not cu_padded:
