@@ -72,17 +72,13 @@ def megatron_4d_mask(keep: torch.Tensor, query_padding: bool = False) -> torch.T
 
 
 def as_mask_dtype(keep: torch.Tensor, dtype_name: str) -> torch.Tensor:
-    """The keep mask as bool, int (values 0/1, or 0/7 to check "non-zero = real") or float."""
+    """The keep mask as bool, int or float (values 0 / 1: the package's one 2D mask rule)."""
     if dtype_name == "bool":
         return keep.clone()
     if dtype_name == "int":
         return keep.long()
-    if dtype_name == "int7":
-        return keep.to(torch.int32) * 7
     if dtype_name == "float":
         return keep.float()
-    if dtype_name == "half_float":
-        return keep.float() * 0.5
     raise ValueError(dtype_name)
 
 

@@ -273,3 +273,16 @@ def test_video_frame_boundaries_are_checked():
     mask[0, second_frame : second_frame + 8] = 0  # the whole second frame (8 tokens) is gone
     with pytest.raises(ValueError, match="video_grid_thw"):
         qwen3_vl_position_ids(batch.input_ids, mask, None, batch.video_grid_thw, **TOKEN_IDS)
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.float])
+def test_a_mask_with_values_other_than_0_and_1_is_refused_as_by_the_step(dtype):
+    """One 2D mask rule for the package (lengths.keep_mask_from_2d): 0 / 1 or bool; a 2 is an error
+    naming the argument, never "non-zero = real"; the same mask as 0 / 1 is accepted."""
+    ids = torch.tensor([[5, 6, 7, 0]])
+    ids_kwargs = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252)
+    mask = torch.tensor([[1, 2, 1, 0]], dtype=dtype)
+    with pytest.raises(ValueError, match="attention_mask"):
+        qwen3_vl_position_ids(ids, mask, **ids_kwargs)
+    positions = qwen3_vl_position_ids(ids, (mask != 0).to(dtype), **ids_kwargs)
+    assert positions[:, 0, :3].tolist() == [[0, 1, 2]] * 3

@@ -30,7 +30,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 ALIGNS = (1, 2, 3, 4, 8, 16)
 MASK_KINDS = ("mask2d", "real_lengths", "mask4d", "mask4d_query", "none")
-MASK_DTYPES = ("bool", "int", "int7", "float", "half_float")
+MASK_DTYPES = ("bool", "int", "float")  # other values are refused (lengths.keep_mask_from_2d)
 STATIC_MODES = ("dynamic", "worst_case", "larger", "fit")
 POSITION_MODES = ("none", "1d", "3d")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.bridge_thd.lengths import DeferredCheck, raise_failed_checks
+from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_2d, raise_failed_checks
 
 __all__ = ["qwen3_vl_position_ids", "qwen3_vl_position_ids_deferred", "PADDING_POSITION"]
 
@@ -133,7 +133,7 @@ def qwen3_vl_position_ids_deferred(
     Args:
         input_ids: ``(B, T)`` token ids, image/video placeholders already expanded (one token
             per merged patch, as Qwen3-VL's processor emits them).
-        attention_mask: ``(B, T)`` keep mask (non-zero = real) at any positions; None = all real.
+        attention_mask: ``(B, T)`` keep mask (bool, or 0 / 1 values) at any positions; None = all real.
         image_grid_thw: ``(I, 3)`` patch grids of the batch's images in order of appearance.
         video_grid_thw: ``(V, 3)`` patch grids of the batch's videos in order of appearance.
         image_token_id, video_token_id, vision_start_token_id: the model config's ids.
@@ -149,7 +149,10 @@ def qwen3_vl_position_ids_deferred(
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected (B, T), got {tuple(input_ids.shape)}")
-    keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
+    if attention_mask is None:
+        keep, mask_checks = torch.ones_like(input_ids, dtype=torch.bool), []
+    else:  # the package's one 2D mask rule: bool, or 0 / 1 values (lengths.keep_mask_from_2d)
+        keep, mask_checks = keep_mask_from_2d(attention_mask)
     if keep.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask: shape {tuple(keep.shape)} does not match input_ids {tuple(input_ids.shape)}"
@@ -183,7 +186,7 @@ def qwen3_vl_position_ids_deferred(
         (grids[:, 0] * (grids[:, 1] // spatial_merge_size) * (grids[:, 2] // spatial_merge_size)).sum()
         for grids in (image_grids, video_grids)
     )
-    checks = [
+    checks = mask_checks + [
         DeferredCheck(
             image_error,
             "image_grid_thw: the real image tokens of the batch do not match its grids; pass one grid per image in "

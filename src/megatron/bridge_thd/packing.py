@@ -192,7 +192,7 @@ def pack_bshd_to_thd(
 
     Args:
         input_ids: ``(B, T)`` token ids.
-        attention_mask: ``(B, T)`` keep mask (non-zero = real, at any positions) or a 4D
+        attention_mask: ``(B, T)`` keep mask (bool, or 0 / 1 values, at any positions) or a 4D
             Megatron mask ``(B|1, 1, T, T)`` (True = masked). None with ``real_lengths`` None
             means every token is real.
         labels: ``(B, T)``, packed with -100 in padding slots.

@@ -163,7 +163,7 @@ def resolve_layout(state, pp_size: int, variable_seq_lengths: bool) -> str:
 
 def capture_keep_mask(batch: dict, tokens: torch.Tensor, state, model_config) -> tuple[torch.Tensor, list[DeferredCheck]]:
     """The ``(B, T)`` keep mask, taken from the dataset's mask before any pad/truncate helper,
-    and the deferred validity checks of a 4D mask (none for a 2D one).
+    and its deferred validity checks (a 2D mask: only 0 / 1 values; a 4D one: causal with padding).
 
     Without a mask, lengths are derived from the pad token only when the user opted in with
     ``dataset.packing_length_fallback = "pad_token"``; the pad id comes from the tokenizer or the

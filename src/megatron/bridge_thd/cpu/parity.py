@@ -50,7 +50,7 @@ class Recorder(torch.nn.Module):
 
 def keep_mask(batch: dict) -> torch.Tensor:
     """``(B, T)`` bool, True at real tokens, from the batch's ``attention_mask`` as the step reads
-    it: a 2D keep mask of any dtype (non-zero = real: bool, int or float 1.0 / 0.0) or a 4D
+    it: a 2D keep mask (bool, or 0 / 1 values of an int or float dtype) or a 4D
     Megatron mask (True = masked)."""
     tokens = batch["tokens"]
     keep, _ = keep_mask_from_attention_mask(batch["attention_mask"], *tokens.shape)
