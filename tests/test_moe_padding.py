@@ -19,7 +19,7 @@ The model: tiny Qwen3-VL, 3 MoE layers of 4 experts, top-2, sigmoid scores (expe
 them), aux loss 1e-2, z-loss 1e-3, expert bias on, ``seq_length`` 640 (a ``thd_static`` row of
 1920 slots for 1665 real tokens). ``thd`` runs with an FP8 alignment of 16 so that every slot of
 the row ends in padding (at TP = CP = 1 a ``thd`` row has none: both models then agree). The
-padded layout (``bshd``, a ``(3, 601)`` batch) is checked too: the step passes it a ``(B, T)`` mask.
+padded layout (``bshd``, a ``(3, 608)`` batch: 601 columns rounded up to 16 as Megatron-Bridge pads) is checked too: the step passes it a ``(B, T)`` mask.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pytest
 import torch
 from _real_model import FakeGroup, worst_relative_gradient_error
 
-from megatron.bridge_thd import qwen3_vl_step
+from megatron.bridge_thd import qwen3_vl_step, step
 from megatron.bridge_thd.cpu.launcher import run_on_gloo
 from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.cpu.parity import Recorder, sample_inputs, step_run
@@ -174,7 +174,7 @@ def runs(models, batches):
 
 @pytest.fixture
 def fresh_log_once(monkeypatch):
-    monkeypatch.setattr(qwen3_vl_step, "_logged_once", set())
+    monkeypatch.setattr(step, "_logged_once", set())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def test_padding_slots_are_still_routed(runs):
 
 def test_step_passes_the_mask_and_logs_it(models, batches, fresh_log_once, caplog):
     _, masked = models
-    caplog.set_level(logging.INFO, logger=qwen3_vl_step.__name__)
+    caplog.set_level(logging.INFO, logger=step.__name__)
     with torch.no_grad():
         run = step_run(masked, batches["right"], "thd_static", seq_length=SEQ)
     mask = run.args["padding_mask"]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from _real_model import FakeGroup
 
-from megatron.bridge_thd import qwen3_vl_step
+from megatron.bridge_thd import qwen3_vl_step, step
 from megatron.bridge_thd.data import synthetic_receipt_batch
 from megatron.bridge_thd.packing import required_alignment
 from megatron.bridge_thd.qwen3_vl_step import forward_step
@@ -28,7 +28,7 @@ from megatron.bridge_thd.reference import ReferenceQwen3VL
 from megatron.bridge_thd.standalone import init_single_process_groups, minimal_state
 
 IMAGE, VISION_START, VISION_END, EOS, PAD = 250, 252, 253, 254, 0
-LOGGER = "megatron.bridge_thd.qwen3_vl_step"
+LOGGER = "megatron.bridge_thd.step"
 SEQ = 2048
 B = 4
 SEED = 1
@@ -65,7 +65,7 @@ def left_batch():
 @pytest.fixture
 def fresh_log_once(monkeypatch):
     """Forget which one-time messages were logged, so that this test sees them."""
-    monkeypatch.setattr(qwen3_vl_step, "_logged_once", set())
+    monkeypatch.setattr(step, "_logged_once", set())
 
 
 def fake_pg(tp=1, cp=1, pp=1, ep=1, pp_rank=0):
@@ -101,6 +101,12 @@ def hf_per_sample_loss(ref, batch) -> float:
             ce = F.cross_entropy(logits.float()[supervised], labels[supervised], reduction="sum")
             total += float(ce)
     return total
+
+
+def bshd_width(width: int) -> int:
+    """Megatron-Bridge 0.6.2's padded width at TP = CP = 1 without forced padding: the batch width
+    rounded up to 16 (its step always pads as for FP8, ``use_fp8_padding=True``)."""
+    return -(-width // 16) * 16
 
 
 def run_step(model, batch, state, **kwargs):
@@ -537,7 +543,9 @@ def test_truncation_of_answer_text(layout, padding, ref, caplog):
         assert got == [min(n, seq) for n in lengths]
         assert max(got) <= seq
     else:
-        assert kw["input_ids"].shape[1] <= seq
+        # The padded width is seq_length rounded up to Megatron-Bridge 0.6.2's own divisor (16: its
+        # step always pads as for FP8); nothing past seq_length is real.
+        assert kw["input_ids"].shape[1] == -(-seq // 16) * 16
         # each row holds the sample's first min(n, seq) real tokens, right padded
         for i, n in enumerate(lengths):
             keep_n = min(n, seq)
@@ -667,7 +675,7 @@ def test_stats(layout, ref, right_batch):
     assert len(state.bridge_thd_stats) == 1
     stats = state.bridge_thd_stats[0]
     lengths = real_lengths(right_batch)
-    W = right_batch["tokens"].shape[1]
+    W = bshd_width(right_batch["tokens"].shape[1])  # Megatron-Bridge's padded width (layouts.bshd_width)
     assert stats.layout == layout
     assert int(stats.real_tokens) == int(right_batch["attention_mask"].sum())
     assert int(stats.truncated_tokens) == 0
@@ -711,8 +719,10 @@ def test_return_schedule_plan_with_bshd_builds_plan(ref, right_batch):
     with torch.no_grad():
         plan, loss_function = forward_step(state, iter([right_batch]), model, return_schedule_plan=True)
     assert plan == "plan" and not model.calls
-    assert model.plan_args["input_ids"].shape == right_batch["tokens"].shape
-    assert torch.equal(loss_function.args[0], right_batch["loss_mask"])
+    assert model.plan_args["input_ids"].shape == (B, bshd_width(right_batch["tokens"].shape[1]))
+    width = right_batch["tokens"].shape[1]
+    assert torch.equal(loss_function.args[0][:, :width], right_batch["loss_mask"])
+    assert not loss_function.args[0][:, width:].any()  # the columns the padded width adds are padding
 
 
 def test_packing_off_is_bshd(ref, right_batch):
@@ -721,7 +731,7 @@ def test_packing_off_is_bshd(ref, right_batch):
     run = run_step(model, right_batch, state)
     assert run.stats.layout == "bshd"
     assert model.calls[-1]["packed_seq_params"] is None
-    assert model.calls[-1]["input_ids"].shape == right_batch["tokens"].shape
+    assert model.calls[-1]["input_ids"].shape == (B, bshd_width(right_batch["tokens"].shape[1]))
 
 
 @pytest.mark.parametrize("enabled, expected", [(True, "thd"), (False, "bshd")])
@@ -805,7 +815,7 @@ def test_wide_padding_without_long_samples_truncates_nothing(layout, ref, caplog
     assert run.num_tokens == int(batch["loss_mask"].sum())
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "truncat" in r.getMessage()]
     if layout == "bshd":
-        assert model.calls[-1]["input_ids"].shape == (B, seq)
+        assert model.calls[-1]["input_ids"].shape == (B, bshd_width(seq))
     else:
         assert model.calls[-1]["input_ids"].shape == (1, sum(lengths))
 

@@ -33,7 +33,7 @@ from _real_model import (
     worst_relative_gradient_error,
 )
 
-from megatron.bridge_thd import mrope, qwen3_vl_step
+from megatron.bridge_thd import mrope, qwen3_vl_step, step
 from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.packing import pack_bshd_to_thd
 from megatron.bridge_thd.upstream import load_bridge_module
@@ -214,8 +214,8 @@ def test_all_padding_micro_batch_trains_on_nothing(model, layout):
 def test_bridge_model_gets_no_undeclared_extras(model, batches, monkeypatch, caplog):
     """0.6.2's Qwen3VLModel declares no padding_mask: its **kwargs go on to the language model,
     which raises TypeError on the name, so the step must not pass it, and says so once."""
-    monkeypatch.setattr(qwen3_vl_step, "_logged_once", set())
-    caplog.set_level(logging.INFO, logger="megatron.bridge_thd.qwen3_vl_step")
+    monkeypatch.setattr(step, "_logged_once", set())
+    caplog.set_level(logging.INFO, logger=step.__name__)
     batch = batches["right"]
     with torch.no_grad():
         run = step_run(model, batch, "thd")

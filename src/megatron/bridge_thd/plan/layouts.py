@@ -1,17 +1,14 @@
-"""Token slots and attention work of each packing layout for one micro-batch.
+"""Token slots and attention work of each packing layout for one micro-batch, by the layout
+contract the step builds rows by (:mod:`megatron.bridge_thd.layouts`).
 
 For a micro-batch of B samples with real lengths ``s_i`` (LLM tokens, truncated to
-``seq_length``):
+``seq_length``), collated to the longest sample:
 
-* ``bshd`` (Megatron-Bridge 0.6.2 ``qwen3_vl_step``): a ``(B, T)`` batch,
-  ``T = round_up(max_i s_i, d)`` with ``d = lcm(tp * (2 * cp if cp > 1 else 1), 16)`` (the step
-  always passes ``use_fp8_padding=True``), or ``T = seq_length`` when PP > 1 or EP > 1
-  (``force_to_pad_to_seq_len``). Slots ``B * T``; attention work ``B * T^2``.
-* ``thd``: one row of real tokens, slot i ``round_up(s_i, a)`` with
-  ``a = required_alignment(tp, cp, sequence_parallel)`` (``2 * cp`` if cp > 1 else 1, times tp
-  with sequence parallelism). Slots ``sum_i round_up(s_i, a)``; attention ``sum_i s_i^2``.
-* ``thd_static``: the same row padded to ``B * round_up(seq_length, a)`` slots (static shapes
-  for PP p2p / CUDA graphs); attention ``sum_i s_i^2``.
+* ``bshd``: ``(B, W)`` with ``W = layouts.bshd_width(max_i s_i, ...)`` (Megatron-Bridge 0.6.2's
+  padded width, ``seq_length`` when PP > 1 or EP > 1). Slots ``B * W``; attention ``B * W^2``.
+* ``thd``: one row of real tokens, slot i ``round_up(s_i, a)``, ``a = layouts.thd_alignment``.
+  Slots ``sum_i round_up(s_i, a)``; attention ``sum_i s_i^2``.
+* ``thd_static``: ``layouts.static_row_length`` slots; attention ``sum_i s_i^2``.
 
 "Slots" are what the linear layers (QKV, MLP, logits) process; "attention work" is what the
 trainer's ``seqlen_squared_sum`` accumulator holds for the layout.
@@ -19,15 +16,15 @@ trainer's ``seqlen_squared_sum`` accumulator holds for the layout.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from megatron.bridge_thd.packing import required_alignment, round_up
+from megatron.bridge_thd import layouts
 from megatron.bridge_thd.plan.lengths import SampleLengths, check_seq_length
 
 __all__ = ["LAYOUTS", "Parallel", "MicroBatch", "micro_batches", "layout_stats"]
 
-LAYOUTS = ("bshd", "thd", "thd_static")
+# The planner lists the baseline first.
+LAYOUTS = ("bshd",) + tuple(name for name in layouts.LAYOUT_NAMES if name != "bshd")
 
 
 def _check(name: str, value, minimum: int = 1) -> int:
@@ -39,7 +36,8 @@ def _check(name: str, value, minimum: int = 1) -> int:
 @dataclass(frozen=True)
 class Parallel:
     """Parallel layout: ``gpus`` = tp * cp * pp * dp; EP splits experts over the DP x CP ranks.
-    ``sequence_parallel`` defaults to on whenever tp > 1 (Megatron's usual setting)."""
+    ``sequence_parallel`` defaults to on whenever tp > 1 (Megatron's usual setting); ``fp8`` aligns
+    THD slots to 16 as the step does with an FP8 recipe."""
 
     tp: int = 1
     cp: int = 1
@@ -47,6 +45,7 @@ class Parallel:
     ep: int = 1
     gpus: int = 8
     sequence_parallel: bool | None = None
+    fp8: bool = False
 
     def __post_init__(self):
         for name in ("tp", "cp", "pp", "ep", "gpus"):
@@ -65,11 +64,10 @@ class Parallel:
         return self.tp > 1 if self.sequence_parallel is None else bool(self.sequence_parallel and self.tp > 1)
 
     def thd_alignment(self) -> int:
-        return required_alignment(self.tp, self.cp, sequence_parallel=self.sp)
+        return layouts.thd_alignment(self.tp, self.cp, sequence_parallel=self.sp, fp8=self.fp8)
 
     def bshd_divisor(self) -> int:
-        base = self.tp * self.cp * 2 if self.cp > 1 else self.tp
-        return math.lcm(base, 16)
+        return layouts.bshd_alignment(self.tp, self.cp)
 
     def bshd_forced(self) -> bool:
         return self.pp > 1 or self.ep > 1
@@ -116,12 +114,13 @@ def layout_stats(layout: str, batch: MicroBatch, seq_length: int, parallel: Para
     ``seqlen_sum`` and ``seqlen_squared_sum`` for this micro-batch (tokens, tokens^2)."""
     b = len(batch.lengths)
     if layout == "bshd":
-        width = seq_length if parallel.bshd_forced() else round_up(max(batch.lengths), parallel.bshd_divisor())
+        width = layouts.bshd_width(max(batch.lengths), seq_length=seq_length, tp=parallel.tp, cp=parallel.cp,
+                                   pp=parallel.pp, ep=parallel.ep)
         return b * width, b * width * width
     real_sq = sum(n * n for n in batch.lengths)
     align = parallel.thd_alignment()
     if layout == "thd":
-        return sum(round_up(n, align) for n in batch.lengths), real_sq
+        return layouts.thd_slots(batch.lengths, align), real_sq
     if layout == "thd_static":
-        return b * round_up(seq_length, align), real_sq
+        return layouts.static_row_length(b, seq_length=seq_length, align=align), real_sq
     raise ValueError(f"layout {layout!r} is not known; valid layouts: {', '.join(LAYOUTS)}")
