@@ -98,9 +98,10 @@ def bshd_alignment(tp: int, cp: int) -> int:
 def bshd_width(batch_width: int, *, seq_length: int, tp: int, cp: int, pp: int, ep: int) -> int:
     """``W`` of the padded ``(B, W)`` layout for a collated batch ``batch_width`` wide: the width cut
     to ``seq_length`` and rounded up to :func:`bshd_alignment`; ``seq_length`` itself when PP>1 or
-    EP>1 (Megatron-Bridge's ``force_to_pad_to_seq_len``), or more if ``seq_length`` is not aligned."""
-    width = round_up(min(batch_width, seq_length), bshd_alignment(tp, cp))
-    return max(width, seq_length) if pp > 1 or ep > 1 else width
+    EP>1 (Megatron-Bridge's ``force_to_pad_to_seq_len``)."""
+    if pp > 1 or ep > 1:
+        return seq_length
+    return round_up(min(batch_width, seq_length), bshd_alignment(tp, cp))
 
 
 def thd_slots(lengths, align: int) -> int:
