@@ -19,6 +19,8 @@ PADDING_STYLES = ("right", "left", "verl", "holes", "all_real", "all_padding")
 
 
 def round_up(x: int, multiple: int) -> int:
+    """Plain-int ceiling to a multiple: the tests' own reference (independent of
+    ``packing.round_up``, which is under test); the one copy every test imports."""
     return -(-x // multiple) * multiple
 
 

@@ -11,6 +11,7 @@ import math
 import random
 
 import pytest
+from _packing_helpers import round_up
 import torch
 
 from megatron.bridge_thd.interop.energon import (
@@ -27,8 +28,6 @@ SEED_IDS = [[1, 1, 2, 2, 2, 3, 3, 4, 5, 5, 5, 0, 0]]
 PAD = 0
 
 
-def round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def reference_layout(lengths: list[int], n: int, align: int, multiple: int) -> tuple[list[int], list[int], int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from _packing_helpers import round_up
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
@@ -28,8 +29,6 @@ from megatron.bridge_thd.packing import pack_bshd_to_thd, scatter_into_row, segm
 from megatron.bridge_thd.reference import thd_attention
 
 
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def t(values) -> torch.Tensor:

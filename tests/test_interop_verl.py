@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from _packing_helpers import round_up
 import torch
 
 import megatron.bridge_thd.interop.verl as verl_interop
@@ -64,8 +65,6 @@ def verl_layout_mask(batch: int, prompt_width: int, response_width: int, seed: i
     return keep.to(dtype)
 
 
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def expected_layout(keep: torch.Tensor, tp: int, cp: int, fp8: bool) -> tuple[list[int], list[int]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from _packing_helpers import round_up
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -31,8 +32,6 @@ def cumsum0(values: list[int]) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32)
 
 
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def make_params(lengths: list[int], slots: list[int], pad_between_seqs=None) -> PackedSeqParams:

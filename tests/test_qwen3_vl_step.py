@@ -16,6 +16,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from _packing_helpers import round_up
 import torch
 import torch.nn.functional as F
 from _real_model import FakeGroup
@@ -34,8 +35,6 @@ B = 4
 SEED = 1
 
 
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from _packing_helpers import round_up
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
@@ -20,8 +21,6 @@ from megatron.bridge_thd.reference import thd_attention
 GARBAGE = (1e6, float("inf"), float("nan"))
 
 
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def cumsum0(values: list[int]) -> torch.Tensor:
