@@ -16,13 +16,62 @@ import contextlib
 import logging
 import sys
 import time
+import warnings
 
-import torch
 
-from megatron.bridge_thd.data import synthetic_receipt_batch
-from megatron.bridge_thd.qwen3_vl_step import LAYOUTS, forward_step
-from megatron.bridge_thd.reference import ReferenceQwen3VL
-from megatron.bridge_thd.standalone import init_single_process_groups, minimal_state
+class _DropMessages(logging.Filter):
+    """Drops a logger's records whose message starts with one of ``prefixes`` (others pass)."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def _silence_cpu_build_noise() -> None:
+    """The demo's first screen is its report: silence what the CPU build of Megatron-Core /
+    Megatron-Bridge says on every run, before the imports and the model build that say it. Each
+    filter matches one message (nothing else from those modules is hidden, and the report is
+    printed to stdout, which no filter touches)."""
+    # Megatron-Core's layer specs (models/backends.py, gpt_layer_specs.py, vit_layer_specs.py,
+    # heterogeneous_layer_specs.py) warn at import that Apex is absent: expected, the CPU build uses
+    # torch norms on purpose.
+    warnings.filterwarnings("ignore", message="Apex is not installed", category=UserWarning)
+    # megatron.training's common_utils (loaded by Megatron-Bridge's flop_utils) and Megatron-Core's
+    # optimizer modules warn that neither Transformer Engine nor Apex is installed: TE cannot be
+    # installed without CUDA; the demo uses neither.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+    # transformer_engine_spec_provider.py, when the CPU stack builds the MoE spec: TE is absent
+    # (version 0.0.0), and the local linear experts are what the CPU build wants.
+    warnings.filterwarnings("ignore", message="Only transformer-engine>=", category=UserWarning)
+    # Megatron-Core 0.19.2's TransformerConfig.__post_init__: Megatron-Bridge 0.6.2's Qwen3-VL
+    # provider still sets the deprecated "full" CUDA-graph scope; no CUDA graph is captured here.
+    warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+    # hyper_comm_grid.py: absl is optional and not installed.
+    warnings.filterwarnings("ignore", message="absl.logging is not installed", category=UserWarning)
+    # gpt_model.py logs a deprecation notice (GPTModel -> HybridModel) for every model it builds:
+    # Megatron-Bridge 0.6.2's Qwen3VLModel is built on GPTModel; nothing for the demo's user to do.
+    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropMessages("GPTModel IS DEPRECATED"))
+    # rerun_state_machine.py logs at WARNING that it initialises itself (disabled) on the first
+    # forward: the demo does not use Megatron's rerun machinery.
+    logging.getLogger("megatron.core.rerun_state_machine").addFilter(
+        _DropMessages("Implicit initialization of Rerun State Machine", "RerunStateMachine initialized in mode"))
+    # torch.utils.cpp_extension logs "No CUDA runtime is found" when nvcc is on PATH without a GPU;
+    # it only matters for compiling CUDA extensions, which the demo never does. (Under
+    # ``python -m`` the package's own import may have emitted it already.)
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_DropMessages("No CUDA runtime is found"))
+
+
+_silence_cpu_build_noise()
+
+import torch  # noqa: E402  (after the filters above)
+
+from megatron.bridge_thd.data import synthetic_receipt_batch  # noqa: E402
+from megatron.bridge_thd.qwen3_vl_step import LAYOUTS, forward_step  # noqa: E402
+from megatron.bridge_thd.reference import ReferenceQwen3VL  # noqa: E402
+from megatron.bridge_thd.standalone import init_single_process_groups, minimal_state  # noqa: E402
 
 
 class _Progress:
