@@ -1,21 +1,24 @@
 #!/usr/bin/env python
-"""Regenerate the README's figures from the scripts that produce them: no hand-copied numbers.
+"""Regenerate the figures of README.md and docs/*.md from the scripts that produce them: no
+hand-copied numbers.
 
-A figure block in README.md is delimited by markers (on their own lines, or inline in a sentence)::
+A figure block in README.md or in a page docs/*.md is delimited by markers (on their own lines, or
+inline in a sentence)::
 
     <!-- figures:NAME -->
     ...generated, never edited by hand...
     <!-- /figures:NAME -->
 
-Two kinds of block (:data:`BLOCKS`):
+Each block stands in exactly one document (README.md or one docs page); the same rules hold
+wherever it stands. Two kinds of block (:data:`BLOCKS`):
 
 * **computed**: cheap and deterministic (op and host-sync counts, the planner's tables, which are
-  pure arithmetic). Rendered here from the code; ``tests/test_readme_figures.py`` recomputes them
-  and fails when the README's copy is stale.
+  pure arithmetic, ``configure``'s flag table from its records). Rendered here from the code;
+  ``tests/test_readme_figures.py`` recomputes them and fails when a document's copy is stale.
 * **results**: timings and real-model figures that take minutes. Measured by ``make bench``
   (``benchmarks/bench_pack.py``, ``benchmarks/parity_report.py``) or by ``--run demo`` (``make
   demo``'s report), stored as JSON under ``benchmarks/results/``, committed, and rendered here by
-  the measuring script's own renderer. The test checks that the README block equals the rendering
+  the measuring script's own renderer. The test checks that the document's block equals the rendering
   of the committed JSON (nobody edits it by hand), and that the op / sync counts in the committed
   benchmark results are still what the code does now. A block ``NAME`` not listed here is rendered
   by convention by ``render(results)`` of ``benchmarks/NAME_report.py`` from
@@ -23,13 +26,14 @@ Two kinds of block (:data:`BLOCKS`):
 
 Usage::
 
-    .venv/bin/python scripts/readme_figures.py              # rewrite every block of README.md
+    .venv/bin/python scripts/readme_figures.py              # rewrite every block of README.md and docs/*.md
     .venv/bin/python scripts/readme_figures.py --check      # exit 1 and list stale blocks
     .venv/bin/python scripts/readme_figures.py --run demo   # re-run the demo first (results/demo.json)
     .venv/bin/python scripts/readme_figures.py --plots      # also redraw docs/plan/*.png (matplotlib)
 
-Only the text between a block's markers is replaced; the README is re-read right before it is
-written, so edits to other sections made meanwhile are kept.
+Only the text between a block's markers is replaced; each document is re-read right before it is
+written, so edits to other sections made meanwhile are kept. A block that links to a file (the
+planner's plots) renders the link relative to the document it stands in.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import inspect
 import json
 import os
 import re
@@ -50,6 +55,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -66,9 +72,11 @@ def _quiet_imports():
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron.core: no TE / Apex on the CPU
 
 
-def packer_ops() -> str:
-    """Ops and host syncs per call of ``pack_bshd_to_thd`` on the benchmark's batch (labels,
-    loss_mask, 3D MRoPE), dynamic and static, int and bool masks; identical for every B."""
+@functools.lru_cache(maxsize=None)
+def _packer_counts() -> dict:
+    """``{(mask, mode): (ops, host_syncs)}`` per call of ``pack_bshd_to_thd`` on the benchmark's
+    batch (labels, loss_mask, 3D MRoPE), int and bool masks, dynamic and static; checked equal for
+    B = 4 and 64."""
     _quiet_imports()
     import bench_pack
 
@@ -87,16 +95,31 @@ def packer_ops() -> str:
     for key, seen in counts.items():
         if len(seen) != 1:
             raise RuntimeError(f"pack_bshd_to_thd {key}: op / sync counts depend on B: {sorted(seen)}")
-    (di, ds), = counts[("int", "dynamic")]
-    (db, _), = counts[("bool", "dynamic")]
-    (si, ss), = counts[("int", "static")]
-    (sb, _), = counts[("bool", "static")]
+    return {key: next(iter(seen)) for key, seen in counts.items()}
 
-    def syncs(n):
-        return "no host sync" if n == 0 else f"{n} host sync" + ("s" if n > 1 else "")
 
+def _syncs(n: int) -> str:
+    return "no host sync" if n == 0 else f"{n} host sync" + ("s" if n > 1 else "")
+
+
+def packer_ops() -> str:
+    """Ops and host syncs per call of ``pack_bshd_to_thd``, dynamic and static, int and bool masks;
+    identical for every B (docs/packer.md)."""
+    counts = _packer_counts()
+    di, ds = counts[("int", "dynamic")]
+    db, _ = counts[("bool", "dynamic")]
+    si, ss = counts[("int", "static")]
+    sb, _ = counts[("bool", "static")]
     return (f"with labels, loss_mask and 3D MRoPE positions, dynamic mode dispatches {di} ops ({db} with a bool mask) "
-            f"and {syncs(ds)}, static mode {si} ops ({sb} with a bool mask) and {syncs(ss)}, for any B")
+            f"and {_syncs(ds)}, static mode {si} ops ({sb} with a bool mask) and {_syncs(ss)}, for any B")
+
+
+def packer_ops_short() -> str:
+    """The same counts, short, for the README's table (int mask)."""
+    counts = _packer_counts()
+    di, ds = counts[("int", "dynamic")]
+    si, ss = counts[("int", "static")]
+    return f"{di} ops and {_syncs(ds)} per call (static mode: {si} ops, {_syncs(ss)}) for any B"
 
 
 STEP_SYNC_ROWS = [
@@ -178,8 +201,9 @@ def _layout_label(par, note: str) -> str:
     return ", ".join(parts) + (f"; {note}" if note else "")
 
 
-def plan_tables() -> str:
-    """The four planner tables with their headline and plot."""
+def plan_tables(base: Path = ROOT) -> str:
+    """The four planner tables with their headline and plot (linked relative to ``base``, the
+    folder of the document the block stands in)."""
     from megatron.bridge_thd.plan.report import plan_summary, plan_table
 
     blocks = [f"Synthetic receipts (n = {PLAN_SAMPLES}, seed {PLAN_SEED}), micro-batch {PLAN_MBS}, 8xH100:"]
@@ -192,9 +216,28 @@ def plan_tables() -> str:
                 f"**{title} ({_layout_label(p.settings.parallel, note)}), seq_length {seq_length}, micro-batch "
                 f"{PLAN_MBS}** (`{command}`) — {plan_summary(p)}",
                 plan_table(p),
-                f"![{model} {seq_length}](docs/plan/{model}_{seq_length}.png)",
+                f"![{model} {seq_length}]({_link(DOCS / 'plan' / f'{model}_{seq_length}.png', base)})",
             ]
     return "\n\n".join(blocks)
+
+
+def _link(path: Path, base: Path) -> str:
+    return Path(os.path.relpath(path, base)).as_posix()
+
+
+def configure_flags() -> str:
+    """``configure``'s flag table from its records (``configure.FLAG_RULES``), with the note on
+    the attributes marked ``*``."""
+    from megatron.bridge_thd.configure import FLAG_RULES, FLAG_RULES_NOTE
+
+    rows = ["| Purpose | Megatron-Bridge 0.6.2 | Megatron-Bridge main (Aug 2026) | Set by `configure` to |",
+            "| --- | --- | --- | --- |"]
+    for rule in FLAG_RULES:
+        cells = (rule.purpose, rule.name_062, rule.name_main, rule.set_to)
+        if any("|" in cell or "\n" in cell for cell in cells):
+            raise ValueError(f"configure.FLAG_RULES: a cell with '|' or a newline breaks the table: {rule}")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n\n" + FLAG_RULES_NOTE
 
 
 def plan_discussion() -> str:
@@ -321,6 +364,24 @@ def _parity(part: str) -> Callable[[], str]:
     return render
 
 
+def _edge_cases(part: str) -> Callable[[], str]:
+    """``benchmarks/edge_cases_report.py``'s report split in two: the PP x CP table (with the
+    environment line) for docs/pipeline-parallel.md, the MoE tables for docs/moe-routing.md."""
+
+    def render() -> str:
+        import edge_cases_report
+
+        results = load_results("edge_cases")
+        paragraphs = edge_cases_report.render(results).split("\n\n")
+        if not (paragraphs[0].startswith("PP=2 x CP=2") and paragraphs[2].startswith("MoE")):
+            raise RuntimeError("benchmarks/edge_cases_report.render() changed its order: update _edge_cases")
+        env = paragraphs[-1]
+        return "\n\n".join(paragraphs[:2] + [env] if part == "pp" else paragraphs[2:])
+
+    render.__doc__ = f"edge_cases_report.py's {part} tables, from benchmarks/results/edge_cases.json."
+    return render
+
+
 DEMO_COMMAND = ["-m", "megatron.bridge_thd.cli", "--progress", "off"]
 
 
@@ -355,7 +416,7 @@ def demo_gflop() -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# The registry, and README I/O
+# The registry, and document I/O
 # --------------------------------------------------------------------------------------------
 
 
@@ -369,6 +430,7 @@ class Block:
 
 BLOCKS: dict[str, Block] = {
     "packer-ops": Block(packer_ops, "computed", inline=True, source="opcount.count_ops on pack_bshd_to_thd"),
+    "packer-ops-short": Block(packer_ops_short, "computed", inline=True, source="opcount.count_ops on pack_bshd_to_thd"),
     "bench-pack": Block(bench_pack_block, "results", source="benchmarks/bench_pack.py -> results/bench_pack.json"),
     "step-host-syncs": Block(step_host_syncs, "computed", source="opcount over prepare_micro_batch, real model"),
     "demo": Block(demo_block, "results", source="make demo (--run demo) -> results/demo.json"),
@@ -381,6 +443,9 @@ BLOCKS: dict[str, Block] = {
     "plan-discussion": Block(plan_discussion, "computed", source="bridge-thd plan"),
     "plan-calibration": Block(plan_calibration, "computed", source="bridge-thd plan --calibrate"),
     "plan-calibration-discussion": Block(plan_calibration_discussion, "computed", source="bridge-thd plan --calibrate"),
+    "configure-flags": Block(configure_flags, "computed", source="configure.FLAG_RULES"),
+    "edge-cases-pp": Block(_edge_cases("pp"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),
+    "edge-cases-moe": Block(_edge_cases("moe"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),
 }
 
 
@@ -404,18 +469,30 @@ def report_block(name: str) -> Block | None:
 def get_block(name: str) -> Block:
     block = BLOCKS.get(name) or report_block(name)
     if block is None:
-        raise ValueError(f"README: unknown figure block {name!r}: neither in scripts/readme_figures.BLOCKS "
+        raise ValueError(f"unknown figure block {name!r}: neither in scripts/readme_figures.BLOCKS "
                          f"({', '.join(BLOCKS)}) nor a benchmarks/{name.replace('-', '_')}_report.py")
     return block
 
 
 def wrap(name: str, text: str) -> str:
-    """A block as it stands in the README, markers included."""
+    """A block as it stands in a document, markers included."""
     sep = "" if get_block(name).inline else "\n\n"
     return f"<!-- figures:{name} -->{sep}{text}{sep}<!-- /figures:{name} -->"
 
 
-def readme_blocks(text: str) -> dict[str, str]:
+def documents() -> list[Path]:
+    """The documents that may hold figure blocks: README.md, then every docs/*.md."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def _label(path: Path) -> str:
+    try:
+        return path.relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def readme_blocks(text: str, where: str = "README") -> dict[str, str]:
     """``{name: body}`` of every block in ``text`` (the body between the markers, as is).
 
     Raises:
@@ -424,56 +501,87 @@ def readme_blocks(text: str) -> dict[str, str]:
     found: dict[str, str] = {}
     for m in MARKER.finditer(text):
         name = m.group("name")
-        get_block(name)
+        try:
+            get_block(name)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
         if name in found:
-            raise ValueError(f"README: figure block {name!r} appears twice")
+            raise ValueError(f"{where}: figure block {name!r} appears twice")
         found[name] = m.group("body")
     paired = sum(1 for _ in MARKER.finditer(text)) * 2
     if len(OPEN.findall(text)) != paired:
-        raise ValueError("README: a figures marker has no partner (each <!-- figures:NAME --> needs its "
+        raise ValueError(f"{where}: a figures marker has no partner (each <!-- figures:NAME --> needs its "
                          "<!-- /figures:NAME -->)")
     return found
 
 
-def render_block(name: str) -> str:
-    """The block's full text, markers included."""
-    return wrap(name, get_block(name).render())
+def all_blocks(paths: list[Path] | None = None) -> dict[str, tuple[Path, str]]:
+    """``{name: (document, body)}`` over every document (:func:`documents`).
+
+    Raises:
+        ValueError: as :func:`readme_blocks`, or a name that stands in two documents (one
+            figure, one place).
+    """
+    found: dict[str, tuple[Path, str]] = {}
+    for path in paths or documents():
+        for name, body in readme_blocks(path.read_text(), _label(path)).items():
+            if name in found:
+                raise ValueError(f"figure block {name!r} stands in both {_label(found[name][0])} and {_label(path)}: "
+                                 "a block belongs to one document (link to it from the other)")
+            found[name] = (path, body)
+    return found
 
 
-def update_readme(names: list[str] | None = None, check: bool = False) -> list[str]:
+def render_block(name: str, document: Path = README) -> str:
+    """The block's full text, markers included, as it reads in ``document`` (links relative to it)."""
+    render = get_block(name).render
+    if "base" in inspect.signature(render).parameters:
+        return wrap(name, render(base=document.parent))
+    return wrap(name, render())
+
+
+def update_readme(names: list[str] | None = None, check: bool = False, paths: list[Path] | None = None) -> list[str]:
     """Rewrite (or, with ``check``, only compare) the named blocks (None: every block of
-    :data:`BLOCKS` and of the README); returns the stale names. Results that are missing are
-    reported on stderr and leave their block as it is."""
-    rendered = {}
-    for name in names or ():
-        try:
-            rendered[name] = render_block(name)
-        except MissingResults as error:
-            print(f"{name}: {error}", file=sys.stderr)
-    text = README.read_text()  # re-read right before writing: others may edit other sections
-    present = readme_blocks(text)
-    stale = []
+    :data:`BLOCKS` and of the documents) in the document each stands in (``paths``: default
+    README.md and docs/*.md); returns the stale names. Results that are missing are reported on
+    stderr and leave their block as it is."""
+    paths = paths or documents()
+    located = all_blocks(paths)
     if names is None:
-        names = list(dict.fromkeys([*BLOCKS, *present]))
-        for name in [n for n in names if n not in rendered]:
+        names = list(dict.fromkeys([*BLOCKS, *located]))
+    stale = []
+    for name in names:
+        if name not in located:
+            print(f"{name}: no <!-- figures:{name} --> block in README.md or docs/*.md", file=sys.stderr)
+    by_document: dict[Path, list[str]] = {}
+    for name in names:
+        if name in located:
+            by_document.setdefault(located[name][0], []).append(name)
+    for path, doc_names in by_document.items():
+        rendered = {}
+        for name in doc_names:
             try:
-                rendered[name] = render_block(name)
+                rendered[name] = render_block(name, path)
             except MissingResults as error:
                 print(f"{name}: {error}", file=sys.stderr)
-    for name, new in rendered.items():
-        if name not in present:
-            print(f"{name}: no <!-- figures:{name} --> block in README.md", file=sys.stderr)
-            continue
-        old = f"<!-- figures:{name} -->{present[name]}<!-- /figures:{name} -->"
-        if old != new:
-            stale.append(name)
-            if check:
-                diff = difflib.unified_diff(old.splitlines(), new.splitlines(), "README.md", "rendered", lineterm="", n=1)
-                print("\n".join(list(diff)[:40]), file=sys.stderr)
-            else:
-                text = text.replace(old, new, 1)
-    if stale and not check:
-        README.write_text(text)
+        text = path.read_text()  # re-read right before writing: others may edit other sections
+        present = readme_blocks(text, _label(path))
+        changed = False
+        for name, new in rendered.items():
+            if name not in present:
+                print(f"{name}: {_label(path)} no longer holds the block", file=sys.stderr)
+                continue
+            old = f"<!-- figures:{name} -->{present[name]}<!-- /figures:{name} -->"
+            if old != new:
+                stale.append(name)
+                if check:
+                    diff = difflib.unified_diff(old.splitlines(), new.splitlines(), _label(path), "rendered",
+                                                lineterm="", n=1)
+                    print("\n".join(list(diff)[:40]), file=sys.stderr)
+                else:
+                    text, changed = text.replace(old, new, 1), True
+        if changed:
+            path.write_text(text)
     return stale
 
 
@@ -485,7 +593,7 @@ def write_plots() -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", help=f"blocks to render (default: all in the README): {', '.join(BLOCKS)}, "
+    parser.add_argument("names", nargs="*", help=f"blocks to render (default: all in README.md and docs/*.md): {', '.join(BLOCKS)}, "
                         "and NAME for any benchmarks/NAME_report.py")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
     parser.add_argument("--run", action="append", default=[], choices=["demo"],
@@ -504,10 +612,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
     if args.check:
         if stale:
-            print(f"stale README figure blocks: {', '.join(stale)}; run scripts/readme_figures.py", file=sys.stderr)
+            print(f"stale figure blocks: {', '.join(stale)}; run scripts/readme_figures.py", file=sys.stderr)
             return 1
         return 0
-    print(f"README.md: {'updated ' + ', '.join(stale) if stale else 'every figure block is current'}", file=sys.stderr)
+    print(f"README.md, docs/*.md: {'updated ' + ', '.join(stale) if stale else 'every figure block is current'}",
+          file=sys.stderr)
     return 0
 
 

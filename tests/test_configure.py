@@ -32,6 +32,7 @@ import importlib.util
 import logging
 import math
 import pathlib
+import sys
 import typing
 from types import SimpleNamespace
 
@@ -1232,8 +1233,23 @@ def test_micro_batch_size_one_refused_by_both(bridge, mock_vlm_config_cls):
         configure(cfg)
 
 
-def test_module_docstring_has_the_flag_table():
-    doc = configure_module.__doc__
+def _docs_configure_flags_block():
+    """The ``configure-flags`` block of docs/configure.md as it stands, and as rendered from
+    ``configure.FLAG_RULES`` now (scripts/readme_figures.py)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        import readme_figures
+    finally:
+        sys.path.remove(str(root / "scripts"))
+    path, body = readme_figures.all_blocks()["configure-flags"]
+    assert path == root / "docs" / "configure.md"
+    return f"<!-- figures:configure-flags -->{body}<!-- /figures:configure-flags -->", readme_figures.render_block(
+        "configure-flags", path)
+
+
+def test_the_flag_table_is_rendered_from_configures_records():
+    names = [rule.name_062 for rule in configure_module.FLAG_RULES]
     for flag in (
         "dataset.enable_in_batch_packing",
         "dataset.pack_sequences_in_batch",
@@ -1244,13 +1260,18 @@ def test_module_docstring_has_the_flag_table():
         "model.variable_seq_lengths",
         "model.moe_hybridep_pad_uneven_dispatch_inputs",
     ):
-        assert f"`{flag}" in doc
+        assert sum(f"`{flag}`" in name for name in names) == 1, flag
+    in_docs, rendered = _docs_configure_flags_block()
+    assert in_docs == rendered, "docs/configure.md's flag table is stale: run scripts/readme_figures.py"
+    for rule in configure_module.FLAG_RULES:
+        assert f"| {rule.purpose} | {rule.name_062} | {rule.name_main} | {rule.set_to} |" in in_docs
 
 
-def test_docs_explain_the_refusals_without_repeating_the_flag_table():
+def test_docs_explain_the_refusals_and_hold_the_one_flag_table():
     docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "configure.md").read_text()
-    assert "| Purpose | Megatron-Bridge 0.6.2 |" in configure_module.__doc__
-    assert "| Purpose | Megatron-Bridge 0.6.2 |" not in docs
+    header = "| Purpose | Megatron-Bridge 0.6.2 |"
+    assert header not in configure_module.__doc__, "the flag table's one copy is configure.FLAG_RULES"
+    assert docs.count(header) == 1 and header in _docs_configure_flags_block()[0]
     for heading in (
         "### CUDA graphs with pipeline parallelism (every layout)",
         "### MoE expert-parallel communication overlap with a THD layout",

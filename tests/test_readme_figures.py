@@ -1,7 +1,9 @@
-"""Every figure block of the README is what its script produces now (scripts/readme_figures.py).
+"""Every figure block of README.md and docs/*.md is what its script produces now
+(scripts/readme_figures.py).
 
 Computed blocks (op and host-sync counts, the planner's tables) are recomputed here, so a stale
-figure fails. Results blocks (timings, real-model parity) must equal the rendering of the committed
+figure fails. Each block stands in one document. Results blocks (timings, real-model parity) must
+equal the rendering of the committed
 JSON under benchmarks/results/ (no hand edits); the op / sync counts in the committed benchmark
 results must still be what the code dispatches. Fix a failure with
 ``.venv/bin/python scripts/readme_figures.py`` (after ``make bench`` for results blocks).
@@ -24,25 +26,35 @@ import readme_figures as rf  # noqa: E402
 FIX = "run `.venv/bin/python scripts/readme_figures.py` (after `make bench` for results blocks)"
 
 
-# Every block of the README (each name known, used once, markers paired: else this raises), plus
-# the registered ones; a block by convention (benchmarks/NAME_report.py) is a results block.
-NAMES = list(dict.fromkeys([*rf.BLOCKS, *rf.readme_blocks(rf.README.read_text())]))
+# Every block of README.md and docs/*.md (each name known, in one document, used once, markers
+# paired: else this raises), plus the registered ones; a block by convention
+# (benchmarks/NAME_report.py) is a results block.
+NAMES = list(dict.fromkeys([*rf.BLOCKS, *rf.all_blocks()]))
 
 
 @pytest.fixture(scope="module")
 def readme_blocks():
-    return rf.readme_blocks(rf.README.read_text())
+    """``{name: (document, body)}`` over README.md and docs/*.md."""
+    return rf.all_blocks()
 
 
-def test_every_registered_block_is_in_the_readme(readme_blocks):
+def test_every_registered_block_is_in_a_document(readme_blocks):
     missing = [name for name in rf.BLOCKS if name not in readme_blocks]
-    assert not missing, f"README.md lacks the figure blocks {missing} (<!-- figures:NAME --> ... <!-- /figures:NAME -->)"
+    assert not missing, (f"neither README.md nor docs/*.md holds the figure blocks {missing} "
+                         "(<!-- figures:NAME --> ... <!-- /figures:NAME -->)")
+
+
+def test_the_readme_keeps_its_figure_blocks(readme_blocks):
+    """The README's own figures: the packer's op count in the table of proofs, the demo's report."""
+    in_readme = {name for name, (path, _) in readme_blocks.items() if path == rf.README}
+    assert {"packer-ops-short", "demo"} <= in_readme
 
 
 def _assert_current(name, readme_blocks):
-    body = readme_blocks[name]
-    rendered = rf.render_block(name)
-    assert f"<!-- figures:{name} -->{body}<!-- /figures:{name} -->" == rendered, f"README block {name!r} is stale: {FIX}"
+    path, body = readme_blocks[name]
+    rendered = rf.render_block(name, path)
+    where = path.relative_to(rf.ROOT)
+    assert f"<!-- figures:{name} -->{body}<!-- /figures:{name} -->" == rendered, f"{where} block {name!r} is stale: {FIX}"
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if rf.get_block(n).kind == "computed"])
@@ -73,12 +85,22 @@ def test_committed_benchmark_counts_are_what_the_code_dispatches():
 def test_update_rewrites_only_block_bodies(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text("intro 1\n\n<!-- figures:plan-gpu -->\n\nold\n\n<!-- /figures:plan-gpu -->\n\nkeep 2\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    page = docs / "page.md"
+    page.write_text("text\n<!-- figures:configure-flags -->stale<!-- /figures:configure-flags -->\nmore\n")
     monkeypatch.setattr(rf, "README", readme)
-    assert rf.update_readme(["plan-gpu"], check=True) == ["plan-gpu"]
-    assert "old" in readme.read_text()
-    assert rf.update_readme(["plan-gpu"]) == ["plan-gpu"]
+    monkeypatch.setattr(rf, "DOCS", docs)
+    assert rf.documents() == [readme, page]
+    assert rf.update_readme(["plan-gpu", "configure-flags"], check=True) == ["plan-gpu", "configure-flags"]
+    assert "old" in readme.read_text() and "stale" in page.read_text()
+    assert rf.update_readme() == ["plan-gpu", "configure-flags"]  # every block, each in its own document
     assert readme.read_text() == f"intro 1\n\n<!-- figures:plan-gpu -->{rf.plan_gpu()}<!-- /figures:plan-gpu -->\n\nkeep 2\n"
-    assert rf.update_readme(["plan-gpu"]) == []
+    assert page.read_text() == f"text\n{rf.render_block('configure-flags', page)}\nmore\n"
+    assert rf.update_readme() == []
+    page.write_text("<!-- figures:plan-gpu -->x<!-- /figures:plan-gpu -->")
+    with pytest.raises(ValueError, match="stands in both .*README.md and .*page.md"):
+        rf.all_blocks()
     readme.write_text("<!-- figures:plan-gpu -->x\n")
     with pytest.raises(ValueError, match="no partner"):
         rf.readme_blocks(readme.read_text())
@@ -87,8 +109,15 @@ def test_update_rewrites_only_block_bodies(tmp_path, monkeypatch):
         rf.readme_blocks(readme.read_text())
 
 
+def test_links_are_relative_to_the_document():
+    """The planner's plots are linked from wherever the block stands."""
+    assert "](docs/plan/qwen3-vl-8b_2048.png)" in rf.plan_tables(base=rf.ROOT)
+    assert "](plan/qwen3-vl-8b_2048.png)" in rf.plan_tables(base=rf.DOCS)
+
+
 def test_readme_examples_are_what_the_code_gives():
-    """Worked examples quoted in the README's prose and code comments, computed (cheap)."""
+    """Worked examples quoted in the prose and code comments of README.md and docs/*.md, computed
+    (cheap)."""
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -97,10 +126,10 @@ def test_readme_examples_are_what_the_code_gives():
     from megatron.bridge_thd.lengths import cu_seqlens_from_sample_ids
     from megatron.bridge_thd.mtp import roll_packed_left
 
-    text = rf.README.read_text()
+    text = "\n".join(path.read_text() for path in rf.documents())
 
     def quoted(snippet):
-        assert snippet in " ".join(text.split()), f"README no longer quotes {snippet!r}: update this test with it"
+        assert snippet in " ".join(text.split()), f"README.md / docs/*.md no longer quote {snippet!r}: update this test"
 
     quoted("required_alignment(tp_size=2, cp_size=2, sequence_parallel=True, fp8=False) # -> 8")
     assert required_alignment(tp_size=2, cp_size=2, sequence_parallel=True, fp8=False) == 8

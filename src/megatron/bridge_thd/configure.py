@@ -21,19 +21,11 @@ same layout is harmless (the second call changes nothing).
 Flags it sets
 -------------
 
-| Purpose | Megatron-Bridge 0.6.2 | Megatron-Bridge main (Aug 2026) | Set by `configure` to |
-| --- | --- | --- | --- |
-| in-batch packing on | `dataset.enable_in_batch_packing` | same | `True` |
-| same switch, design name (alias) | `dataset.pack_sequences_in_batch` * | gone | `True` (where the object takes it) |
-| collate leaves packing to the step | `dataset.defer_in_batch_packing_to_step` | same | `True` |
-| layout of the packed row | `dataset.packing_layout` * (ours) | (ours) | `layout` |
-| the dataset's 2D mask reaches the step | `dataset.skip_getting_attention_mask_from_dataset` | same | `False` |
-| fixed collate width | `dataset.pad_to_max_length` | same (forced for PP>1 or EP>1) | `True` for PP>1 or EP>1 (Bridge's rule, where the field exists) and with CUDA graphs |
-| pipeline p2p exchanges shapes | `model.variable_seq_lengths`, or the hook `model._enable_in_batch_packing` | same | `True` for `"thd"` with PP>1; not set for the static layouts |
-| HybridEP pads uneven dispatch inputs | `model.moe_hybridep_pad_uneven_dispatch_inputs` (Megatron-Core 0.19.2) | `moe_hybridep_pad_variable_tokens` in Core versions that name it so (Bridge lists both) | `True` for HybridEP without CUDA graphs (what Bridge's validate sets itself) |
+The records of :data:`FLAG_RULES`, one per flag: what it is for, its name in Megatron-Bridge 0.6.2
+and in Megatron-Bridge main, and what ``configure`` sets it to. That tuple is the only copy: the
+table in ``docs/configure.md`` is rendered from it by ``scripts/readme_figures.py`` (block
+``configure-flags``) and checked by the tests.
 
-`*` not a field of Megatron-Bridge's dataset config dataclasses: set as a plain attribute, so
-it is lost when the config is written to YAML and read back (re-run ``configure`` after loading).
 ``dataset.in_batch_packing_pad_to_multiple_of`` is left to Bridge's ``validate()`` (it computes
 it from CP/SP); it only matters when the collate packs, which ``defer_in_batch_packing_to_step``
 turns off. The step reads ``pack_sequences_in_batch`` or ``enable_in_batch_packing``; an input that
@@ -48,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "configure",
@@ -61,6 +53,40 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class FlagRule(NamedTuple):
+    """One flag ``configure`` sets: a row of the flag table in ``docs/configure.md``."""
+
+    purpose: str
+    name_062: str  # Megatron-Bridge 0.6.2 (Megatron-Core 0.19.2)
+    name_main: str  # Megatron-Bridge main (Aug 2026)
+    set_to: str  # what configure sets it to
+
+
+# Markdown cells. ``*``: not a field of Megatron-Bridge's dataset config dataclasses (FLAG_RULES_NOTE).
+FLAG_RULES: tuple[FlagRule, ...] = (
+    FlagRule("in-batch packing on", "`dataset.enable_in_batch_packing`", "same", "`True`"),
+    FlagRule("same switch, design name (alias)", "`dataset.pack_sequences_in_batch` *", "gone",
+             "`True` (where the object takes it)"),
+    FlagRule("collate leaves packing to the step", "`dataset.defer_in_batch_packing_to_step`", "same", "`True`"),
+    FlagRule("layout of the packed row", "`dataset.packing_layout` * (ours)", "(ours)", "`layout`"),
+    FlagRule("the dataset's 2D mask reaches the step", "`dataset.skip_getting_attention_mask_from_dataset`", "same",
+             "`False`"),
+    FlagRule("fixed collate width", "`dataset.pad_to_max_length`", "same (forced for PP>1 or EP>1)",
+             "`True` for PP>1 or EP>1 (Bridge's rule, where the field exists) and with CUDA graphs"),
+    FlagRule("pipeline p2p exchanges shapes",
+             "`model.variable_seq_lengths`, or the hook `model._enable_in_batch_packing`", "same",
+             '`True` for `"thd"` with PP>1; not set for the static layouts'),
+    FlagRule("HybridEP pads uneven dispatch inputs",
+             "`model.moe_hybridep_pad_uneven_dispatch_inputs` (Megatron-Core 0.19.2)",
+             "`moe_hybridep_pad_variable_tokens` in Core versions that name it so (Bridge lists both)",
+             "`True` for HybridEP without CUDA graphs (what Bridge's validate sets itself)"),
+)
+FLAG_RULES_NOTE = (
+    "`*` not a field of Megatron-Bridge's dataset config dataclasses: set as a plain attribute, so it is lost "
+    "when the config is written to YAML and read back (re-run `configure` after loading)."
+)
 
 LAYOUTS = ("thd", "thd_static", "bshd")
 STATIC_LAYOUTS = ("thd_static", "bshd")
