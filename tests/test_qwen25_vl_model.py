@@ -400,3 +400,68 @@ def test_image_positions_follow_the_package_qwen3_rule_videos_do_not(model, batc
     with pytest.raises(ValueError, match="vision-start"):
         mrope.qwen3_vl_position_ids(batch["tokens"], batch["attention_mask"], batch["image_grid_thw"],
                                     batch["video_grid_thw"], **rule)
+
+
+# ---------------------------------------------------------------------------------------------
+# The drop-in step for this family (megatron.bridge_thd.qwen25_vl_step: the step + QWEN25_VL adapter)
+
+
+def _bridge_batch(batch: dict) -> dict:
+    """The micro-batch as Megatron-Bridge's VLM iterator yields it: visual tensors in its own
+    ``GenericVisualInputs`` (``training/utils/visual_inputs.py``)."""
+    from megatron.bridge_thd.upstream import load_bridge_module
+
+    visual = load_bridge_module("training.utils.visual_inputs").GenericVisualInputs(
+        pixel_values=batch["pixel_values"], pixel_values_videos=batch["pixel_values_videos"],
+        image_grid_thw=batch["image_grid_thw"], video_grid_thw=batch["video_grid_thw"],
+        second_per_grid_ts=batch["second_per_grid_ts"],
+    )
+    return dict(tokens=batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"],
+                attention_mask=batch["attention_mask"], visual_inputs=visual)
+
+
+def _step(model, batch, layout, **settings):
+    from megatron.bridge_thd.qwen25_vl_step import forward_step
+    from megatron.bridge_thd.standalone import minimal_state
+
+    state = minimal_state(seq_length=512, micro_batch_size=batch["tokens"].shape[0], packing_layout=layout,
+                          **settings)
+    output, loss_function = forward_step(state, iter([_bridge_batch(batch)]), model)
+    return output, loss_function, state.bridge_thd_stats[-1]
+
+
+@pytest.mark.parametrize("layout", ["thd", "bshd"])
+def test_drop_in_step_equals_each_sample_alone(model, batch, alone, layout):
+    """The family-agnostic step with the Qwen2.5-VL adapter: the same bars as Qwen3-VL's
+    (max |dlogp| and gradients within 1e-5 of each sample alone), through Megatron-Bridge's masked
+    loss; ``thd`` runs with an FP8 alignment of 16 so that real and padded boundaries differ."""
+    reference_losses, reference_grads = alone
+    model.zero_grad(set_to_none=True)
+    output, loss_function, stats = _step(model, batch, layout, fp8="hybrid" if layout == "thd" else None)
+    loss, num_tokens, _ = loss_function(output)
+    loss.backward()
+    grads = gradients(model)
+    model.zero_grad(set_to_none=True)
+    assert stats.layout == layout
+    lengths = batch["attention_mask"].sum(1).tolist()
+    if layout == "thd":
+        slots = [-(-n // 16) * 16 for n in lengths]  # each sample's slot, aligned to 16
+        assert tuple(output.shape) == (1, sum(slots))
+        starts = [sum(slots[:i]) for i in range(len(slots))]
+        per_sample = [output[0, s : s + n].detach() for s, n in zip(starts, lengths)]
+    else:
+        per_sample = [output[i, :n].detach() for i, n in enumerate(lengths)]
+    assert max(max_abs_dlogp(per_sample, reference_losses, batch)) <= DLOGP_TOLERANCE
+    assert int(num_tokens) == int(batch["loss_mask"].sum())
+    assert float(loss) == pytest.approx(sum(loss_sums(reference_losses, batch)), rel=1e-6)
+    error, where = worst_relative_gradient_error(grads, reference_grads)
+    assert error <= GRAD_TOLERANCE, f"{where}: relative gradient error {error:.2e}"
+
+
+def test_drop_in_step_refuses_what_the_model_cannot_take(model, batch):
+    with pytest.raises(ValueError, match="thd_static.*real token in every segment"):
+        _step(model, batch, "thd_static")
+    empty = dict(batch, attention_mask=batch["attention_mask"].clone())
+    empty["attention_mask"][0] = False
+    with pytest.raises(ValueError, match="without any real token"):
+        _step(model, empty, "thd")

@@ -16,7 +16,8 @@ import torch
 from megatron.bridge_thd.lengths import DeferredCheck
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids_deferred
 
-__all__ = ["ModelAdapter", "Qwen3VLAdapter", "QWEN3_VL", "ADAPTERS", "register_adapter"]
+__all__ = ["ModelAdapter", "Qwen3VLAdapter", "Qwen25VLAdapter", "QWEN3_VL", "QWEN25_VL", "ADAPTERS",
+           "register_adapter"]
 
 
 class ModelAdapter(Protocol):
@@ -33,8 +34,9 @@ class ModelAdapter(Protocol):
         emits one embedding per placeholder, so a cut one has no token to land on)."""
 
     def position_ids(self, tokens: torch.Tensor, keep: torch.Tensor, multi_modal: dict,
-                     model_config: Any) -> tuple[torch.Tensor, list[DeferredCheck]]:
-        """Per-sample position ids of the padded batch, each sample starting at 0.
+                     model_config: Any) -> tuple[torch.Tensor | None, list[DeferredCheck]]:
+        """Per-sample position ids of the padded batch, each sample starting at 0, or None when the
+        model computes them itself from the packed row.
 
         Args:
             tokens: ``(B, T)`` token ids.
@@ -42,13 +44,21 @@ class ModelAdapter(Protocol):
             multi_modal: the visual inputs the model gets (``image_grid_thw``, ...).
 
         Returns:
-            ``(3, B, T)`` MRoPE (or ``(B, T)``) positions, and deferred checks read by the step's
-            one host read; no host synchronisation here.
+            ``(3, B, T)`` MRoPE (or ``(B, T)``) positions or None, and deferred checks read by the
+            step's one host read; no host synchronisation here.
         """
 
     def p2p_decoder(self, model: Any) -> Any:
         """The module whose ``input_tensor`` holds what a receiving pipeline stage got (Megatron-Core's
         ``TransformerBlock.set_input_tensor``), or None."""
+
+    def check_supported(self, layout: str, sizes: dict[str, int]) -> None:
+        """Raise ``ValueError`` (naming the setting and the fix) for a layout or parallel size the
+        family's model cannot take; called before anything is built."""
+
+    def data_checks(self, layout: str, keep: torch.Tensor) -> list[DeferredCheck]:
+        """Deferred checks on the micro-batch the family's model needs (read in the step's one host
+        read), e.g. that no sample is empty."""
 
 
 def _merge_size(model_config) -> int:
@@ -84,14 +94,71 @@ class Qwen3VLAdapter:
     def p2p_decoder(self, model):
         return getattr(getattr(model, "language_model", None), "decoder", None)
 
+    def check_supported(self, layout, sizes):
+        return None
+
+    def data_checks(self, layout, keep):
+        return []
+
+
+@dataclass(frozen=True)
+class Qwen25VLAdapter:
+    """Qwen2.5-VL (Megatron-Bridge 0.6.2's ``Qwen25VLModel``, ``models/qwen_vl/modeling_qwen25_vl.py``).
+
+    Its ``forward`` computes MRoPE itself on a THD row: one row per segment (real lengths from
+    ``cu_seqlens_q``, starts from ``cu_seqlens_q_padded``), Hugging Face's ``get_rope_index`` on each
+    (videos scale time by ``tokens_per_second * second_per_grid_ts``), zeros in the alignment gaps;
+    the ``position_ids`` it is given are ignored, so the step computes none. What the model cannot
+    take is refused: a segment without a real token (``packed_seq_utils.py``: the ``thd_static``
+    tail, an all-padding sample) and context parallelism (0.6.2 has no CP split for it).
+    docs/qwen25-vl.md.
+    """
+
+    name: str = "qwen2_5_vl"
+
+    def uncuttable_token_ids(self, model_config) -> tuple[int, ...]:
+        return (model_config.image_token_id, model_config.video_token_id)
+
+    def position_ids(self, tokens, keep, multi_modal, model_config):
+        return None, []
+
+    def p2p_decoder(self, model):
+        return getattr(getattr(model, "language_model", None), "decoder", None)
+
+    def check_supported(self, layout, sizes):
+        if layout == "thd_static":
+            raise ValueError(
+                "dataset.packing_layout='thd_static' with Qwen2.5-VL: Megatron-Bridge 0.6.2's Qwen25VLModel rebuilds "
+                "positions per THD segment and needs a real token in every segment, and the static row's tail has "
+                "none; use packing_layout='thd' (with model.variable_seq_lengths=True under PP) or 'bshd'"
+            )
+        if sizes.get("cp", 1) > 1:
+            raise ValueError(
+                f"context_parallel_size={sizes['cp']} with Qwen2.5-VL: Megatron-Bridge 0.6.2's Qwen25VLModel has no "
+                "context-parallel split of its input (its recipes set CP=1); set context_parallel_size=1"
+            )
+
+    def data_checks(self, layout, keep):
+        if layout != "thd":
+            return []
+        empty = keep.sum(dim=1) == 0
+        return [DeferredCheck(
+            empty.any(),
+            "batch: a sample without any real token in a 'thd' micro-batch for Qwen2.5-VL: Megatron-Bridge 0.6.2's "
+            "Qwen25VLModel needs a real token in every THD segment (packed_seq_utils.py); drop empty samples in the "
+            "dataset or use packing_layout='bshd'",
+            lambda: f"samples {empty.nonzero().flatten().tolist()}",
+        )]
+
 
 QWEN3_VL = Qwen3VLAdapter()
-ADAPTERS: dict[str, ModelAdapter] = {QWEN3_VL.name: QWEN3_VL}
+QWEN25_VL = Qwen25VLAdapter()
+ADAPTERS: dict[str, ModelAdapter] = {QWEN3_VL.name: QWEN3_VL, QWEN25_VL.name: QWEN25_VL}
 
 
 def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     """Add a family to :data:`ADAPTERS` (its ``name`` must be new); returns it."""
-    for method in ("uncuttable_token_ids", "position_ids", "p2p_decoder"):
+    for method in ("uncuttable_token_ids", "position_ids", "p2p_decoder", "check_supported", "data_checks"):
         if not callable(getattr(adapter, method, None)):
             raise TypeError(f"adapter: {type(adapter).__name__} has no {method}(); see ModelAdapter")
     if adapter.name in ADAPTERS:

@@ -304,7 +304,7 @@ def _bshd_forward_args(tokens, labels, loss_mask, mrope, keep, width: int) -> tu
     forward_args = dict(
         input_ids=relay_right_padded(tokens, keep, width, 0),
         labels=None if labels is None else relay_right_padded(labels, keep, width, -100),
-        position_ids=relay_right_padded(mrope, keep, width, 0),
+        position_ids=None if mrope is None else relay_right_padded(mrope, keep, width, 0),
         attention_mask=None,
         packed_seq_params=None,
         loss_mask=loss_mask,
@@ -388,7 +388,7 @@ class _Captured:
     labels: torch.Tensor | None  # (B, T), last pipeline stage only
     loss_mask: torch.Tensor  # (B, T)
     keep: torch.Tensor  # (B, T) bool, real tokens after truncation
-    positions: torch.Tensor  # (3, B, T) or (B, T)
+    positions: torch.Tensor | None  # (3, B, T) or (B, T); None: the model computes its own
     truncated: torch.Tensor | None  # (B,) real tokens cut, None when nothing can be cut
     mask_checks: list[DeferredCheck]
     truncation_checks: list[DeferredCheck]
@@ -477,11 +477,13 @@ def _capture(batch: dict, model, state, pg_collection, is_last_stage: bool,
     tokens, labels, loss_mask, multi_modal = _batch_on_device(batch, next(core_model.parameters()).device, is_last_stage)
     settings = _step_settings(state, model_config, pg_collection)
     check_moe_routing(model_config, core_model, settings.layout)
+    adapter.check_supported(settings.layout, settings.sizes)
     keep, mask_checks = capture_keep_mask(batch, tokens, state, model_config)
     keep, truncated, truncation_checks = truncate_to_seq_length(
         keep, tokens, settings.seq_length, adapter.uncuttable_token_ids(model_config)
     )
     positions, position_checks = adapter.position_ids(tokens, keep, multi_modal, model_config)
+    position_checks = position_checks + adapter.data_checks(settings.layout, keep)
     captured = _Captured(tokens, labels, loss_mask, keep, positions, truncated, mask_checks, truncation_checks,
                          position_checks, settings)
     return captured, multi_modal
