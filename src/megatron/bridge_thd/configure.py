@@ -42,6 +42,10 @@ import inspect
 import logging
 from typing import Any, NamedTuple
 
+from megatron.bridge_thd.layouts import LAYOUT_NAMES
+from megatron.bridge_thd.layouts import STATIC_LAYOUTS as _STATIC_LAYOUTS
+from megatron.bridge_thd.layouts import THD_LAYOUTS as _THD_LAYOUTS
+
 __all__ = [
     "configure",
     "LAYOUTS",
@@ -88,9 +92,8 @@ FLAG_RULES_NOTE = (
     "when the config is written to YAML and read back (re-run `configure` after loading)."
 )
 
-LAYOUTS = ("thd", "thd_static", "bshd")
-STATIC_LAYOUTS = ("thd_static", "bshd")
-THD_LAYOUTS = ("thd", "thd_static")
+# The layout names and their kinds come from the one layout contract.
+LAYOUTS, STATIC_LAYOUTS, THD_LAYOUTS = LAYOUT_NAMES, _STATIC_LAYOUTS, _THD_LAYOUTS
 # Megatron-Bridge 0.6.2 models/transformer_config.py _HYBRIDEP_PADDING_FIELDS (0.19.2 has the first).
 HYBRIDEP_PADDING_FIELDS = ("moe_hybridep_pad_uneven_dispatch_inputs", "moe_hybridep_pad_variable_tokens")
 # Offline (pre-packed dataset) settings: 0.6.2 names, then the older ``packed_sequence_specs``.
