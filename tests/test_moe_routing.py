@@ -110,7 +110,9 @@ def batches():
     """Padded batches (left / right) and the same samples cut to one length, without padding."""
     padded = {side: synthetic_receipt_batch(3, seed=1, left_padding=side == "left") for side in ("left", "right")}
     right = padded["right"]
-    length = int(right["attention_mask"].sum(1).min())
+    # A multiple of 16: the padded layout rounds its width up to 16 (Megatron-Bridge 0.6.2's
+    # use_fp8_padding, layouts.bshd_alignment), which would add padding columns otherwise.
+    length = int(right["attention_mask"].sum(1).min()) // 16 * 16
     cut = trimmed(right, [length] * 3)
     unpadded = {k: (v[:, :length] if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in cut.items()}
     assert unpadded["attention_mask"].all()
