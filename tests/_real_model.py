@@ -1,4 +1,6 @@
-"""Batches for the tests on Megatron-Bridge 0.6.2's real ``Qwen3VLModel`` (CPU build).
+"""Batches for the tests on Megatron-Bridge 0.6.2's real ``Qwen3VLModel`` (CPU build): test-only
+helpers. The parity helpers the tests and benchmarks share live in
+:mod:`megatron.bridge_thd.testbed.parity`; import them from there.
 
 Module-level functions only: the CP workers run them in spawned gloo processes.
 """
@@ -7,18 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.bridge_thd.cpu.parity import (  # noqa: F401 - re-exported for the tests
-    gradients,
-    masked_loss_sum,
-    max_abs_dlogp,
-    per_sample_from_output,
-    per_sample_losses_and_gradients,
-    per_sample_token_losses,
-    sample_inputs,
-    step_run,
-    worst_relative_gradient_error,
-)
-from megatron.bridge_thd.data import VisualInputs, synthetic_receipt_batch
+from megatron.bridge_thd.testbed.data import VisualInputs, synthetic_receipt_batch
 
 IMAGE, VIDEO, VISION_START, VISION_END = 250, 251, 252, 253
 TIMESTAMP_TOKENS = 3  # text tokens before each video frame ("<0.5 seconds>")

@@ -15,22 +15,16 @@ import random
 
 import pytest
 import torch
-from _real_model import (
-    all_padding_batch,
-    gradients,
-    last_slot_batch,
-    step_run,
-    video_receipt_batch,
-    worst_relative_gradient_error,
-)
+from _real_model import all_padding_batch, last_slot_batch, video_receipt_batch
 
 from megatron.bridge_thd.context_parallel import thd_local_positions, thd_partition_indices
-from megatron.bridge_thd.cpu.attention import THDCoreAttention, thd_cp_attention
-from megatron.bridge_thd.cpu.launcher import run_on_gloo
-from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.cpu.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
-from megatron.bridge_thd.reference import thd_attention
-from megatron.bridge_thd.standalone import init_single_process_groups
+from megatron.bridge_thd.testbed.attention import THDCoreAttention, thd_cp_attention
+from megatron.bridge_thd.testbed.launcher import run_on_gloo
+from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd.testbed.parity import gradients, step_run, worst_relative_gradient_error
+from megatron.bridge_thd.testbed.reference import thd_attention
+from megatron.bridge_thd.testbed.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
+from megatron.bridge_thd.testbed.standalone import init_single_process_groups
 from megatron.bridge_thd.upstream import load_bridge_module
 
 GRAD_TOLERANCE = 1e-5

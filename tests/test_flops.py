@@ -10,11 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _real_model import receipt_batch, step_run
+from _real_model import receipt_batch
 
-from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.cpu.stack import cpu_stack
-from megatron.bridge_thd.standalone import init_single_process_groups
+from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd.testbed.parity import step_run
+from megatron.bridge_thd.testbed.stack import cpu_stack
+from megatron.bridge_thd.testbed.standalone import init_single_process_groups
 from megatron.bridge_thd.upstream import load_flop_utils
 
 SEQ_LENGTH = 2048

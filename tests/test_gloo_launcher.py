@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatron.bridge_thd.cpu.launcher import run_on_gloo
+from megatron.bridge_thd.testbed.launcher import run_on_gloo
 
 
 def wait_for_a_message_from_rank_1():

@@ -28,14 +28,9 @@ import logging
 
 import pytest
 import torch
-from _real_model import FakeGroup, worst_relative_gradient_error
+from _real_model import FakeGroup
 
 from megatron.bridge_thd import qwen3_vl_step, step
-from megatron.bridge_thd.cpu.launcher import run_on_gloo
-from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.cpu.parity import Recorder, sample_inputs, step_run
-from megatron.bridge_thd.cpu.stack import QWEN3_VL_MODEL_MODULE
-from megatron.bridge_thd.data import synthetic_receipt_batch
 from megatron.bridge_thd.moe_padding import (
     PaddingMaskForward,
     declares_padding_mask,
@@ -43,6 +38,16 @@ from megatron.bridge_thd.moe_padding import (
     padding_mask_pre_wrap_hook,
     with_padding_mask,
 )
+from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
+from megatron.bridge_thd.testbed.launcher import run_on_gloo
+from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd.testbed.parity import (
+    Recorder,
+    sample_inputs,
+    step_run,
+    worst_relative_gradient_error,
+)
+from megatron.bridge_thd.testbed.stack import QWEN3_VL_MODEL_MODULE
 from megatron.bridge_thd.upstream import load_bridge_module
 
 SEQ = 640

@@ -13,13 +13,14 @@ the same with PP=2 x CP=2 (four ranks, buffers ``(seq_length / cp, micro_batch_s
 from __future__ import annotations
 
 import pytest
-from _real_model import receipt_batch, worst_relative_gradient_error
+from _real_model import receipt_batch
 
-from megatron.bridge_thd.cpu.launcher import run_on_gloo
-from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.cpu.pipeline import pipeline_step
-from megatron.bridge_thd.cpu.stack import cpu_stack
-from megatron.bridge_thd.standalone import init_single_process_groups
+from megatron.bridge_thd.testbed.launcher import run_on_gloo
+from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd.testbed.parity import worst_relative_gradient_error
+from megatron.bridge_thd.testbed.pipeline import pipeline_step
+from megatron.bridge_thd.testbed.stack import cpu_stack
+from megatron.bridge_thd.testbed.standalone import init_single_process_groups
 
 NUM_LAYERS = 4
 MICRO_BATCH_SIZE = 2

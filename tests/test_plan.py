@@ -196,8 +196,8 @@ def test_calibration_prints_measured_and_predicted(capsys):
 def test_receipt_lengths_match_the_batches_the_step_sees():
     """receipt_lengths(n, seed) describes synthetic_receipt_batch(n, seed=seed) sample by sample:
     token counts, patches and where the image tokens end."""
-    from megatron.bridge_thd.data import ReceiptSpec, synthetic_receipt_batch
     from megatron.bridge_thd.plan import receipt_lengths
+    from megatron.bridge_thd.testbed.data import ReceiptSpec, synthetic_receipt_batch
 
     samples = receipt_lengths(6, seed=5)
     batch = synthetic_receipt_batch(6, seed=5)
@@ -212,10 +212,10 @@ def test_receipt_lengths_match_the_batches_the_step_sees():
 def test_planner_refuses_exactly_the_seq_lengths_the_step_refuses():
     """Around every sample's image end (and its length), the step's truncation check and the
     planner agree on which seq_length cuts an image."""
-    from megatron.bridge_thd.data import ReceiptSpec, synthetic_receipt_batch
     from megatron.bridge_thd.plan import receipt_lengths
-    from megatron.bridge_thd.plan.lengths import check_seq_length
+    from megatron.bridge_thd.plan.samples import check_seq_length
     from megatron.bridge_thd.qwen3_vl_step import truncate_to_seq_length
+    from megatron.bridge_thd.testbed.data import ReceiptSpec, synthetic_receipt_batch
 
     spec = ReceiptSpec()
     vision_ids = dict(image_token_id=spec.image_token_id, video_token_id=-1)

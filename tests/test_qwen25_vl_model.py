@@ -1,5 +1,5 @@
 """Packing parity on Megatron-Bridge 0.6.2's own ``Qwen25VLModel`` (Qwen2.5-VL), built on the CPU
-(``cpu.qwen25_vl``): a second VLM family through the package's packing seam.
+(``testbed.qwen25_vl``): a second VLM family through the package's packing seam.
 
 One micro-batch of 3 right-padded samples of different lengths (every sample holds an image; the
 second holds two, the third also a 2-frame video, so Qwen2.5-VL's temporal rule
@@ -21,8 +21,9 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.bridge_thd.cpu.parity import gradients, worst_relative_gradient_error
-from megatron.bridge_thd.cpu.qwen25_vl import (
+from megatron.bridge_thd.packing import pack_bshd_to_thd
+from megatron.bridge_thd.testbed.parity import gradients, worst_relative_gradient_error
+from megatron.bridge_thd.testbed.qwen25_vl import (
     IMAGE_TOKEN_ID,
     VIDEO_TOKEN_ID,
     VISION_END_TOKEN_ID,
@@ -30,7 +31,6 @@ from megatron.bridge_thd.cpu.qwen25_vl import (
     build_qwen25_vl,
     tiny_qwen25_vl_config,
 )
-from megatron.bridge_thd.packing import pack_bshd_to_thd
 
 DLOGP_TOLERANCE = 1e-5  # the bars of tests/test_real_model_parity.py (measured: ~5e-7 both)
 GRAD_TOLERANCE = 1e-5
@@ -422,7 +422,7 @@ def _bridge_batch(batch: dict) -> dict:
 
 def _step(model, batch, layout, **settings):
     from megatron.bridge_thd.qwen25_vl_step import forward_step
-    from megatron.bridge_thd.standalone import minimal_state
+    from megatron.bridge_thd.testbed.standalone import minimal_state
 
     state = minimal_state(seq_length=512, micro_batch_size=batch["tokens"].shape[0], packing_layout=layout,
                           **settings)

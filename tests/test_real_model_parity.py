@@ -15,27 +15,22 @@ import logging
 
 import pytest
 import torch
-from _real_model import (
-    IMAGE,
-    VIDEO,
-    VIDEOS,
-    all_padding_batch,
+from _real_model import IMAGE, VIDEO, VIDEOS, all_padding_batch, last_slot_batch, video_receipt_batch
+
+from megatron.bridge_thd import mrope, qwen3_vl_step, step
+from megatron.bridge_thd.packing import pack_bshd_to_thd
+from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd.testbed.parity import (
     gradients,
-    last_slot_batch,
     masked_loss_sum,
     max_abs_dlogp,
-    per_sample_losses_and_gradients,
     per_sample_from_output,
+    per_sample_losses_and_gradients,
     per_sample_token_losses,
     sample_inputs,
     step_run,
-    video_receipt_batch,
     worst_relative_gradient_error,
 )
-
-from megatron.bridge_thd import mrope, qwen3_vl_step, step
-from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.packing import pack_bshd_to_thd
 from megatron.bridge_thd.upstream import load_bridge_module
 
 LAYOUTS = ["thd", "thd_static", "bshd"]
@@ -173,7 +168,7 @@ def test_video_positions_without_the_frame_split_control_fails(model, batches, a
 
 
 def test_parity_helpers_take_any_mask_the_step_takes(model, batches, alone):
-    """``cpu.parity`` reads the mask as the step does: a float (1.0 / 0.0) or int 2D keep mask,
+    """``testbed.parity`` reads the mask as the step does: a float (1.0 / 0.0) or int 2D keep mask,
     or a 4D Megatron mask (True = masked), not only a bool one (a float mask used to fail with
     'slice indices must be integers')."""
     batch = batches["left"]
@@ -251,7 +246,7 @@ def test_schedule_plan_on_a_model_without_one_is_refused_clearly(model, batches)
 
 def step_run_with_plan(model, batch):
     from megatron.bridge_thd.qwen3_vl_step import forward_step
-    from megatron.bridge_thd.standalone import minimal_state
+    from megatron.bridge_thd.testbed.standalone import minimal_state
 
     state = minimal_state(seq_length=2048, micro_batch_size=batch["tokens"].shape[0], packing_layout="bshd")
     return forward_step(state, iter([batch]), model, return_schedule_plan=True)

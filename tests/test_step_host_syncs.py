@@ -13,11 +13,11 @@ import pytest
 import torch
 from _real_model import receipt_batch, trimmed, video_receipt_batch
 
-from megatron.bridge_thd.cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.cpu.stack import cpu_stack
-from megatron.bridge_thd.opcount import count_ops
 from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch
-from megatron.bridge_thd.standalone import init_single_process_groups, minimal_state
+from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd.testbed.opcount import count_ops
+from megatron.bridge_thd.testbed.stack import cpu_stack
+from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state
 
 SEQ_LENGTH = 2048
 

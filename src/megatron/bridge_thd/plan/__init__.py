@@ -3,7 +3,7 @@
 For a model preset (or a Hugging Face config.json), a per-sample length distribution and a
 parallel layout, estimate per packing layout (``bshd``, ``thd``, ``thd_static``) the token slots,
 attention work, trainer FLOPs (Megatron-Bridge 0.6.2's own formula), MoE routing, activation and
-model-state memory per GPU, and a roofline step time. Modules: :mod:`.presets`, :mod:`.lengths`,
+model-state memory per GPU, and a roofline step time. Modules: :mod:`.presets`, :mod:`.samples`,
 :mod:`.layouts`, :mod:`.flops`, :mod:`.memory`, :mod:`.roofline`, :mod:`.estimate`,
 :mod:`.report`, :mod:`.plot`, :mod:`.calibrate`, :mod:`.cli`.
 
@@ -20,9 +20,9 @@ with warnings.catch_warnings():  # megatron.core's import-time notices (no TE / 
     warnings.simplefilter("ignore")
     from megatron.bridge_thd.plan.estimate import Plan, PlanSettings, plan
     from megatron.bridge_thd.plan.layouts import LAYOUTS, Parallel
-    from megatron.bridge_thd.plan.lengths import SampleLengths, load_lengths, receipt_lengths
     from megatron.bridge_thd.plan.presets import PRESETS, ModelSpec, get_preset, spec_from_hf_config
     from megatron.bridge_thd.plan.report import format_plan
+    from megatron.bridge_thd.plan.samples import SampleLengths, load_lengths, receipt_lengths
 
 __all__ = ["Plan", "PlanSettings", "plan", "LAYOUTS", "Parallel", "SampleLengths", "load_lengths", "receipt_lengths",
            "PRESETS", "ModelSpec", "get_preset", "spec_from_hf_config", "format_plan"]

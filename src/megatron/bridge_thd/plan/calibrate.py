@@ -17,8 +17,8 @@ from dataclasses import replace
 
 from megatron.bridge_thd.plan.estimate import PlanSettings, plan
 from megatron.bridge_thd.plan.layouts import Parallel
-from megatron.bridge_thd.plan.lengths import receipt_lengths
 from megatron.bridge_thd.plan.presets import get_preset
+from megatron.bridge_thd.plan.samples import receipt_lengths
 
 __all__ = ["MEASURED_MS", "calibration_plans", "fit_overhead_mfu", "calibration_report"]
 

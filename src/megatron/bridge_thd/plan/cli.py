@@ -58,10 +58,10 @@ def _list() -> str:
 def _run(args) -> str:
     from megatron.bridge_thd.plan.estimate import PlanSettings, plan
     from megatron.bridge_thd.plan.layouts import Parallel
-    from megatron.bridge_thd.plan.lengths import load_lengths, receipt_lengths
     from megatron.bridge_thd.plan.presets import get_preset, spec_from_hf_config
     from megatron.bridge_thd.plan.report import format_plan
     from megatron.bridge_thd.plan.roofline import get_gpu
+    from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths
 
     spec = spec_from_hf_config(args.hf_config) if args.hf_config else get_preset(args.model)
     samples = (load_lengths(args.lengths, spec.vision.spatial_merge_size) if args.lengths

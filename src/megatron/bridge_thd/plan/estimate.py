@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from megatron.bridge_thd.plan.flops import FlopsBreakdown, flops_config, micro_batch_flops, moe_routed_tokens
 from megatron.bridge_thd.plan.layouts import LAYOUTS, Parallel, layout_stats, micro_batches
-from megatron.bridge_thd.plan.lengths import SampleLengths
 from megatron.bridge_thd.plan.memory import activation_bytes, model_state_bytes, parameter_counts
 from megatron.bridge_thd.plan.presets import ModelSpec
 from megatron.bridge_thd.plan.roofline import GPU, get_gpu, step_seconds
+from megatron.bridge_thd.plan.samples import SampleLengths
 
 __all__ = ["PlanSettings", "LayoutEstimate", "Plan", "plan"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.bridge_thd import layouts
-from megatron.bridge_thd.plan.lengths import SampleLengths, check_seq_length
+from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
 
 __all__ = ["LAYOUTS", "Parallel", "MicroBatch", "micro_batches", "layout_stats"]
 
@@ -90,7 +90,7 @@ def micro_batches(samples: SampleLengths, micro_batch_size: int, seq_length: int
 
     Raises:
         ValueError: bad sizes, or a ``seq_length`` whose truncation would cut an image of any sample
-            (the step refuses those micro-batches; :func:`~.lengths.check_seq_length`).
+            (the step refuses those micro-batches; :func:`~.samples.check_seq_length`).
     """
     _check("micro_batch_size", micro_batch_size)
     _check("seq_length", seq_length)

@@ -34,7 +34,7 @@ TINY_VISION_CONFIG = dict(
     deepstack_visual_indexes=[0, 1],
 )
 """The tiny vision tower shared by :meth:`ReferenceQwen3VL.tiny` and the CPU build of
-Megatron-Bridge's model (``megatron.bridge_thd.cpu.model``)."""
+Megatron-Bridge's model (``megatron.bridge_thd.testbed.model``)."""
 
 ATTENTION_NAME = "megatron_bridge_thd_reference"
 """Name under which :func:`thd_attention` is registered with ``transformers.AttentionInterface``."""

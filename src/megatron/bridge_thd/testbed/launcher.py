@@ -3,7 +3,7 @@
 Parallelism on the CPU is tested with real process groups: :func:`run_on_gloo` spawns
 ``world_size`` processes (``torch.multiprocessing``, spawn), each initialises
 ``torch.distributed`` with the gloo backend and Megatron-Core's ``parallel_state`` with the
-requested TP / CP / PP / EP sizes, calls ``fn(*args)`` inside :func:`~megatron.bridge_thd.cpu.stack.cpu_stack`,
+requested TP / CP / PP / EP sizes, calls ``fn(*args)`` inside :func:`~megatron.bridge_thd.testbed.stack.cpu_stack`,
 and hands its return value back (``torch.save`` through a temporary folder). A rank that fails
 raises in the caller with its traceback; a rank that hangs is killed after ``timeout`` seconds.
 """
@@ -18,7 +18,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from megatron.bridge_thd.standalone import free_port
+from megatron.bridge_thd.testbed.standalone import free_port
 
 __all__ = ["run_on_gloo"]
 
@@ -31,7 +31,7 @@ def _worker(rank, world_size, port, sizes, fn, args, folder):
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
         from megatron.core import parallel_state
 
-        from megatron.bridge_thd.cpu.stack import cpu_stack
+        from megatron.bridge_thd.testbed.stack import cpu_stack
 
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=sizes["tp"],

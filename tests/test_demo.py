@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.bridge_thd import cli
+from megatron.bridge_thd.testbed import demo
 
 
 def _table(report: str) -> dict[str, list[str]]:
@@ -16,9 +16,9 @@ def _table(report: str) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module", params=["bridge", "hf"])
 def report(request):
-    text = cli.run_demo(micro_batches=1, micro_batch_size=3, seq_length=2048, seed=3, progress=False,
+    text = demo.run_demo(micro_batches=1, micro_batch_size=3, seq_length=2048, seed=3, progress=False,
                         model_kind=request.param)
-    assert cli.MODELS[request.param] in text.splitlines()[0]
+    assert demo.MODELS[request.param] in text.splitlines()[0]
     return text
 
 
@@ -50,19 +50,19 @@ def test_thd_processes_only_real_tokens_and_less_attention_work(report):
 
 def test_run_demo_rejects_an_unknown_model():
     with pytest.raises(ValueError, match="model_kind"):
-        cli.run_demo(1, 1, 2048, 0, False, model_kind="llava")
+        demo.run_demo(1, 1, 2048, 0, False, model_kind="llava")
 
 
 def test_main_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["--micro-batch-size", "0"])
+        demo.main(["--micro-batch-size", "0"])
     assert "--micro-batch-size" in capsys.readouterr().err
 
 
 def test_main_writes_the_plot_and_says_where(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "demo.png"
-    assert cli.main(["--micro-batches", "1", "--micro-batch-size", "2", "--progress", "off", "--plot", str(path)]) == 0
+    assert demo.main(["--micro-batches", "1", "--micro-batch-size", "2", "--progress", "off", "--plot", str(path)]) == 0
     assert path.stat().st_size > 1000
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {path}" in capsys.readouterr().out

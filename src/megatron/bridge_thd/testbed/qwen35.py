@@ -12,18 +12,18 @@ That spec function asserts ``transformer_impl == "transformer_engine"`` (TE modu
 so :func:`hybrid_block_spec` assembles the same per-layer structure from Megatron-Core's local
 modules: GDN layers get ``GatedDeltaNet`` with a separate input norm and a ``ColumnParallelLinear``
 ``in_proj`` (TE fuses the norm into ``TELayerNormColumnParallelLinear``: same math), full-attention
-layers the local GPT layer spec with :class:`~megatron.bridge_thd.cpu.attention.THDCoreAttention`
+layers the local GPT layer spec with :class:`~megatron.bridge_thd.testbed.attention.THDCoreAttention`
 and ``Qwen3VLSelfAttention``. The norms are :class:`RMSNorm` (zero-centred gamma, which
 Megatron-Core's ``WrappedTorchNorm`` refuses). The GDN kernels are the pure-torch varlen ones of
-:mod:`megatron.bridge_thd.cpu.gdn`, installed by :func:`~megatron.bridge_thd.cpu.stack.cpu_stack`.
+:mod:`megatron.bridge_thd.testbed.gdn`, installed by :func:`~megatron.bridge_thd.testbed.stack.cpu_stack`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron.bridge_thd.cpu.model import tiny_qwen3_vl_config
-from megatron.bridge_thd.cpu.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
+from megatron.bridge_thd.testbed.model import tiny_qwen3_vl_config
+from megatron.bridge_thd.testbed.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
 from megatron.bridge_thd.upstream import load_bridge_module
 
 __all__ = ["RMSNorm", "tiny_qwen35_vl_config", "hybrid_block_spec", "build_qwen35_vl", "gdn_layers"]
@@ -51,7 +51,7 @@ class RMSNorm(torch.nn.Module):
 
 def tiny_qwen35_vl_config(*, moe: bool = False, linear_attention_freq=(1, 0, 1, 0), **overrides):
     """A ``Qwen3VLTransformerConfig`` with Qwen3.5's hybrid settings on the tiny Qwen3-VL of
-    :func:`~megatron.bridge_thd.cpu.model.tiny_qwen3_vl_config`.
+    :func:`~megatron.bridge_thd.testbed.model.tiny_qwen3_vl_config`.
 
     Layers follow ``linear_attention_freq`` (1 = Gated DeltaNet, 0 = full attention; default
     GDN, attention, GDN, attention). GDN: 2 key heads and 4 value heads (grouped, like 16/48),
@@ -91,7 +91,7 @@ def hybrid_block_spec(config):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from megatron.bridge_thd.cpu.attention import THDCoreAttention
+    from megatron.bridge_thd.testbed.attention import THDCoreAttention
 
     attention_module = load_bridge_module("models.qwen_vl.modelling_qwen3_vl.attention").Qwen3VLSelfAttention
 
@@ -144,7 +144,7 @@ def build_qwen35_vl(config, *, pg_collection=None, pre_process: bool = True, pos
     Args:
         config: from :func:`tiny_qwen35_vl_config`.
         pg_collection, pre_process, post_process, seed: as in
-            :func:`~megatron.bridge_thd.cpu.model.build_qwen3_vl`.
+            :func:`~megatron.bridge_thd.testbed.model.build_qwen3_vl`.
     """
     model_module = load_bridge_module(QWEN3_VL_MODEL_MODULE)
     torch.manual_seed(seed)

@@ -9,7 +9,7 @@ a ``with`` block and restores each name on exit (re-entrant: an inner block is a
 2. The four Transformer Engine names that Megatron-Bridge's ``modelling_qwen3_vl/model.py``
    binds at import (``get_vit_layer_with_transformer_engine_spec``, ``TENorm``,
    ``TEColumnParallelLinear``, ``TERowParallelLinear``) point at a local ViT spec whose core
-   attention is :class:`~megatron.bridge_thd.cpu.attention.THDCoreAttention` (bidirectional
+   attention is :class:`~megatron.bridge_thd.testbed.attention.THDCoreAttention` (bidirectional
    per image), ``WrappedTorchNorm``, ``ColumnParallelLinear`` and ``RowParallelLinear``.
 3. Only when Transformer Engine is absent: Megatron-Core's ``megatron.core.utils.tex`` (None
    without TE) gets a ``thd_get_partitioned_indices`` implemented by
@@ -29,7 +29,7 @@ a ``with`` block and restores each name on exit (re-entrant: an inner block is a
    ``chunk_gated_delta_rule`` at module level (None without fla) and refuses to build
    (``HAVE_FLA``). ``common.HAVE_FLA`` becomes True and those names, in ``common`` and where
    ``gdn.py`` imported them by name, point at the pure-torch varlen kernels of
-   :mod:`megatron.bridge_thd.cpu.gdn` (``cu_seqlens`` honoured). ``GatedDeltaNet`` binds
+   :mod:`megatron.bridge_thd.testbed.gdn` (``cu_seqlens`` honoured). ``GatedDeltaNet`` binds
    ``self.gated_delta_rule`` at construction, so build the model inside the block.
 6. Only without CUDA: ``_GDNBase.reset_parameters`` initialises ``dt_bias`` / ``A_log`` under
    ``get_cuda_rng_tracker().fork()``, whose CUDA RNG state a CPU process never adds; ``common``'s
@@ -63,7 +63,7 @@ def local_vit_layer_spec():
     attends to itself bidirectionally, images are separate THD segments)."""
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
 
-    from megatron.bridge_thd.cpu.attention import THDCoreAttention
+    from megatron.bridge_thd.testbed.attention import THDCoreAttention
 
     spec = get_vit_layer_with_local_spec()
     spec.submodules.self_attention.submodules.core_attention = THDCoreAttention
@@ -166,7 +166,7 @@ def _gdn_patches() -> list[tuple[object, str, object]]:
     except ImportError:  # a Megatron-Core without Gated DeltaNet
         return patches
     if not _fla_available():
-        from megatron.bridge_thd.cpu import gdn as kernels
+        from megatron.bridge_thd.testbed import gdn as kernels
 
         patches += [
             (gdn_common, "HAVE_FLA", True),

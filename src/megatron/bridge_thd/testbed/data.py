@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["VisualInputs", "ReceiptSpec", "synthetic_receipt_batch"]
+__all__ = ["VisualInputs", "ReceiptSpec", "receipt_sample", "synthetic_receipt_batch"]
 
 
 @dataclass
@@ -64,7 +64,14 @@ class ReceiptSpec:
     patch_features: int = 3 * 2 * 4 * 4
 
 
-def _sample(generator: torch.Generator, spec: ReceiptSpec) -> tuple[list[int], list[int], tuple[int, int, int]]:
+def receipt_sample(generator: torch.Generator, spec: ReceiptSpec) -> tuple[list[int], list[int], tuple[int, int, int]]:
+    """One sample drawn from the receipt distribution (module docstring), advancing ``generator``.
+
+    Returns:
+        ``(tokens, supervised, grid)``: the sample's token ids, its 0 / 1 loss mask over the
+        (already shifted) labels, and its image's patch grid ``(1, h, w)``. The planner draws its
+        synthetic lengths with it (:func:`megatron.bridge_thd.plan.samples.receipt_lengths`).
+    """
     def randint(low, high):
         return int(torch.randint(low, high + 1, (1,), generator=generator))
 
@@ -106,7 +113,7 @@ def synthetic_receipt_batch(
         them), ``visual_inputs`` (:class:`VisualInputs`), all ``(B, T)`` unless stated.
     """
     generator = torch.Generator().manual_seed(seed)
-    samples = [_sample(generator, spec) for _ in range(batch_size)]
+    samples = [receipt_sample(generator, spec) for _ in range(batch_size)]
     width = max(len(tokens) for tokens, _, _ in samples)
     if pad_to is not None:
         if pad_to < width:
