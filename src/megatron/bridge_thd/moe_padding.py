@@ -1,77 +1,20 @@
 """Opt-in: hand the packed row's padding mask to the MoE routers of Megatron-Bridge 0.6.2's Qwen3-VL.
 
-Why. A packed THD row (and the padded BSHD layout) holds padding slots: alignment padding at the
-end of each sample's slot and, for ``packing_layout="thd_static"``, a tail that is all padding.
-Megatron-Core 0.19.2's router can leave those slots out of its load-balancing statistics when it
-is given ``padding_mask`` (True = padding): the auxiliary loss (``aux_loss``, ``seq_aux_loss``,
-``global_aux_loss``), the z-loss and the expert-bias token counts. Megatron-Bridge 0.6.2's
-``Qwen3VLModel.forward`` declares no ``padding_mask`` (our ``forward_step`` therefore does not
-pass it) and neither its ``Qwen3VLGPTModel.forward`` nor its ``Qwen3VLTransformerBlock.forward``
-would forward one to the layers: every padding slot is counted as a token that the router
-routed. Megatron-Bridge main's ``Qwen3VLModel.forward`` declares ``padding_mask`` and threads it
-down to the layers; :func:`with_padding_mask` gives a 0.6.2 model the same behaviour.
-
-Usage (before Megatron wraps the model, so that every pipeline / virtual-pipeline chunk gets it)::
+0.6.2's ``Qwen3VLModel.forward`` declares no ``padding_mask``, so its routers count every padding
+slot of a packed row (alignment padding, the ``thd_static`` tail, BSHD pad columns) in the aux
+loss, z-loss and expert-bias statistics. :func:`with_padding_mask` gives a 0.6.2 model what
+Megatron-Bridge main's has: the model's class becomes ``PaddingMask<Class>`` (same parameters and
+state-dict keys) whose ``forward`` declares ``padding_mask`` (True = padding); the mask, cut as the
+model cuts its row (CP, SP), reaches every MoE router of the decoder; padding also stays out of
+expert capacity and ``seq_aux_loss`` is per sample. Usage, before Megatron wraps the model::
 
     from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
-    cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)
-    finetune(cfg, forward_step_func=forward_step)  # megatron.bridge_thd.qwen3_vl_step.forward_step
+    cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)   # or: model = with_padding_mask(model)
 
-or on one model: ``model = with_padding_mask(model)``. The step sees ``padding_mask`` in the
-model's ``forward`` signature, passes the ``(1, N)`` mask of the packed row, and logs
-``extras passed to PaddingMaskQwen3VLModel.forward: ['padding_mask']``.
-
-What it does (in place; the same object is returned):
-
-* The model's class becomes a subclass of its class, ``PaddingMask<Class>``, whose ``forward`` has
-  the wrapped ``forward``'s signature plus a keyword-only ``padding_mask``. Nothing else changes:
-  parameters, buffers and state-dict keys (checkpoints, Hugging Face export), ``config``,
-  ``language_model``, ``set_input_tensor``, ``shared_embedding_or_output_weight``,
-  ``isinstance(model, Qwen3VLModel)``. A wrapper module would have prefixed every state-dict key.
-* In ``forward`` the mask is cut exactly as the model cuts its hidden states (context-parallel
-  zigzag split, sequence-parallel scatter) and, for the duration of the call, a forward pre-hook
-  on each MoE ``TransformerLayer`` of ``language_model.decoder`` adds it as the layer's
-  ``padding_mask`` keyword, shape ``(b, s_local)``: what Megatron-Core 0.19.2's
-  ``TransformerLayer`` takes and its ``MoELayer`` transposes to ``(s, b)`` for the router.
-* With ``moe_router_enable_expert_bias`` each router's ``_apply_expert_bias`` gets the mask as
-  ``(tokens, 1)`` (see below).
-* After the call it checks that every MoE router of the decoder ran with the mask, and raises
-  otherwise (a code path that drops the layer's ``padding_mask`` keyword would otherwise go
-  unnoticed).
-
-What the mask changes (Megatron-Core 0.19.2, ``transformer/moe/router.py`` and ``moe_utils.py``):
-the code treats True as *padding* (``valid_mask = ~padding_mask`` in
-``compute_routing_scores_for_aux_loss`` and ``z_loss_func``, ``routing_map & ~padding_mask`` for
-the expert bias), whatever some of its docstrings say. Padding slots are dropped from the aux-loss
-token counts and probabilities, from the z-loss mean and from the expert-bias counts. They are
-*still routed and dispatched* to experts (the routing map the router returns is unmasked), as in
-Megatron-Bridge main; their outputs never reach the loss. The main loss is unchanged.
-
-Upstream bug worked around: with ``moe_router_enable_expert_bias=True`` Megatron-Core 0.19.2's
-``TopKRouter.routing`` flattens the mask to ``(tokens,)`` and ``_apply_expert_bias`` computes
-``routing_map & (~padding_mask)`` with ``routing_map`` of shape ``(tokens, experts)``, which raises
-(or, when tokens == experts, masks the wrong axis). No input shape avoids it (the mask is flattened
-before z-loss, aux loss and expert bias alike), so :func:`with_padding_mask` overrides
-``_apply_expert_bias`` on each router instance of the model with one that reshapes the mask to
-``(tokens, 1)`` and calls Megatron-Core's own method.
-
-Refused (``ValueError`` at :func:`with_padding_mask` and again in ``forward``, naming the setting):
-
-* ``recompute_granularity="full"``: the block re-runs its layers in the backward pass, after this
-  ``forward`` has returned, so the recomputed routers would run without the mask. Selective
-  recompute is fine: with ``recompute_modules=["moe"]`` Megatron-Core checkpoints the MoE layer
-  with the mask as an argument, so the routers re-run in the backward pass with it (their
-  statistics are then recorded during the backward pass); the other modules do not re-run a router.
-* ``cuda_graph_impl`` other than ``"none"``: graphed layers bypass module hooks.
-* ``mlp_chunks_for_training > 1``: Megatron-Core's chunked MLP path drops ``padding_mask``.
-
-Not covered: multi-token-prediction layers (``language_model.mtp``) keep counting padding (a
-warning is logged when they hold MoE layers); the legacy packed BSHD input (``packed_seq_params``
-with ``input_ids`` of more than one row) is refused when a mask is given.
-
-Models whose ``forward`` already declares ``padding_mask`` (Megatron-Bridge main's
-``Qwen3VLModel``, Megatron-Core's ``GPTModel``, a model already passed through
-:func:`with_padding_mask`) are returned unchanged: the call is safe on every version.
+Refused with the setting named: full recompute, CUDA graphs, ``mlp_chunks_for_training > 1``.
+Models that already declare ``padding_mask`` are returned unchanged. Details, the upstream bug
+worked around, what is not covered: docs/moe-padding-mask.md, docs/moe-routing.md; the patches
+and per-instance bindings: docs/patches.md.
 """
 
 from __future__ import annotations
@@ -85,6 +28,7 @@ from typing import Any
 
 import torch
 
+from megatron.bridge_thd.patches import Patch, apply_permanently
 from megatron.bridge_thd.upstream import load_bridge_module
 
 __all__ = [
@@ -151,7 +95,7 @@ def padding_mask_from_packed_seq_params(packed_seq_params, total_tokens: int) ->
 
 
 def _fail_if_unsupported(config) -> None:
-    """Settings under which the mask cannot reach every router (see the module docstring)."""
+    """Settings under which the mask cannot reach every router (docs/moe-padding-mask.md)."""
     if getattr(config, "recompute_granularity", None) == "full":
         raise ValueError(
             "config.recompute_granularity='full': the decoder re-runs its layers in the backward pass, after "
@@ -309,15 +253,19 @@ def _token_dropping(routing_probs, routing_map, router_topk, capacity_factor, dr
                                    capacity_factor=capacity_factor, pad_to_capacity=pad_to_capacity)
 
 
-def _install_token_dropping() -> None:
-    """Point Megatron-Core's router module at :func:`_token_dropping` (once; it defers to the
-    original whenever no mask is in flight)."""
-    global _UPSTREAM_TOKEN_DROPPING
+def _token_dropping_patch() -> Patch:
     from megatron.core.transformer.moe import router as router_module
 
-    if router_module.apply_router_token_dropping is not _token_dropping:
-        _UPSTREAM_TOKEN_DROPPING = router_module.apply_router_token_dropping
-        router_module.apply_router_token_dropping = _token_dropping
+    return Patch(router_module, "apply_router_token_dropping", _token_dropping,
+                 "TopKRouter.routing calls it without the padding mask: capacity from the real tokens, padding takes none")
+
+
+def _install_token_dropping() -> None:
+    """Point Megatron-Core's router module at :func:`_token_dropping`, permanently and once
+    (:func:`megatron.bridge_thd.patches.apply_permanently`); it defers to the original whenever no
+    mask is in flight."""
+    global _UPSTREAM_TOKEN_DROPPING
+    _UPSTREAM_TOKEN_DROPPING = apply_permanently(_token_dropping_patch())
 
 
 def _routing_with_padding(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
@@ -597,7 +545,7 @@ def with_padding_mask(model):
     """Make a Megatron-Bridge 0.6.2 ``Qwen3VLModel`` take ``padding_mask`` and hand it to its MoE routers.
 
     In place: the model (or, for a wrapper chain such as DDP / ``Float16Module``, the innermost
-    ``.module``) changes class to ``PaddingMask<Class>``; see the module docstring.
+    ``.module``) changes class to ``PaddingMask<Class>``; see docs/moe-padding-mask.md.
 
     Args:
         model: a Megatron-Bridge 0.6.2 ``Qwen3VLModel`` (a model chunk), or a ``.module`` wrapper

@@ -5,7 +5,7 @@ The helper modules we reuse (the masked next-token loss, the packed-sequence uti
 Qwen3-VL rope) import fine on their own. Where the real package can be imported (a GPU
 container) it is used as is; otherwise its parent packages are registered as bare namespace
 modules that point at the installed folders, so a submodule loads without the ``__init__``
-chain.
+chain (a ``sys.meta_path`` finder, installed once; listed in :mod:`megatron.bridge_thd.patches`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import importlib.util
 import os
 import sys
 import types
+
+from megatron.bridge_thd.patches import Patch, applied
 
 __all__ = ["load_bridge_module", "bridge_available", "load_flop_utils"]
 
@@ -105,18 +107,17 @@ def load_flop_utils() -> types.ModuleType:
     if name in sys.modules or _full_package_importable():
         return load_bridge_module("training.utils.flop_utils")
     _install_bare_package_finder()
-    saved = {}
+    with applied(_flop_utils_placeholders()):
+        return importlib.import_module(name)
+
+
+def _flop_utils_placeholders() -> list[Patch]:
+    """``sys.modules`` placeholders for the two modules ``flop_utils`` imports that need TE."""
+    patches = []
     for relative, attribute in _FLOP_UTILS_PLACEHOLDERS.items():
         full = f"{_BRIDGE}.{relative}"
-        saved[full] = sys.modules.get(full)
         placeholder = types.ModuleType(full)
         setattr(placeholder, attribute, type(attribute, (_Placeholder,), {}))
-        sys.modules[full] = placeholder
-    try:
-        return importlib.import_module(name)
-    finally:
-        for full, previous in saved.items():
-            if previous is None:
-                sys.modules.pop(full, None)
-            else:
-                sys.modules[full] = previous
+        patches.append(Patch(sys.modules, full, placeholder,
+                             f"flop_utils imports {attribute} from it, whose import chain needs Transformer Engine"))
+    return patches

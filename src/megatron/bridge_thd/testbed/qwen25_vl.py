@@ -10,7 +10,8 @@ Megatron-Core's ``MultimodalRotaryEmbedding`` needs here too):
 1. Import: the provider chain ``gpt_provider`` -> ``model_provider`` -> ``models/config.py``
    does ``from omegaconf import OmegaConf`` at module level (used only to load / save Hugging
    Face configs, never to build or run). Only when ``omegaconf`` is absent and only for the
-   duration of that import, :func:`qwen25_vl_import_patches` makes it a placeholder module.
+   duration of that import, :func:`qwen25_vl_import_patches` makes it a placeholder module
+   (a :class:`~megatron.bridge_thd.patches.Patch` applied with ``patches.applied``).
    No Transformer Engine name is bound at import by the Qwen2.5-VL modules.
 2. Build: ``GPTModelProvider.transformer_layer_spec`` defaults to the Transformer Engine spec
    (``default_layer_spec`` -> ``get_gpt_layer_with_transformer_engine_spec``). It is a config
@@ -24,7 +25,6 @@ Use it inside ``cpu_stack()`` with model-parallel groups initialised (as the tes
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import sys
 import types
@@ -32,6 +32,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from megatron.bridge_thd.patches import Patch, applied
 from megatron.bridge_thd.upstream import load_bridge_module
 
 __all__ = [
@@ -64,32 +65,26 @@ class _OmegaConfPlaceholder:
     create = merge = to_container = _absent
 
 
-@contextlib.contextmanager
-def qwen25_vl_import_patches():
-    """The scoped patches importing Megatron-Bridge 0.6.2's Qwen2.5-VL provider needs on a machine
-    without the full Megatron-Bridge dependency set.
+def qwen25_vl_import_patches() -> list[Patch]:
+    """The patches importing Megatron-Bridge 0.6.2's Qwen2.5-VL provider needs on a machine without
+    the full Megatron-Bridge dependency set, for :func:`megatron.bridge_thd.patches.applied`.
 
-    Only when ``omegaconf`` cannot be found: ``sys.modules["omegaconf"]`` is a placeholder
-    whose ``OmegaConf`` raises when called, for the duration of the block; restored after.
-    Nothing else: the Qwen2.5-VL modules bind no Transformer Engine name at import.
+    Only when ``omegaconf`` cannot be found: ``sys.modules["omegaconf"]`` is a placeholder whose
+    ``OmegaConf`` raises when called (restored when the block ends). Otherwise none. Nothing else:
+    the Qwen2.5-VL modules bind no Transformer Engine name at import.
     """
     if "omegaconf" in sys.modules or importlib.util.find_spec("omegaconf") is not None:
-        yield
-        return
+        return []
     placeholder = types.ModuleType("omegaconf")
     placeholder.OmegaConf = _OmegaConfPlaceholder
-    sys.modules["omegaconf"] = placeholder
-    try:
-        yield
-    finally:
-        if sys.modules.get("omegaconf") is placeholder:
-            del sys.modules["omegaconf"]
+    return [Patch(sys.modules, "omegaconf", placeholder,
+                  "the provider chain imports omegaconf at module level, only to load / save HF configs")]
 
 
 def load_qwen25_vl_provider() -> types.ModuleType:
     """Megatron-Bridge's ``models/qwen_vl/qwen25_vl_provider.py`` (which imports
     ``modeling_qwen25_vl.py``), loaded without the package ``__init__`` chain."""
-    with qwen25_vl_import_patches():
+    with applied(qwen25_vl_import_patches()):
         return load_bridge_module(QWEN25_VL_PROVIDER_MODULE)
 
 

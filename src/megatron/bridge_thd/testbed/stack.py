@@ -1,61 +1,27 @@
-"""The scoped patches that let Megatron-Bridge 0.6.2's real Qwen3-VL run on a machine without CUDA.
+"""The scoped patches that let Megatron-Bridge 0.6.2's real models run on a machine without CUDA,
+Transformer Engine or flash-linear-attention, as :class:`~megatron.bridge_thd.patches.Patch` records.
 
-Nothing here is applied at import. :func:`cpu_stack` applies every patch for the duration of
-a ``with`` block and restores each name on exit (re-entrant: an inner block is a no-op):
-
-1. ``torch.cuda.current_device`` returns the CPU device. Megatron-Core's
-   ``MultimodalRotaryEmbedding.__init__`` and Megatron-Bridge's Qwen3-VL rope call it
-   unconditionally to place ``inv_freq``.
-2. The four Transformer Engine names that Megatron-Bridge's ``modelling_qwen3_vl/model.py``
-   binds at import (``get_vit_layer_with_transformer_engine_spec``, ``TENorm``,
-   ``TEColumnParallelLinear``, ``TERowParallelLinear``) point at a local ViT spec whose core
-   attention is :class:`~megatron.bridge_thd.testbed.attention.THDCoreAttention` (bidirectional
-   per image), ``WrappedTorchNorm``, ``ColumnParallelLinear`` and ``RowParallelLinear``.
-3. Only when Transformer Engine is absent: Megatron-Core's ``megatron.core.utils.tex`` (None
-   without TE) gets a ``thd_get_partitioned_indices`` implemented by
-   :func:`~megatron.bridge_thd.context_parallel.thd_partition_indices`, so the THD CP split of
-   Megatron-Core's ``get_batch_on_this_cp_rank`` and Megatron-Bridge's
-   ``get_packed_seq_cp_partition_indices`` runs.
-4. Only without CUDA: Megatron-Core 0.19.2's pipeline schedules allocate ``total_num_tokens``
-   with ``device="cuda"`` and ``p2p_communication`` calls ``torch.cuda.synchronize()``; both
-   are redirected to the CPU (``torch.zeros`` in ``schedules`` and the module's ``torch.cuda``
-   seen through a proxy). The MoE all-to-all dispatcher (``transformer/moe/token_dispatcher.py``)
-   creates a ``torch.cuda.Stream()`` for its device-to-host copies of the split sizes and enters
-   it with ``torch.cuda.stream``: through the same proxy these are an in-order no-op stream.
-   Its ``maybe_move_tensor_to_cpu`` turns the split sizes into numpy arrays only for CUDA
-   tensors; on the CPU they are converted the same way (``all_to_all_single`` refuses tensors).
-5. Only when flash-linear-attention is absent: Megatron-Core's Gated DeltaNet
-   (``ssm/gated_delta_net``) imports fla's ``causal_conv1d``, ``l2norm`` and
-   ``chunk_gated_delta_rule`` at module level (None without fla) and refuses to build
-   (``HAVE_FLA``). ``common.HAVE_FLA`` becomes True and those names, in ``common`` and where
-   ``gdn.py`` imported them by name, point at the pure-torch varlen kernels of
-   :mod:`megatron.bridge_thd.testbed.gdn` (``cu_seqlens`` honoured). ``GatedDeltaNet`` binds
-   ``self.gated_delta_rule`` at construction, so build the model inside the block.
-6. Only without CUDA: ``_GDNBase.reset_parameters`` initialises ``dt_bias`` / ``A_log`` under
-   ``get_cuda_rng_tracker().fork()``, whose CUDA RNG state a CPU process never adds; ``common``'s
-   ``get_cuda_rng_tracker`` gives a tracker whose ``fork`` draws from the CPU generator. And the three ``@jit_fuser`` (``torch.compile``) methods of ``_GDNBase``
-   (``_apply_gated_norm``, ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta``)
-   run as their undecorated originals (no Inductor compile on the CPU).
+:func:`cpu_patches` lists what this machine needs (each record says why); :func:`cpu_stack`
+applies them with :func:`megatron.bridge_thd.patches.applied` for a ``with`` block and restores
+each name on exit (re-entrant: an inner block is a no-op). Nothing is applied at import. The list
+and the reasoning: docs/patches.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import threading
 from types import SimpleNamespace
 
 import torch
 
 from megatron.bridge_thd.context_parallel import thd_partition_indices
+from megatron.bridge_thd.patches import Patch, applied
 from megatron.bridge_thd.upstream import load_bridge_module
 
-__all__ = ["cpu_stack", "local_vit_layer_spec", "QWEN3_VL_MODEL_MODULE"]
+__all__ = ["cpu_stack", "cpu_patches", "local_vit_layer_spec", "QWEN3_VL_MODEL_MODULE"]
 
 QWEN3_VL_MODEL_MODULE = "models.qwen_vl.modelling_qwen3_vl.model"
-
-_lock = threading.RLock()
-_depth = 0
 
 
 def local_vit_layer_spec():
@@ -157,9 +123,9 @@ def _cpu_rng_tracker():
 _GDN_FUSED_METHODS = ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta")
 
 
-def _gdn_patches() -> list[tuple[object, str, object]]:
-    """Patches 5 and 6: Megatron-Core's Gated DeltaNet on the CPU without flash-linear-attention."""
-    patches: list[tuple[object, str, object]] = []
+def _gdn_patches() -> list[Patch]:
+    """Megatron-Core's Gated DeltaNet on the CPU without flash-linear-attention (docs/patches.md)."""
+    patches: list[Patch] = []
     try:
         import megatron.core.ssm.gated_delta_net.common as gdn_common
         import megatron.core.ssm.gated_delta_net.gdn as gdn_module
@@ -168,35 +134,42 @@ def _gdn_patches() -> list[tuple[object, str, object]]:
     if not _fla_available():
         from megatron.bridge_thd.testbed import gdn as kernels
 
+        no_fla = "fla is absent: Gated DeltaNet refuses to build (HAVE_FLA) and its kernels are None"
+        bound = "gdn.py imported the fla kernel by name: the pure-torch varlen one (cu_seqlens honoured)"
         patches += [
-            (gdn_common, "HAVE_FLA", True),
-            (gdn_common, "causal_conv1d", kernels.causal_conv1d),
-            (gdn_common, "l2norm", kernels.l2norm),
-            (gdn_common, "chunk_gated_delta_rule", kernels.chunk_gated_delta_rule),
-            (gdn_module, "causal_conv1d", kernels.causal_conv1d),
-            (gdn_module, "chunk_gated_delta_rule", kernels.chunk_gated_delta_rule),
+            Patch(gdn_common, "HAVE_FLA", True, no_fla),
+            Patch(gdn_common, "causal_conv1d", kernels.causal_conv1d, no_fla),
+            Patch(gdn_common, "l2norm", kernels.l2norm, no_fla),
+            Patch(gdn_common, "chunk_gated_delta_rule", kernels.chunk_gated_delta_rule, no_fla),
+            Patch(gdn_module, "causal_conv1d", kernels.causal_conv1d, bound),
+            Patch(gdn_module, "chunk_gated_delta_rule", kernels.chunk_gated_delta_rule, bound),
         ]
     if not torch.cuda.is_available():
-        patches.append((gdn_common, "get_cuda_rng_tracker", _cpu_rng_tracker))
+        patches.append(Patch(gdn_common, "get_cuda_rng_tracker", _cpu_rng_tracker,
+                             "reset_parameters forks the CUDA RNG tracker; on the CPU fork is the CPU generator"))
         for name in _GDN_FUSED_METHODS:
             fused = gdn_common._GDNBase.__dict__.get(name)
             original = getattr(fused, "_torchdynamo_orig_callable", None) or getattr(fused, "__wrapped__", None)
             if original is not None:
-                patches.append((gdn_common._GDNBase, name, original))
+                patches.append(Patch(gdn_common._GDNBase, name, original,
+                                     "@jit_fuser (torch.compile) method: its undecorated original, no Inductor on the CPU"))
     return patches
 
 
-def _patches() -> list[tuple[object, str, object]]:
-    """(owner, attribute, replacement) for every patch this machine needs."""
+def cpu_patches() -> list[Patch]:
+    """Every patch this machine needs to build and run Megatron-Bridge 0.6.2's real models
+    (model-spec names always; the rest only where CUDA, Transformer Engine or fla is absent)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     model_module = load_bridge_module(QWEN3_VL_MODEL_MODULE)
-    patches: list[tuple[object, str, object]] = [
-        (model_module, "get_vit_layer_with_transformer_engine_spec", local_vit_layer_spec),
-        (model_module, "TENorm", WrappedTorchNorm),
-        (model_module, "TEColumnParallelLinear", ColumnParallelLinear),
-        (model_module, "TERowParallelLinear", RowParallelLinear),
+    te_name = "a Transformer Engine name modelling_qwen3_vl/model.py binds at import: "
+    patches = [
+        Patch(model_module, "get_vit_layer_with_transformer_engine_spec", local_vit_layer_spec,
+              te_name + "the local ViT spec with the CPU THD core attention (bidirectional per image)"),
+        Patch(model_module, "TENorm", WrappedTorchNorm, te_name + "torch's norm"),
+        Patch(model_module, "TEColumnParallelLinear", ColumnParallelLinear, te_name + "Megatron-Core's local linear"),
+        Patch(model_module, "TERowParallelLinear", RowParallelLinear, te_name + "Megatron-Core's local linear"),
     ]
     if not torch.cuda.is_available():
         import megatron.core.pipeline_parallel.p2p_communication as p2p
@@ -204,23 +177,28 @@ def _patches() -> list[tuple[object, str, object]]:
         import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
         patches += [
-            (torch.cuda, "current_device", _cpu_device),
-            (schedules, "torch", _TorchOnCpu()),
-            (p2p, "torch", _TorchOnCpu()),
-            (token_dispatcher, "torch", _TorchOnCpu()),
-            (token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_host),
+            Patch(torch.cuda, "current_device", _cpu_device,
+                  "MultimodalRotaryEmbedding and Megatron-Bridge's Qwen3-VL rope place inv_freq on it unconditionally"),
+            Patch(schedules, "torch", _TorchOnCpu(), "the schedules allocate total_num_tokens with device='cuda'"),
+            Patch(p2p, "torch", _TorchOnCpu(), "p2p_communication calls torch.cuda.synchronize()"),
+            Patch(token_dispatcher, "torch", _TorchOnCpu(),
+                  "the all-to-all dispatcher copies split sizes on a torch.cuda.Stream: an in-order no-op stream"),
+            Patch(token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_host,
+                  "split sizes reach all_to_all_single as numpy arrays, as they do from a GPU"),
         ]
     if not _te_available():
         import megatron.core.utils as mcore_utils
 
-        patches.append((mcore_utils, "tex", SimpleNamespace(thd_get_partitioned_indices=_thd_get_partitioned_indices)))
+        patches.append(Patch(mcore_utils, "tex", SimpleNamespace(thd_get_partitioned_indices=_thd_get_partitioned_indices),
+                             "tex is None without TE: the THD CP split of get_batch_on_this_cp_rank and "
+                             "get_packed_seq_cp_partition_indices needs thd_get_partitioned_indices"))
     patches += _gdn_patches()
     return patches
 
 
 @contextlib.contextmanager
 def cpu_stack():
-    """Apply every CPU patch for the duration of the block, then restore each name.
+    """Apply every CPU patch (:func:`cpu_patches`) for the duration of the block, then restore each name.
 
     Use it around building and running Megatron-Bridge's real model on a CPU machine::
 
@@ -230,23 +208,7 @@ def cpu_stack():
 
     Re-entrant; on a machine with CUDA and Transformer Engine only the model-spec names of
     ``modelling_qwen3_vl/model.py`` are swapped (the THD attention is still the CPU one).
+    ``GatedDeltaNet`` binds ``self.gated_delta_rule`` at construction: build it inside the block.
     """
-    global _depth
-    with _lock:
-        if _depth:
-            _depth += 1
-            saved = None
-        else:
-            patches = _patches()
-            saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-            for owner, name, replacement in patches:
-                setattr(owner, name, replacement)
-            _depth = 1
-    try:
+    with applied(cpu_patches()):
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if saved is not None:
-                for owner, name, original in reversed(saved):
-                    setattr(owner, name, original)

@@ -1,0 +1,162 @@
+"""Every patch of an upstream name, and the one way they are applied. Reasoning: docs/patches.md.
+
+A :class:`Patch` is a record ``(owner, name, replacement, why)``: ``owner.name`` (or
+``owner[name]`` when ``owner`` is a mapping such as ``sys.modules``) becomes ``replacement``.
+:func:`applied` sets a list of them for a ``with`` block and restores each on exit;
+:func:`apply_permanently` sets one for the rest of the process, idempotently. Nothing is applied
+at import, and this module imports nothing beyond the standard library.
+
+The patches (targets, where they are built and applied, why; one line each in docs/patches.md):
+
+* Scoped, test bed only: ``testbed/stack.py`` ``cpu_patches()``, applied by ``cpu_stack()``, for
+  Megatron-Bridge 0.6.2's real models on a CPU without CUDA / Transformer Engine (TE) / fla:
+  ``torch.cuda.current_device`` (the ropes place ``inv_freq`` on it); the TE names
+  ``modelling_qwen3_vl/model.py`` binds at import, ``get_vit_layer_with_transformer_engine_spec``,
+  ``TENorm``, ``TEColumnParallelLinear``, ``TERowParallelLinear``; ``megatron.core.utils.tex`` (the
+  THD CP split); ``torch`` as ``schedules``, ``p2p_communication`` and ``token_dispatcher`` see it,
+  and ``token_dispatcher.maybe_move_tensor_to_cpu`` (CUDA tensors, syncs, streams, split sizes);
+  Gated DeltaNet without fla: ``gated_delta_net.common`` ``HAVE_FLA``, ``causal_conv1d``,
+  ``l2norm``, ``chunk_gated_delta_rule``, ``get_cuda_rng_tracker``, ``gated_delta_net.gdn``
+  ``causal_conv1d``, ``chunk_gated_delta_rule``, and ``_GDNBase``'s ``torch.compile`` methods
+  ``_apply_gated_norm``, ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta``.
+* Scoped, test bed only: ``testbed/qwen25_vl.py`` ``qwen25_vl_import_patches()``:
+  ``sys.modules['omegaconf']``, a placeholder while the Qwen2.5-VL provider is imported (only
+  when omegaconf is absent).
+* Scoped: ``upstream.py`` ``load_flop_utils()``: ``sys.modules['megatron.bridge.peft.lora']`` and
+  ``sys.modules['megatron.bridge.training.config']``, placeholders while ``flop_utils`` is
+  imported (only without TE).
+* Permanent (:func:`apply_permanently`): ``moe_padding.py``, the first time a
+  ``with_padding_mask`` model has expert capacity:
+  ``megatron.core.transformer.moe.router.apply_router_token_dropping`` (sees the padding mask;
+  defers to the original whenever no mask is in flight).
+
+Not a patch of a name, listed so that nothing that changes upstream objects is hidden:
+``upstream.py`` puts a ``sys.meta_path`` finder first (once; Megatron-Bridge's packages load
+without their ``__init__`` when TE is absent); ``moe_padding.with_padding_mask`` swaps the user's
+model class to ``PaddingMask<Class>`` (registered as a module-level name of ``moe_padding`` for
+pickle), binds ``_apply_expert_bias`` / ``routing`` / ``_apply_seq_aux_loss`` on that model's own
+router instances, and adds forward pre-hooks for the duration of one forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Patch", "applied", "apply_permanently"]
+
+_ABSENT = object()  # the name did not exist before the patch: restoring removes it
+_lock = threading.RLock()
+# (id(owner), name) -> [owner, original, depth] for names an applied() block has set.
+_active: dict[tuple[int, str], list] = {}
+# (id(owner), name) -> (owner, original) for names apply_permanently has set.
+_permanent: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+
+@dataclass(frozen=True)
+class Patch:
+    """``owner.name`` (``owner[name]`` for a mapping) becomes ``replacement``; ``why`` says why.
+
+    Example::
+
+        Patch(torch.cuda, "current_device", lambda: torch.device("cpu"),
+              "Megatron-Core's rope places inv_freq on torch.cuda.current_device()")
+    """
+
+    owner: Any
+    name: str
+    replacement: Any
+    why: str
+
+    @property
+    def target(self) -> str:
+        """``module.name``, ``module.Class.name`` or ``sys.modules['name']``: for docs and errors."""
+        if self.owner is sys.modules:
+            return f"sys.modules[{self.name!r}]"
+        if isinstance(self.owner, type):
+            return f"{self.owner.__module__}.{self.owner.__qualname__}.{self.name}"
+        return f"{getattr(self.owner, '__name__', type(self.owner).__name__)}.{self.name}"
+
+
+def _key(patch: Patch) -> tuple[int, str]:
+    return id(patch.owner), patch.name
+
+
+def _get(owner, name: str):
+    if isinstance(owner, MutableMapping):
+        return owner.get(name, _ABSENT)
+    return getattr(owner, name, _ABSENT)
+
+
+def _set(owner, name: str, value) -> None:
+    if isinstance(owner, MutableMapping):
+        if value is _ABSENT:
+            owner.pop(name, None)
+        else:
+            owner[name] = value
+    elif value is _ABSENT:
+        if hasattr(owner, name):
+            delattr(owner, name)
+    else:
+        setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def applied(patches: Iterable[Patch]):
+    """Set every patch for the duration of the block, then restore each name (in reverse order).
+
+    Re-entrant: a name that an enclosing ``applied`` block has already set is left as that block
+    set it (the inner block does nothing for it), so nested blocks of the same patches are no-ops
+    and the outermost block restores the originals.
+    """
+    patches = list(patches)
+    mine: list[tuple[int, str]] = []
+    with _lock:
+        try:
+            for patch in patches:
+                key = _key(patch)
+                if key in _active:
+                    _active[key][2] += 1
+                else:
+                    _active[key] = [patch.owner, _get(patch.owner, patch.name), 1]
+                    _set(patch.owner, patch.name, patch.replacement)
+                mine.append(key)
+        except BaseException:
+            _release(mine)
+            raise
+    try:
+        yield
+    finally:
+        with _lock:
+            _release(mine)
+
+
+def _release(keys: list[tuple[int, str]]) -> None:
+    for key in reversed(keys):
+        entry = _active[key]
+        entry[2] -= 1
+        if not entry[2]:
+            owner, name = entry[0], key[1]
+            _set(owner, name, entry[1])
+            del _active[key]
+
+
+def apply_permanently(patch: Patch):
+    """Set ``patch`` for the rest of the process; idempotent (a second call changes nothing).
+
+    Returns:
+        The value the patch replaced when it was applied (the upstream original), so that the
+        replacement can defer to it.
+    """
+    with _lock:
+        key = _key(patch)
+        if _get(patch.owner, patch.name) is patch.replacement:
+            return _permanent[key][1]
+        original = _get(patch.owner, patch.name)
+        _permanent[key] = (patch.owner, original)
+        _set(patch.owner, patch.name, patch.replacement)
+        return original

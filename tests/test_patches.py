@@ -1,0 +1,99 @@
+"""One mechanism for every patch of an upstream name (``megatron.bridge_thd.patches``), and one
+list of them (docs/patches.md) that names every record the code builds."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+import types
+
+import pytest
+
+from megatron.bridge_thd import patches
+from megatron.bridge_thd.patches import Patch, applied, apply_permanently
+
+DOC = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "patches.md").read_text()
+
+
+def _module(**names):
+    module = types.ModuleType("owner")
+    module.__dict__.update(names)
+    return module
+
+
+def test_applied_sets_for_the_block_and_restores_every_name():
+    owner = _module(a=1)
+    with applied([Patch(owner, "a", 2, "x"), Patch(owner, "b", 3, "new name"),
+                  Patch(sys.modules, "bridge_thd_test_placeholder", owner, "mapping owner")]):
+        assert (owner.a, owner.b) == (2, 3) and sys.modules["bridge_thd_test_placeholder"] is owner
+    assert owner.a == 1 and not hasattr(owner, "b") and "bridge_thd_test_placeholder" not in sys.modules
+
+
+def test_applied_is_reentrant_the_outer_block_wins_and_restores():
+    owner = _module(a=1)
+    with applied([Patch(owner, "a", 2, "outer")]):
+        with applied([Patch(owner, "a", 3, "inner"), Patch(owner, "c", 4, "inner only")]):
+            assert owner.a == 2 and owner.c == 4  # the enclosing block's value is kept
+        assert owner.a == 2 and not hasattr(owner, "c")
+    assert owner.a == 1
+
+
+def test_applied_restores_on_an_exception():
+    owner = _module(a=1)
+    with pytest.raises(RuntimeError):
+        with applied([Patch(owner, "a", 2, "x")]):
+            raise RuntimeError("boom")
+    assert owner.a == 1 and not patches._active
+
+
+def test_apply_permanently_is_idempotent_and_returns_the_original():
+    owner = _module(f=len)
+    patch = Patch(owner, "f", abs, "x")
+    assert apply_permanently(patch) is len and owner.f is abs
+    assert apply_permanently(patch) is len and owner.f is abs
+
+
+def test_targets_name_the_owner():
+    assert Patch(sys.modules, "omegaconf", None, "").target == "sys.modules['omegaconf']"
+    assert Patch(Patch, "target", None, "").target == "megatron.bridge_thd.patches.Patch.target"
+    assert Patch(types, "ModuleType", None, "").target == "types.ModuleType"
+
+
+def _every_record() -> list[Patch]:
+    from megatron.bridge_thd import moe_padding, upstream
+    from megatron.bridge_thd.testbed.qwen25_vl import _OmegaConfPlaceholder  # noqa: F401 - the module loads
+    from megatron.bridge_thd.testbed.stack import cpu_patches
+
+    records = cpu_patches() + upstream._flop_utils_placeholders() + [moe_padding._token_dropping_patch()]
+    # qwen25_vl_import_patches() is empty where omegaconf is installed; its one record by name:
+    records.append(Patch(sys.modules, "omegaconf", None, "qwen25_vl_import_patches"))
+    return records
+
+
+def test_every_patch_the_code_builds_is_listed_in_docs_and_the_module_docstring():
+    records = _every_record()
+    assert len(records) >= 20
+    for record in records:
+        assert record.why, record.target
+        assert f"`{record.target}`" in DOC, f"docs/patches.md does not list {record.target}"
+        named = re.escape(record.target) if record.owner is sys.modules else rf"[\w.]*\b{record.name}"
+        assert re.search(f"``{named}``", patches.__doc__), f"megatron.bridge_thd.patches' docstring does not list {record.target}"
+
+
+def test_qwen25_vl_import_patches_is_one_placeholder_only_without_omegaconf(monkeypatch):
+    import importlib.util
+
+    from megatron.bridge_thd.testbed import qwen25_vl
+
+    monkeypatch.delitem(sys.modules, "omegaconf", raising=False)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "omegaconf" else real_find_spec(name, *a))
+    (record,) = qwen25_vl.qwen25_vl_import_patches()
+    assert record.target == "sys.modules['omegaconf']"
+    with applied([record]):
+        from omegaconf import OmegaConf
+
+        with pytest.raises(ModuleNotFoundError, match="omegaconf is not installed"):
+            OmegaConf.create({})
+    assert "omegaconf" not in sys.modules
