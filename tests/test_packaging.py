@@ -49,3 +49,50 @@ def test_bridge_helpers_load_without_transformer_engine():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("megatron/bridge/training/losses.py")
+
+
+RUNTIME_ENTRY_POINTS = (
+    "megatron.bridge_thd.qwen3_vl_step",
+    "megatron.bridge_thd.qwen25_vl_step",
+    "megatron.bridge_thd.step",
+    "megatron.bridge_thd.packing",
+)
+NOT_RUNTIME = ("megatron.bridge_thd.testbed", "megatron.bridge_thd.plan", "megatron.bridge_thd.interop")
+
+
+def test_the_runtime_never_imports_the_test_bed_the_planner_or_interop():
+    # In a fresh interpreter: what training imports pulls in none of the other roles.
+    code = (
+        "import sys\n"
+        f"for name in {RUNTIME_ENTRY_POINTS!r}:\n"
+        "    __import__(name)\n"
+        f"roles = {NOT_RUNTIME!r}\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(roles))\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_public_names_users_import_keep_working():
+    code = (
+        "from megatron.bridge_thd.qwen3_vl_step import forward_step\n"
+        "from megatron.bridge_thd.qwen25_vl_step import forward_step as qwen25_forward_step\n"
+        "from megatron.bridge_thd import pack_bshd_to_thd\n"
+        "from megatron.bridge_thd.verl import preprocess_packed_seqs, postprocess_packed_seqs\n"
+        "from megatron.bridge_thd.configure import configure\n"
+        "import megatron.bridge_thd.interop.verl as interop_verl\n"
+        "assert callable(forward_step) and callable(qwen25_forward_step) and forward_step is not qwen25_forward_step\n"
+        "assert callable(pack_bshd_to_thd) and callable(configure)\n"
+        "assert preprocess_packed_seqs is interop_verl.preprocess_packed_seqs\n"
+        "assert postprocess_packed_seqs is interop_verl.postprocess_packed_seqs\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_batching_home_is_importable_and_empty():
+    import megatron.bridge_thd.batching as batching
+
+    assert batching.__doc__ and "docs/batching.md" in batching.__doc__
+    assert not [name for name in vars(batching) if not name.startswith("__")]
