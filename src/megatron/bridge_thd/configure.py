@@ -1,4 +1,4 @@
-"""Set a Megatron-Bridge config's packing flags consistently for ``megatron.bridge_thd``'s step.
+"""Opt-in: set a Megatron-Bridge config's packing flags consistently for ``megatron.bridge_thd``'s step.
 
 ::
 
@@ -11,28 +11,17 @@
 ``configure(cfg, layout="thd", *, cuda_graphs=None, force=False)`` takes a Megatron-Bridge
 ``ConfigContainer`` (or any object with ``cfg.dataset``, ``cfg.model`` and ``cfg.train`` shaped
 like it), checks the settings that decide how a micro-batch reaches the step, sets the flags
-below, logs what it changed at INFO and returns ``cfg``. Every check runs before anything is
+(below), logs what it changed at INFO and returns ``cfg``. Every check runs before anything is
 written: a config it refuses is left untouched, and the ``ValueError`` lists each problem with the
 settings involved, what is wrong and how to fix it. A value the user set explicitly is never
 overwritten silently: when it differs from what the layout needs, ``configure`` refuses; with
 ``force=True`` it overwrites it and logs one WARNING line per setting. Calling it twice with the
 same layout is harmless (the second call changes nothing).
 
-Flags it sets
--------------
-
-The records of :data:`FLAG_RULES`, one per flag: what it is for, its name in Megatron-Bridge 0.6.2
-and in Megatron-Bridge main, and what ``configure`` sets it to. That tuple is the only copy: the
-table in ``docs/configure.md`` is rendered from it by ``scripts/readme_figures.py`` (block
-``configure-flags``) and checked by the tests.
-
-``dataset.in_batch_packing_pad_to_multiple_of`` is left to Bridge's ``validate()`` (it computes
-it from CP/SP); it only matters when the collate packs, which ``defer_in_batch_packing_to_step``
-turns off. The step reads ``pack_sequences_in_batch`` or ``enable_in_batch_packing``; an input that
-sets only one of them counts for both.
-
-The rules, every refusal with the upstream code that motivates it, how "set explicitly" is told
-from a dataclass default, and what ``force`` does and does not lift: ``docs/configure.md``.
+The flags it sets are the records of :data:`FLAG_RULES` (the only copy: the table in
+docs/configure.md is rendered from it). The rules, every refusal with the upstream code that
+motivates it, how "set explicitly" is told from a dataclass default, and what ``force`` does and
+does not lift: docs/configure.md.
 """
 
 from __future__ import annotations

@@ -1,50 +1,14 @@
-"""Multi-token-prediction (MTP) label roll on packed THD rows, with context parallelism.
+"""Opt-in: multi-token-prediction (MTP) label roll on packed THD rows, with context parallelism.
 
-MTP trains depth k on the labels (and loss mask) shifted left by k tokens, one token per
-depth. On a packed row the shift is *per sample*: the roll of ``[1, 2, 3 | 4, 5]`` is
-``[2, 3, 0 | 5, 0]``. The last real token of every sample gets 0 (its successor belongs to the
-next sample), and so does every padding slot. A global ``torch.roll`` would wrap sample k+1's
-first token into sample k.
-
-Layout. Sample i's real tokens sit at ``[cu_seqlens_q_padded[i], cu_seqlens_q_padded[i] +
-(cu_seqlens_q[i + 1] - cu_seqlens_q[i]))`` of the full row of N tokens; the rest of its
-physical slot, up to ``cu_seqlens_q_padded[i + 1]``, is padding. Under context parallelism
-(CP group of size cp) every physical segment of length L (divisible by ``2 * cp``) is cut into
-``2 * cp`` chunks of ``c = L / (2 * cp)`` tokens and rank r holds chunks r and ``2cp - 1 - r``
-(see :mod:`megatron.bridge_thd.context_parallel`); its local row has ``N / cp`` tokens.
-
-Megatron-Core's ``roll_tensor``. Megatron-Core 0.19.2's
-``megatron.core.transformer.multi_token_prediction.roll_tensor(tensor, shifts=-1, dims=-1,
-cp_group=None, packed_seq_params=None)`` rolls packed rows with a Python loop over samples
-that reads only ``cu_seqlens_q``, the *real* boundaries:
-
-* It is exact when the real and the physical boundaries coincide (``cu_seqlens_q ==
-  cu_seqlens_q_padded``, or no ``cu_seqlens_q_padded``): no alignment padding anywhere, and
-  (under CP) every real length divisible by ``2 * cp``. Our packer marks that case with
-  ``pad_between_seqs=False``.
-* It is wrong as soon as a slot has padding. It slices the row at the real boundaries while
-  the tokens sit at the padded ones: with real ``[0, 3, 5]`` and padded ``[0, 4, 8]`` it rolls
-  ``[1, 2, 3, p, 4, 5, p, p]`` into ``[2, 3, 0, 4, 0, 5, p, p]``: the padding slot 3 receives
-  sample 1's first token (a rolled loss mask trains on a padding slot), sample 1's first token
-  loses its target, and padding slots past ``cu_seqlens_q[-1]`` keep their values (padding
-  only in the last slot, or a static tail segment, is enough for that). Under CP it divides
-  the real boundaries by cp, which is not where any rank's chunks start, and it raises
-  ``IndexError`` where such a slice holds a single token (``tensor.chunk(2)`` then returns
-  one chunk) -- after some ranks have already posted an ``isend``.
-* It returns ``(rolled, rolled.sum())``; on an accelerator every ``cu_seqlens_q[i]`` used as
-  a slice bound is a host synchronisation (one per sample); under CP every rank sends two
-  one-token messages per sample and waits for them before the next sample.
-
-:func:`roll_packed_left` reads both boundary sets, builds one gather index for the whole
-local row (no loop over samples, no host synchronisation), and under CP exchanges one
-message per neighbour that carries the boundary tokens of every segment. :func:`roll_packed_left_with_megatron` delegates to Megatron-Core where it is exact
-(decided by :func:`megatron_roll_is_exact`) and uses :func:`roll_packed_left` elsewhere.
-
-Validation. Shapes and the CP size are checked on the host (a ``ValueError`` naming the
-argument). Checks that need the boundary values (row length, divisibility, monotonicity)
-raise ``ValueError`` when the metadata lives on the CPU, where reading it costs nothing; on an
-accelerator they run as ``torch._assert_async`` so that no host synchronisation is added (a bad
-input then fails at the next synchronisation with the same message).
+MTP trains depth k on the labels (and loss mask) shifted left by k tokens. On a packed row the
+shift is *per sample*: the roll of ``[1, 2, 3 | 4, 5]`` is ``[2, 3, 0 | 5, 0]`` (each sample's last
+real token and every padding slot get 0). Megatron-Core 0.19.2's ``roll_tensor`` reads only the
+real boundaries, so it is exact only when no slot carries padding. :func:`roll_packed_left`
+reads real and padded boundaries, builds one gather index for the local row (no loop over
+samples, no host synchronisation) and under CP exchanges one message per neighbour;
+:func:`roll_packed_left_with_megatron` delegates to Megatron-Core where
+:func:`megatron_roll_is_exact` says it is exact. Layout, Megatron-Core's failure modes, validation:
+docs/real-model.md (Multi-token prediction on packed rows).
 """
 
 from __future__ import annotations

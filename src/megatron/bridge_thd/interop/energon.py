@@ -1,51 +1,14 @@
 """Megatron-Energon / LLaVA-OneVision2 packed rows: ``cu_lengths`` and sample-ID masks, to and from
 :class:`~megatron.bridge_thd.packing.PackedBatch`.
 
-Energon's convention, for a micro-batch of one row ``input_ids`` ``(1, N)``:
-
-* ``cu_lengths`` ``(1, 1)`` holding 0: the row is not packed, one causal sequence over all N
-  tokens;
-* ``cu_lengths`` ``(1, P)``: ``[0, l_1, l_1 + l_2, ..., l_1 + ... + l_{P-1}]``, P - 1 packed
-  samples laid out back to back, with block-diagonal causal attention (a sample never sees
-  another; the image tokens inside one sample see each other as the model's vision rules say);
-  the tokens after ``cu_lengths[-1]`` are padding;
-* a sample-ID mask ``(1, N)``, ``[[1, 1, 2, 2, 2, 3, 3, 4, 5, 5, 5, 0, 0]]``: sample k's tokens
-  carry id k, the padding tail 0. It gives the same boundaries
-  (:func:`~megatron.bridge_thd.lengths.cu_seqlens_from_sample_ids`: ``[0, 2, 5, 7, 8, 11, 13]``,
-  the tail being one extra segment).
-
-A packed row needs micro-batch 1; both builders refuse anything else.
-
-Padding is never part of a sample. The tail after ``cu_lengths[-1]``, and whatever padding the
-parallel layout needs, form one *dummy segment* at the end of the row: its real length is 0, it
-only appears in ``cu_seqlens_padded``. So with sequence parallelism the tokens that make the row
-divisible by TP are their own sub-sequence; they are never silently added to the last sample's
-real length (which would make them attend to it and change its boundaries).
-
-Alignment (how the row is laid out):
-
-* ``align_to=1`` (no CP, no FP8): samples stay where Energon put them; the output row is the
-  input row, extended with padding to a multiple of ``pad_to_multiple_of`` (SP: the TP size).
-  Real and padded boundaries agree except for the dummy tail segment.
-* ``align_to=a > 1`` (context parallelism needs every segment divisible by ``2 * cp``, FP8 by
-  16; :func:`~megatron.bridge_thd.packing.required_alignment`): a sample that Energon packed at an
-  unaligned offset cannot be cut into CP chunks where it lies, so the samples are re-laid into
-  aligned slots by the packer. The row is viewed as a ``(S, N)`` batch, row i being the input
-  row with every token outside sample i masked out (``expand``: no copy of the ids), and
-  :func:`~megatron.bridge_thd.packing.pack_bshd_to_thd` packs it: sample i's real tokens land at
-  ``cu_seqlens_padded[i]``, its slot padded to a multiple of a. One gather/scatter, no loop over
-  samples; memory O(S * N) for the transient view. The row is at least the input row rounded up
-  (the tail stays a dummy segment), longer when the slots need it.
-
-``packed_index`` of the result is ``(1, N)``: the output slot of every input position (the row
-length for the tail), so ``unpack_thd_to_bshd(values, packed)`` returns ``(1, N, ...)`` values
-back in Energon's row layout.
-
-Host synchronisation: building from ``cu_lengths`` reads the host once (the packer's one read:
-row length, ``max_seqlen`` and the validity of ``cu_lengths``, which are data). Building from
-sample IDs reads twice: the number of samples sizes the view (read by
-``cu_seqlens_from_sample_ids``), then the packer's read. The converters back read once: the
-number of samples sizes Energon's ``cu_lengths`` and the layout must be checked.
+For one row ``input_ids`` ``(1, N)`` (a packed row needs micro-batch 1): ``cu_lengths`` ``[[0]]``
+is one causal sequence; ``cu_lengths`` ``(1, P)`` is ``P - 1`` samples back to back, block-diagonal
+causal, the tokens after ``cu_lengths[-1]`` padding; a sample-ID mask
+``[[1, 1, 2, 2, 2, 3, 3, 4, 5, 5, 5, 0, 0]]`` gives the same boundaries. Padding is never part of a
+sample: the tail, and what the parallel layout adds, is one dummy segment with no real token.
+``pad_to_multiple_of`` (SP) pads only the row end; ``align_to`` (CP's ``2 * cp``, FP8) re-lays the
+samples into aligned slots through the packer (one gather / scatter, no loop over samples).
+Conventions, layouts, host reads and proofs: docs/energon.md.
 """
 
 from __future__ import annotations

@@ -1,53 +1,18 @@
 """Drop-in replacements for VERL's packed-sequence helpers (``verl/models/mcore/util.py``, 0.9.1).
 
-A VERL user swaps one import::
+A VERL user swaps one import (``megatron.bridge_thd.verl`` is the public alias of this module)::
 
     # from verl.models.mcore.util import preprocess_packed_seqs, postprocess_packed_seqs
     from megatron.bridge_thd.verl import preprocess_packed_seqs, postprocess_packed_seqs
 
-The signatures, return types, packed layout and context-parallel (CP) split are VERL's:
-
-* alignment: every sample's physical slot is a multiple of ``tp * cp * 2`` (``tp`` without CP);
-  with ``use_fp8_padding`` of ``lcm(that, 16)``, and the last slot is stretched so that the row
-  is a multiple of ``that * 128`` (Transformer Engine's FP8 block quantisation). TP / CP sizes
-  and the CP rank / group come from Megatron-Core's ``parallel_state``, as in VERL;
-* sample i's real tokens sit, in order, at the start of its slot; the rest of the row is 0;
-* under CP every rank gets chunks ``r`` and ``2cp-1-r`` of every slot (the zigzag rule of
-  Transformer Engine / Megatron-Core, :func:`~megatron.bridge_thd.context_parallel.thd_partition_indices`);
-  ``postprocess_packed_seqs`` all-gathers the model output over the CP group.
-
-What differs from VERL:
-
-* vectorised: one gather / scatter over integer indices, so the number of torch ops does not
-  depend on B (VERL loops over samples: 3 + B host syncs per call, one per boolean gather); one
-  host sync per call here (the row length and validity flags in ``preprocess``, the validity
-  flags in ``postprocess``);
-* real and padded boundaries are kept apart: ``cu_seqlens_q`` / ``cu_seqlens_kv`` are the real
-  boundaries, ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded`` the aligned ones and
-  ``pad_between_seqs`` is set. VERL passes the padded boundaries as the real ones, so attention,
-  MoE routing and anything counting tokens treat the alignment slots as real tokens;
-* any mask dtype: bool, int or float with values 0 / 1 (VERL's ``input_ids[i, mask[i]]`` needs
-  a bool mask; an int mask becomes integer indexing and crashes or silently gathers the wrong
-  tokens). Other values (2, 0.5) raise ``ValueError``: the rule and the message are the step's
-  (:func:`megatron.bridge_thd.lengths.keep_mask_from_2d`), read in this call's one host read;
-* an all-padding micro-batch gives a row of one aligned padding segment instead of an empty
-  ``(1, 0)`` row that no model can run;
-* ``postprocess_packed_seqs`` checks that the output and the mask belong to the metadata (one
-  host read) and raises ``ValueError`` instead of unpacking the wrong slots. E.g. VERL's own call
-  for vision models hands the padded ``(B, T)`` batch to Megatron-Bridge 0.6.2's Qwen3-VL, which
-  with B = 1 takes the padded row for an already packed one;
-* ``use_fp8_padding=True`` with ``pre_process=False`` on the first pipeline stage raises
-  ``ValueError`` up front. That is VERL's vision-model call, where the model packs the padded
-  batch itself with its own alignment and no FP8 padding, so FP8 boundaries describe a longer
-  row than the one it attends over (VERL's helpers then crash inside attention with an
-  ``IndexError``). The packed call (``pre_process=True``, VERL's text-model path) works with FP8
-  padding on Qwen3-VL at any CP size.
-
-Gradients through ``postprocess_packed_seqs`` follow VERL: the CP all-gather is differentiable
-with respect to this rank's own shard only. Every CP rank computes the same loss over the
-gathered ``(B, T, ...)`` output, so this rank's shard receives its complete gradient here and
-the other shards are differentiated on their own ranks; summing parameter gradients over the CP
-group (as Megatron's gradient reduction does) gives the CP=1 gradient.
+Signatures, return types, packed layout, alignment (FP8 included), zigzag CP split and CP gather
+are VERL's. What differs, on purpose: vectorised (op count independent of B, one host sync per
+call where VERL makes 3 + B); real and padded boundaries kept apart (``pad_between_seqs``), so
+alignment slots are never counted as tokens; any 0 / 1 mask dtype under the step's rule
+(:func:`megatron.bridge_thd.lengths.keep_mask_from_2d`); an all-padding micro-batch gives one
+aligned padding segment; a mismatched output or mask, and FP8 padding on VERL's vision-model
+call, are a ``ValueError`` where VERL crashes or unpacks the wrong slots. Contract, gradients
+under CP, proofs and figures: docs/verl.md.
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """Activation and model-state memory per GPU (bytes), a first-order estimate.
 
-Activations follow Korthikanti et al. (2022), "Reducing Activation Recomputation in Large
-Transformer Models": per layer a GPT layer stores ``s*b*h*(34 + 5*a*s/h)`` bytes, 34 per hidden
-unit of tensors kept for backward and ``5*a*s`` for the attention scores / softmax / dropout.
-Adapted here, per token and per layer, bf16 (2 bytes), no recomputation, no dropout:
-
-* flash / fused attention keeps no ``s x s`` scores: the ``5*a*s/h`` term becomes the fp32
-  log-sum-exp, ``4 * heads`` bytes;
-* norms: two pre-norm inputs ``4h``;
-* full attention: QKV input ``2h``, Q/K/V ``2(q + 2kv)`` (``q = heads * head_dim``,
-  ``kv = kv_heads * head_dim``), output-gate ``2q`` (Qwen3.5), o-proj input ``2q``;
-* Gated DeltaNet (Qwen3.5 linear layers): input ``2h``, in-projections ``2(2qk + 2v + 2nv)``,
-  conv output ``2(2qk + v)``, core output and gated norm ``4v`` (chunk states neglected);
-* SwiGLU MLP of width f: fc1 input ``2h``, fc1 output ``4f``, fc2 input ``2f``;
-* MoE: router input ``2h`` and fp32 probabilities ``4E``, then per routed copy (top-k)
-  ``2h + 6 f_e``, plus the shared expert ``6 f_s``;
-* ViT (per patch, per layer): ``16 h_v + 4 f_v`` (GELU MLP, full attention, flash);
-* output: final norm ``2h`` + bf16 logits ``2V/tp`` + fp32 logits for the loss ``4V/tp``.
-
-Check: an MHA GPT layer with f = 4h, non-gated MLP, gives ``4h + 2h + 6h + 2h + 2h + 16h = 32h``,
-Korthikanti's 34h minus the two 1-byte dropout masks.
-
-Division: with sequence parallelism (or tp = 1) everything divides by tp; without it the
-``4h + 2h + 2h`` norm / projection inputs stay replicated. Context parallelism divides tokens by
-cp. Pipeline parallelism (1F1B): stage 0 holds ``min(pp, micro-batches)`` micro-batches of its
-``L/pp`` layers (plus the ViT), the last stage one micro-batch of its layers plus the logits; the
-estimate is the larger. EP does not reduce activations (each rank processes as many routed tokens
-as its own micro-batch sends out, for balanced routing).
-
-Model states (distributed optimizer, mixed precision): per parameter 2 (bf16 weight) + 4 (fp32
-grad) + 12 (fp32 master + Adam m, v) / (DP shards) bytes; dense parameters split over tp * pp,
-experts over ep * tp * pp (expert TP = TP), embeddings/vision counted as spread over pp.
+Activations: Korthikanti et al. (2022)'s per-layer formula adapted per token and per layer (bf16,
+no recomputation, no dropout, fused attention keeping only the fp32 log-sum-exp instead of the
+``s x s`` scores), with terms for full attention, Gated DeltaNet, SwiGLU / MoE MLPs, the ViT and
+the output logits, divided by TP (with SP), CP and the 1F1B pipeline's in-flight micro-batches.
+Model states: distributed optimizer, mixed precision (2 + 4 + 12 / DP bytes per parameter). Every
+term and assumption: docs/planner.md (Memory model).
 """
 
 from __future__ import annotations
