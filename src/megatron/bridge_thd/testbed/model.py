@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megatron.bridge_thd.testbed.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
 from megatron.bridge_thd.upstream import load_bridge_module
 
-__all__ = ["tiny_qwen3_vl_config", "tiny_vision_config", "language_layer_spec", "build_qwen3_vl"]
+__all__ = ["tiny_qwen3_vl_config", "tiny_language_settings", "tiny_vision_config", "language_layer_spec", "build_qwen3_vl"]
 
 # Token ids of the tiny model (the same as ReferenceQwen3VL.tiny and data.ReceiptSpec).
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_TOKEN_ID = 250, 251, 252
@@ -28,6 +28,50 @@ def tiny_vision_config():
 
     settings = dict(TINY_VISION_CONFIG, deepstack_visual_indexes=list(TINY_VISION_CONFIG["deepstack_visual_indexes"]))
     return Qwen3VLVisionConfig(in_channels=3, **settings)
+
+
+def tiny_language_settings(*, tp: int = 1, cp: int = 1, pp: int = 1) -> dict:
+    """The ``TransformerConfig`` fields every test-bed model shares (a new dict each call).
+
+    The tiny language model: vocabulary 256, hidden 64, 4 query heads of 16 over 2 KV groups
+    (GQA), SwiGLU 128, no linear bias, RMSNorm, MRoPE sections [2, 3, 3]; and the CPU build: fp32,
+    CPU initialisation, dropout 0, no fused kernels, per-token loss, the given parallel sizes.
+    """
+    return dict(
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        vocab_size=256,
+        make_vocab_size_divisible_by=1,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        mrope_section=[2, 3, 3],
+        rotary_base=10000.0,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.05,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        share_embeddings_and_output_weights=False,
+        calculate_per_token_loss=True,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        pipeline_model_parallel_size=pp,
+        deallocate_pipeline_outputs=False,
+    )
 
 
 def tiny_qwen3_vl_config(
@@ -57,43 +101,11 @@ def tiny_qwen3_vl_config(
     vision = tiny_vision_config()
     settings = dict(
         num_layers=num_layers,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=16,
-        vocab_size=256,
-        make_vocab_size_divisible_by=1,
+        **tiny_language_settings(tp=tp, cp=cp, pp=pp),
         language_max_sequence_length=seq_length,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
         add_qkv_bias=False,
         qk_layernorm=True,
-        mrope_section=[2, 3, 3],
-        rotary_base=10000.0,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.05,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        use_cpu_initialization=True,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        attention_softmax_in_fp32=True,
-        share_embeddings_and_output_weights=False,
-        calculate_per_token_loss=True,
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
-        deallocate_pipeline_outputs=False,
         patch_size=vision.patch_size,
         temporal_patch_size=vision.temporal_patch_size,
         in_channels=vision.in_channels,
@@ -143,7 +155,8 @@ def language_layer_spec(config):
     return spec
 
 
-def build_qwen3_vl(config, *, pg_collection=None, pre_process: bool = True, post_process: bool = True, seed: int = 0):
+def build_qwen3_vl(config, *, pg_collection=None, pre_process: bool = True, post_process: bool = True, seed: int = 0,
+                   layer_spec=None):
     """Megatron-Bridge 0.6.2's ``Qwen3VLModel`` built on the CPU.
 
     Args:
@@ -154,6 +167,9 @@ def build_qwen3_vl(config, *, pg_collection=None, pre_process: bool = True, post
         pre_process / post_process: pipeline stage flags (the vision tower lives on the first).
         seed: weights are a function of the seed alone (CPU initialisation), whatever the
             parallel layout.
+        layer_spec: ``config -> spec`` of the language model's layers, called inside
+            :func:`cpu_stack` (default :func:`language_layer_spec`; Qwen3.5-VL passes its hybrid
+            block).
 
     Returns:
         The model in train mode (dropout is 0).
@@ -163,7 +179,7 @@ def build_qwen3_vl(config, *, pg_collection=None, pre_process: bool = True, post
     model_module = load_bridge_module(QWEN3_VL_MODEL_MODULE)
     torch.manual_seed(seed)
     with cpu_stack():
-        layer_spec = language_layer_spec(config)
+        layer_spec = (layer_spec or language_layer_spec)(config)
         mtp_block_spec = (
             get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False) if config.mtp_num_layers else None
         )

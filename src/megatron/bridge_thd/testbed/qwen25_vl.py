@@ -88,26 +88,21 @@ def load_qwen25_vl_provider() -> types.ModuleType:
         return load_bridge_module(QWEN25_VL_PROVIDER_MODULE)
 
 
+_SHARED_TOWER = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "temporal_patch_size",
+                 "spatial_merge_size", "out_hidden_size")
+
+
 def tiny_qwen25_vl_vision_config(**overrides):
     """A Hugging Face ``Qwen2_5_VLVisionConfig``: 2 blocks (block 0 windowed, block 1 full
     attention), width 32, 2 heads, patch 4, temporal patch 2, merge 2, window 16 pixels (2 x 2
     merged tokens), ``tokens_per_second`` 2, output width 64 (the language hidden size)."""
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
-    settings = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        in_channels=3,
-        patch_size=4,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        window_size=16,
-        fullatt_block_indexes=[1],
-        tokens_per_second=2,
-        out_hidden_size=64,
-    )
+    from megatron.bridge_thd.testbed.reference import TINY_VISION_CONFIG
+
+    # The tower geometry of every test-bed model (2 blocks, width 32, patch 4, merge 2, output 64).
+    settings = {name: TINY_VISION_CONFIG[name] for name in _SHARED_TOWER}
+    settings.update(in_channels=3, window_size=16, fullatt_block_indexes=[1], tokens_per_second=2)
     settings.update(overrides)
     return Qwen2_5_VLVisionConfig(**settings)
 
@@ -127,51 +122,19 @@ def tiny_qwen25_vl_config(*, num_layers: int = 2, tp: int = 1, cp: int = 1, pp: 
         vision_config: a ``Qwen2_5_VLVisionConfig`` (default: the tiny one).
         overrides: any other provider / ``TransformerConfig`` field.
     """
-    from megatron.bridge_thd.testbed.model import language_layer_spec
+    from megatron.bridge_thd.testbed.model import language_layer_spec, tiny_language_settings
 
     provider_module = load_qwen25_vl_provider()
     vision = vision_config if vision_config is not None else tiny_qwen25_vl_vision_config()
     settings = dict(
         num_layers=num_layers,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=16,
-        vocab_size=256,
-        make_vocab_size_divisible_by=1,
+        **tiny_language_settings(tp=tp, cp=cp, pp=pp),
         should_pad_vocab=False,
         seq_length=seq_length,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
         add_qkv_bias=True,
         qk_layernorm=False,
         position_embedding_type="mrope",
-        mrope_section=[2, 3, 3],
-        rotary_base=10000.0,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.05,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        use_cpu_initialization=True,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
-        persist_layer_norm=False,
-        attention_softmax_in_fp32=True,
-        share_embeddings_and_output_weights=False,
-        calculate_per_token_loss=True,
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        pipeline_model_parallel_size=pp,
-        deallocate_pipeline_outputs=False,
         # Unused without experts; Megatron-Core refuses the default "allgather" dispatcher
         # together with variable_seq_lengths (pipeline-parallel THD).
         moe_token_dispatcher_type="alltoall",

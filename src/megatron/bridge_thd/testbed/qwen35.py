@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.bridge_thd.testbed.model import tiny_qwen3_vl_config
-from megatron.bridge_thd.testbed.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
+from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.upstream import load_bridge_module
 
 __all__ = ["RMSNorm", "tiny_qwen35_vl_config", "hybrid_block_spec", "build_qwen35_vl", "gdn_layers"]
@@ -139,26 +138,16 @@ def hybrid_block_spec(config):
 
 def build_qwen35_vl(config, *, pg_collection=None, pre_process: bool = True, post_process: bool = True, seed: int = 0):
     """Megatron-Bridge 0.6.2's ``Qwen3VLModel`` with the Qwen3.5 hybrid block, built on the CPU
-    inside :func:`cpu_stack` (so the GDN layers bind the pure-torch varlen kernels).
+    by :func:`~megatron.bridge_thd.testbed.model.build_qwen3_vl` inside ``cpu_stack()`` (so the GDN layers bind
+    the pure-torch varlen kernels).
 
     Args:
         config: from :func:`tiny_qwen35_vl_config`.
         pg_collection, pre_process, post_process, seed: as in
             :func:`~megatron.bridge_thd.testbed.model.build_qwen3_vl`.
     """
-    model_module = load_bridge_module(QWEN3_VL_MODEL_MODULE)
-    torch.manual_seed(seed)
-    with cpu_stack():
-        model = model_module.Qwen3VLModel(
-            language_transformer_config=config,
-            language_transformer_layer_spec=hybrid_block_spec(config),
-            vision_transformer_config=config.vision_config,
-            pre_process=pre_process,
-            post_process=post_process,
-            add_encoder=pre_process,
-            pg_collection=pg_collection,
-        )
-    return model
+    return build_qwen3_vl(config, pg_collection=pg_collection, pre_process=pre_process, post_process=post_process,
+                          seed=seed, layer_spec=hybrid_block_spec)
 
 
 def gdn_layers(model):
