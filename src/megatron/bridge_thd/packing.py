@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
+
+if TYPE_CHECKING:  # imported where a row is built: importing megatron.core runs its whole package
+    from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.bridge_thd.lengths import (
     DeferredCheck,
@@ -161,6 +164,8 @@ def thd_packed_seq_params(
     attention layer with a host sync, from all boundaries but the last, so padding only in the
     last slot goes unnoticed (TransformerEngine issue 3331: wrong attention under CP).
     """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
