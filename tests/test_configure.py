@@ -1282,7 +1282,7 @@ def test_docs_explain_the_refusals_and_hold_the_one_flag_table():
 
 
 # ---------------------------------------------------------------------------------------------
-# MoE capacity and seq_aux_loss with a THD layout need the padding hook (docs/moe.md)
+# MoE capacity and seq_aux_loss with a THD layout need the padding hook (docs/moe-routing.md)
 
 
 @pytest.mark.parametrize("moe_settings,name", [

@@ -483,27 +483,20 @@ def _moe_routing_problems(s: _Settings) -> list[str]:
 
     Megatron-Core 0.19.2's token dropping lets padding take expert capacity and sizes it from every
     slot, and its ``seq_aux_loss`` is per ``(s, b)`` sequence (a THD row is one); the results then
-    depend on the layout (docs/moe.md). ``moe_padding.padding_mask_pre_wrap_hook`` makes both
+    depend on the layout (docs/moe-routing.md). ``moe_padding.padding_mask_pre_wrap_hook`` makes both
     layout-independent; the step refuses the same combination at the first micro-batch.
     """
     from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
+    from megatron.bridge_thd.step import layout_dependent_moe_settings
 
-    if s.layout not in THD_LAYOUTS or not getattr(s.model, "num_moe_experts", None):
+    if s.layout not in THD_LAYOUTS or padding_mask_pre_wrap_hook in s.pre_wrap_hooks:
         return []
-    if padding_mask_pre_wrap_hook in s.pre_wrap_hooks:
-        return []
-    balancing = getattr(s.model, "moe_router_load_balancing_type", None)
-    settings = []
-    if getattr(s.model, "moe_expert_capacity_factor", None) is not None:
-        settings.append(f"model.moe_expert_capacity_factor={s.model.moe_expert_capacity_factor}")
-    if "seq_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else [balancing]):
-        settings.append("model.moe_router_load_balancing_type='seq_aux_loss'")
     return [
         f"{setting} with layout={s.layout!r}: padding would take expert capacity / seq_aux_loss would be one "
         "whole-row statistic, so the result would depend on the layout; register "
         "megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook (cfg.model.register_pre_wrap_hook) before "
         "configure, or use layout='bshd'"
-        for setting in settings
+        for setting, _ in layout_dependent_moe_settings(s.model)
     ]
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatron.bridge_thd.patches import Patch, apply_permanently
+from megatron.bridge_thd.step import uses_seq_aux_loss
 from megatron.bridge_thd.upstream import load_bridge_module
 
 __all__ = [
@@ -71,6 +72,22 @@ def padding_mask_from_packed_seq_params(packed_seq_params, total_tokens: int) ->
     Returns:
         ``(1, N)`` bool, True = padding.
     """
+    cu_real, cu_physical, segment, inside = _physical_segments(packed_seq_params, total_tokens)
+    offset = torch.arange(total_tokens, device=cu_real.device) - cu_physical[segment]
+    real = inside & (offset < cu_real[segment + 1] - cu_real[segment])
+    return (~real).unsqueeze(0)
+
+
+def _physical_segments(packed_seq_params, total_tokens: int):
+    """The boundaries of a THD row (int64) and the physical segment of each of its N slots.
+
+    Returns:
+        cu_real, cu_physical: ``(S + 1,)`` int64 (``cu_seqlens_q``, ``cu_seqlens_q_padded`` or the
+            real ones when unset).
+        segment: ``(N,)`` int64, the segment whose physical slot holds the slot (slots at or past
+            the last boundary: the last segment).
+        inside: ``(N,)`` bool, False for slots at or past the last boundary.
+    """
     cu_real = packed_seq_params.cu_seqlens_q
     cu_physical = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     if cu_physical is None:
@@ -87,11 +104,7 @@ def padding_mask_from_packed_seq_params(packed_seq_params, total_tokens: int) ->
     # right=True: a slot on a boundary belongs to the segment that starts there (zero-length
     # segments are skipped); slots at or past the last boundary get index == segments.
     segment = torch.searchsorted(cu_physical[1:], positions, right=True)
-    inside = segment < segments
-    segment = segment.clamp_max(segments - 1)
-    offset = positions - cu_physical[segment]
-    real = inside & (offset < cu_real[segment + 1] - cu_real[segment])
-    return (~real).unsqueeze(0)
+    return cu_real, cu_physical, segment.clamp_max(segments - 1), segment < segments
 
 
 def _fail_if_unsupported(config) -> None:
@@ -126,7 +139,7 @@ def _fail_if_unsupported(config) -> None:
                 "moe_token_drop_policy='probs' (Megatron-Core's default) or do not use with_padding_mask."
             )
     recompute_modules = getattr(config, "recompute_modules", None) or []
-    if _uses_seq_aux_loss(config) and getattr(config, "recompute_granularity", None) == "selective" \
+    if uses_seq_aux_loss(config) and getattr(config, "recompute_granularity", None) == "selective" \
             and "moe" in recompute_modules:
         raise ValueError(
             "config.moe_router_load_balancing_type='seq_aux_loss' with recompute_modules=['moe']: the recomputed "
@@ -174,12 +187,6 @@ def _fix_expert_bias(layers: list) -> None:
         # A bound method on the instance: it shadows the class method for this router only
         # (state dicts and other models are untouched).
         router._apply_expert_bias = types.MethodType(_apply_expert_bias_with_token_mask, router)
-
-
-def _uses_seq_aux_loss(config) -> bool:
-    balancing = getattr(config, "moe_router_load_balancing_type", None)
-    names = balancing if isinstance(balancing, (list, tuple)) else [balancing]
-    return "seq_aux_loss" in names
 
 
 # The padding mask of the router call in progress ((tokens,) bool, True = padding), for the token
@@ -331,12 +338,7 @@ def thd_sample_index(packed_seq_params, total_tokens: int) -> tuple[torch.Tensor
         ``(1, N)`` int64 physical segment of each slot (slots past the last boundary: the last
         segment), and a 0-dim int64 count of samples.
     """
-    cu_real = packed_seq_params.cu_seqlens_q.to(torch.int64)
-    cu_physical = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-    cu_physical = cu_real if cu_physical is None else cu_physical.to(torch.int64)
-    segments = cu_real.numel() - 1
-    positions = torch.arange(total_tokens, device=cu_real.device)
-    segment = torch.searchsorted(cu_physical[1:], positions, right=True).clamp_max(segments - 1)
+    cu_real, cu_physical, segment, _ = _physical_segments(packed_seq_params, total_tokens)
     padding_segment = (cu_real.diff() == 0) & (cu_physical.diff() > 0)
     return segment.unsqueeze(0), (~padding_segment).sum()
 
@@ -350,7 +352,7 @@ def _fix_routers(layers: list) -> None:
         if getattr(config, "moe_expert_capacity_factor", None) is not None:
             _install_token_dropping()
             router.routing = types.MethodType(_routing_with_padding, router)
-        if _uses_seq_aux_loss(config):
+        if uses_seq_aux_loss(config):
             router._apply_seq_aux_loss = types.MethodType(_apply_seq_aux_loss_per_sample, router)
 
 
@@ -490,7 +492,7 @@ class PaddingMaskForward:
         mask = self._padding_mask_for_layers(padding_mask, input_ids, packed_seq_params)
         samples = None
         if packed_seq_params is not None and tuple(padding_mask.shape) == tuple(input_ids.shape) \
-                and input_ids.size(0) == 1 and _uses_seq_aux_loss(self.config):
+                and input_ids.size(0) == 1 and uses_seq_aux_loss(self.config):
             segment, num_samples = thd_sample_index(packed_seq_params, input_ids.size(1))
             # Cut exactly as the mask (and the hidden states): CP zigzag, SP scatter.
             local = self._padding_mask_for_layers(segment, input_ids, packed_seq_params, dtype=torch.int64)

@@ -344,38 +344,57 @@ def _pass_declared_extras(model, forward_args: dict, extras: dict, layout: str) 
     )
 
 
-def check_moe_routing(model_config, core_model, layout: str) -> None:
-    """Refuse MoE settings whose result would depend on the layout (before the first forward).
+def uses_seq_aux_loss(config) -> bool:
+    """Whether ``moe_router_load_balancing_type`` (a name or a list of names) includes ``seq_aux_loss``."""
+    balancing = getattr(config, "moe_router_load_balancing_type", None)
+    return "seq_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else [balancing])
+
+
+def layout_dependent_moe_settings(config) -> list[tuple[str, str]]:
+    """The MoE settings of ``config`` whose result depends on the layout unless the routers see real
+    tokens only, as ``(setting, why)``; empty for a dense model.
 
     Megatron-Core 0.19.2's token dropping (``moe_expert_capacity_factor``) sizes the capacity from
     every slot and lets padding compete for it, and its ``seq_aux_loss`` reshapes the router's
     ``(s, b)`` tokens per sequence, so a THD row (``b = 1``) becomes one whole-row statistic. Both
     are made layout-independent by :func:`megatron.bridge_thd.moe_padding.with_padding_mask`
-    (docs/moe.md); without it a THD layout is refused, and the padded layout (what
-    Megatron-Bridge's own step runs) only logs that padding takes capacity.
+    (docs/moe-routing.md). Read by the step and by ``configure``.
     """
-    capacity = getattr(model_config, "moe_expert_capacity_factor", None)
-    balancing = getattr(model_config, "moe_router_load_balancing_type", None)
-    seq_aux = "seq_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else [balancing])
-    if not getattr(model_config, "num_moe_experts", None) or (capacity is None and not seq_aux):
+    if not getattr(config, "num_moe_experts", None):
+        return []
+    settings = []
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    if capacity is not None:
+        settings.append((
+            f"model.moe_expert_capacity_factor={capacity}",
+            "padding slots compete with real tokens for expert capacity and the capacity is sized from every slot "
+            "(the thd_static tail is most of the row), so the tokens dropped and the loss depend on the layout",
+        ))
+    if uses_seq_aux_loss(config):
+        settings.append((
+            "model.moe_router_load_balancing_type='seq_aux_loss'",
+            "Megatron-Core computes seq_aux_loss per (s, b) sequence and a THD row is one sequence, so it becomes a "
+            "whole-row statistic instead of a per-sample one",
+        ))
+    return settings
+
+
+def check_moe_routing(model_config, core_model, layout: str) -> None:
+    """Refuse MoE settings whose result would depend on the layout (before the first forward):
+    :func:`layout_dependent_moe_settings` with a THD layout on a model whose routers do not see
+    real tokens only; the padded layout (what Megatron-Bridge's own step runs) only logs it."""
+    settings = layout_dependent_moe_settings(model_config)
+    if not settings or getattr(core_model, "bridge_thd_routes_real_tokens_only", False):
         return
-    if getattr(core_model, "bridge_thd_routes_real_tokens_only", False):
-        return
-    setting = (f"model.moe_expert_capacity_factor={capacity}" if capacity is not None
-               else "model.moe_router_load_balancing_type='seq_aux_loss'")
-    why = ("padding slots compete with real tokens for expert capacity and the capacity is sized from every slot "
-           "(the thd_static tail is most of the row), so the tokens dropped and the loss depend on the layout"
-           if capacity is not None else
-           "Megatron-Core computes seq_aux_loss per (s, b) sequence and a THD row is one sequence, so it becomes a "
-           "whole-row statistic instead of a per-sample one")
+    setting, why = settings[0]
     if layout == "bshd":
         _log_once("moe_routing_bshd", f"bridge_thd: {setting} with the padded layout: padding counts as tokens ({why}); "
                   "register megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook to exclude it", logging.WARNING)
         return
     raise ValueError(
-        f"{setting} with dataset.packing_layout={layout!r}: {why} (measured on the tiny MoE model in docs/moe.md). "
-        "Register megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook (cfg.model.register_pre_wrap_hook) so "
-        "the routers see real tokens only, or set dataset.packing_layout='bshd'."
+        f"{setting} with dataset.packing_layout={layout!r}: {why} (measured on the tiny MoE model in "
+        "docs/moe-routing.md). Register megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook "
+        "(cfg.model.register_pre_wrap_hook) so the routers see real tokens only, or set dataset.packing_layout='bshd'."
     )
 
 
