@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -83,23 +82,10 @@ def _moe_run(model, batch, layout, settings):
 
 
 def _moe_batches():
-    import torch
-
-    from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
+    from megatron.bridge_thd.testbed.data import padding_free_batch, synthetic_receipt_batch
 
     padded = {side: synthetic_receipt_batch(3, seed=1, left_padding=side == "left") for side in ("left", "right")}
-    right = padded["right"]
-    # Cut to a multiple of 16: the padded layout rounds its width to 16 (Megatron-Bridge), so this
-    # batch then has no padding column at all.
-    length = int(right["attention_mask"].sum(1).min()) // 16 * 16
-    unpadded = {k: (v[:, :length].clone() if isinstance(v, torch.Tensor) and v.dim() == 2 else v)
-                for k, v in right.items()}
-    keep = unpadded["attention_mask"].bool()
-    last = torch.zeros_like(keep)
-    last[:, -1] = True  # the cut samples' last token predicts nothing
-    unpadded["labels"] = torch.where(last, -100, unpadded["labels"])
-    unpadded["loss_mask"] = torch.where(last, 0.0, unpadded["loss_mask"].float())
-    return padded, unpadded
+    return padded, padding_free_batch(padded["right"])
 
 
 def moe_rows() -> dict:
@@ -123,15 +109,12 @@ def moe_rows() -> dict:
     return out
 
 
-_LOCAL_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
-
-
 def _ep_worker(state_dict, batch, ep):
     from megatron.core import parallel_state
 
     from megatron.bridge_thd.moe_padding import with_padding_mask
     from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.parity import gradients, step_run
+    from megatron.bridge_thd.testbed.parity import global_expert_name, gradients, step_run
 
     config = tiny_qwen3_vl_config(moe=True, ep=ep, seq_length=MOE_SEQ, moe_token_dispatcher_type="alltoall",
                                   moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
@@ -139,8 +122,7 @@ def _ep_worker(state_dict, batch, ep):
     rank, per_rank = parallel_state.get_expert_model_parallel_rank(), config.num_moe_experts // ep
 
     def global_name(name):
-        match = _LOCAL_EXPERT.match(name)
-        return name if match is None else f"{match.group(1)}{rank * per_rank + int(match.group(2))}{match.group(3)}"
+        return global_expert_name(name, rank, per_rank)
 
     model.load_state_dict({n: state_dict[global_name(n)] for n in model.state_dict()})
     with_padding_mask(model)

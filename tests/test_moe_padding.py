@@ -43,6 +43,7 @@ from megatron.bridge_thd.testbed.launcher import run_on_gloo
 from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.testbed.parity import (
     Recorder,
+    global_expert_name,
     sample_inputs,
     step_run,
     worst_relative_gradient_error,
@@ -444,15 +445,6 @@ def test_cp2_statistics_summed_over_ranks_equal_each_sample_alone(models, batche
 # ---------------------------------------------------------------------------------------------
 # 4. the all-to-all dispatcher with expert parallelism (EP = 2 over gloo)
 
-_LOCAL_EXPERT = __import__("re").compile(r"(.*\.local_experts\.)(\d+)(\..*)")
-
-
-def _global_expert_name(name: str, ep_rank: int, per_rank: int) -> str:
-    """``...local_experts.k...`` on expert-parallel rank r is global expert ``r * per_rank + k``."""
-    match = _LOCAL_EXPERT.match(name)
-    return name if match is None else f"{match.group(1)}{ep_rank * per_rank + int(match.group(2))}{match.group(3)}"
-
-
 def ep_worker(state_dict, cases, ep):
     """Each rank (data-parallel x expert-parallel): the wrapped model with the all-to-all
     dispatcher (Megatron-Bridge's Qwen3-VL MoE setting) and this rank's experts of the EP = 1
@@ -462,14 +454,14 @@ def ep_worker(state_dict, cases, ep):
     config = tiny_qwen3_vl_config(ep=ep, **dict(CONFIG, moe_token_dispatcher_type="alltoall"))
     model = build_qwen3_vl(config, seed=0)
     ep_rank, per_rank = parallel_state.get_expert_model_parallel_rank(), config.num_moe_experts // ep
-    model.load_state_dict({name: state_dict[_global_expert_name(name, ep_rank, per_rank)] for name in model.state_dict()})
+    model.load_state_dict({name: state_dict[global_expert_name(name, ep_rank, per_rank)] for name in model.state_dict()})
     with_padding_mask(model)
     out = {}
     for layout, batch, settings in cases:
         model.zero_grad(set_to_none=True)
         got = _measured_run(model, batch, layout, settings)
         got["run"].loss.backward()
-        grads = {_global_expert_name(n, ep_rank, per_rank): p.grad.clone() for n, p in model.named_parameters()
+        grads = {global_expert_name(n, ep_rank, per_rank): p.grad.clone() for n, p in model.named_parameters()
                  if p.grad is not None}
         out[layout] = dict(aux=got["aux"], z=got["z"], counts=got["counts"], loss=float(got["run"].loss), grads=grads)
     return out

@@ -23,7 +23,7 @@ import torch
 from _real_model import trimmed
 
 from megatron.bridge_thd.moe_padding import capacity_token_dropping, thd_sample_index, with_padding_mask
-from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
+from megatron.bridge_thd.testbed.data import padding_free_batch, synthetic_receipt_batch
 from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.testbed.parity import step_run
 
@@ -110,12 +110,14 @@ def batches():
     """Padded batches (left / right) and the same samples cut to one length, without padding."""
     padded = {side: synthetic_receipt_batch(3, seed=1, left_padding=side == "left") for side in ("left", "right")}
     right = padded["right"]
-    # A multiple of 16: the padded layout rounds its width up to 16 (Megatron-Bridge 0.6.2's
+    # Cut to a multiple of 16: the padded layout rounds its width up to 16 (Megatron-Bridge 0.6.2's
     # use_fp8_padding, layouts.bshd_alignment), which would add padding columns otherwise.
-    length = int(right["attention_mask"].sum(1).min()) // 16 * 16
-    cut = trimmed(right, [length] * 3)
-    unpadded = {k: (v[:, :length] if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in cut.items()}
-    assert unpadded["attention_mask"].all()
+    unpadded = padding_free_batch(right)
+    assert unpadded["attention_mask"].all() and unpadded["tokens"].shape[1] % 16 == 0
+    # The same samples as trimmed() cuts them: only the last token loses its supervision.
+    reference = trimmed(right, [unpadded["tokens"].shape[1]] * 3)
+    for name in ("tokens", "labels", "loss_mask"):
+        assert torch.equal(unpadded[name], reference[name][:, : unpadded["tokens"].shape[1]].to(unpadded[name].dtype))
     # No image was cut: every image token of the batch is still there.
     assert int((unpadded["tokens"] == 250).sum()) == int((right["tokens"] == 250).sum())
     return padded, unpadded

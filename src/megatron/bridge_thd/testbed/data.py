@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["VisualInputs", "ReceiptSpec", "receipt_sample", "synthetic_receipt_batch"]
+__all__ = ["VisualInputs", "ReceiptSpec", "receipt_sample", "synthetic_receipt_batch", "padding_free_batch"]
 
 
 @dataclass
@@ -140,3 +140,28 @@ def synthetic_receipt_batch(
         "position_ids": torch.arange(width).expand(batch_size, -1).clone(),
         "visual_inputs": VisualInputs(pixel_values=pixel_values, image_grid_thw=grids),
     }
+
+
+def padding_free_batch(batch: dict, multiple: int = 16) -> dict:
+    """A right-padded batch cut to one length without any padding: every sample's first ``L`` tokens,
+    ``L`` = the shortest sample's length rounded down to ``multiple`` (16: the padded layout rounds
+    its width to 16, as Megatron-Bridge's step does, so no padding column appears either). The cut
+    samples' last token predicts nothing, so it is not supervised.
+
+    Args:
+        batch: a right-padded micro-batch (``tokens``, ``labels``, ``loss_mask``, ``attention_mask``
+            ``(B, T)``; other entries are kept as they are).
+
+    Returns:
+        The ``(B, L)`` batch (new tensors).
+    """
+    keep = batch["attention_mask"].bool()
+    length = int(keep.sum(1).min()) // multiple * multiple
+    if length == 0 or not keep[:, :length].all():
+        raise ValueError(f"batch: needs right padding and samples of at least {multiple} tokens")
+    cut = {k: (v[:, :length].clone() if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in batch.items()}
+    cut["labels"][:, -1] = -100
+    cut["loss_mask"] = cut["loss_mask"].float()
+    cut["loss_mask"][:, -1] = 0.0
+    return cut
+

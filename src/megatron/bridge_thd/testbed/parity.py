@@ -8,6 +8,8 @@ compares per-token log-probabilities and gradients. Used by the tests and the pa
 
 from __future__ import annotations
 
+import re
+
 from types import SimpleNamespace
 
 import torch
@@ -28,6 +30,7 @@ __all__ = [
     "per_sample_losses_and_gradients",
     "gradients",
     "worst_relative_gradient_error",
+    "global_expert_name",
 ]
 
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 250, 251
@@ -178,3 +181,15 @@ def worst_relative_gradient_error(grads: dict, reference: dict) -> tuple[float, 
         if error > worst:
             worst, where = error, name
     return worst, where
+
+
+_LOCAL_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
+
+
+def global_expert_name(name: str, ep_rank: int, per_rank: int) -> str:
+    """A parameter name of an expert-parallel rank with its expert index made global
+    (``...local_experts.k...`` on EP rank r is expert ``r * per_rank + k``), so that a rank's
+    weights and gradients line up with the EP = 1 model's; other names are unchanged."""
+    match = _LOCAL_EXPERT.match(name)
+    return name if match is None else f"{match.group(1)}{ep_rank * per_rank + int(match.group(2))}{match.group(3)}"
+
