@@ -53,6 +53,28 @@ def receipt_batch(padding: str, seed: int = 1, batch_size: int = 3) -> dict:
     return synthetic_receipt_batch(batch_size, seed=seed, left_padding=padding == "left")
 
 
+def collate_rows(rows: list[list[int]], loss_masks: list[list[float]], *, left: bool = False) -> dict:
+    """Token rows of different lengths as one padded micro-batch, the way a collate pads them:
+    ``tokens``, ``labels`` (label[t] = token[t + 1], -100 after the last), ``loss_mask``,
+    ``attention_mask`` (bool keep mask), ``position_ids``, each ``(B, max length)``; right padding,
+    or left padding with ``left``."""
+    width = max(len(r) for r in rows)
+    out = {
+        "tokens": torch.zeros(len(rows), width, dtype=torch.long),
+        "labels": torch.full((len(rows), width), -100, dtype=torch.long),
+        "loss_mask": torch.zeros(len(rows), width),
+        "attention_mask": torch.zeros(len(rows), width, dtype=torch.bool),
+        "position_ids": torch.arange(width).expand(len(rows), -1).clone(),
+    }
+    for i, (tokens, loss_mask) in enumerate(zip(rows, loss_masks)):
+        columns = slice(width - len(tokens), width) if left else slice(0, len(tokens))
+        out["tokens"][i, columns] = torch.tensor(tokens)
+        out["labels"][i, columns] = torch.tensor(tokens[1:] + [-100])
+        out["loss_mask"][i, columns] = torch.tensor(loss_mask, dtype=torch.float)
+        out["attention_mask"][i, columns] = True
+    return out
+
+
 def with_videos(batch: dict, videos: dict[int, tuple[int, int, int]] = VIDEOS, seed: int = 0) -> dict:
     """The batch with a video of patch grid ``(t, h, w)`` put in sample i (``videos[i]``) before
     its image, after its prompt, laid out as Qwen3-VL's processor does: per frame, timestamp text
@@ -79,20 +101,7 @@ def with_videos(batch: dict, videos: dict[int, tuple[int, int, int]] = VIDEOS, s
             pixels.append(torch.randn(t * h * w, PATCH_FEATURES, generator=generator))
         rows.append(tokens)
         masks.append(loss_mask)
-    width = max(len(r) for r in rows)
-    out = {
-        "tokens": torch.zeros(len(rows), width, dtype=torch.long),
-        "labels": torch.full((len(rows), width), -100, dtype=torch.long),
-        "loss_mask": torch.zeros(len(rows), width),
-        "attention_mask": torch.zeros(len(rows), width, dtype=torch.bool),
-        "position_ids": torch.arange(width).expand(len(rows), -1).clone(),
-    }
-    for i, (tokens, loss_mask) in enumerate(zip(rows, masks)):
-        columns = slice(width - len(tokens), width) if left else slice(0, len(tokens))
-        out["tokens"][i, columns] = torch.tensor(tokens)
-        out["labels"][i, columns] = torch.tensor(tokens[1:] + [-100])  # label[t] = token[t + 1]
-        out["loss_mask"][i, columns] = torch.tensor(loss_mask)
-        out["attention_mask"][i, columns] = True
+    out = collate_rows(rows, masks, left=left)
     visual = batch["visual_inputs"]
     out["visual_inputs"] = VisualInputs(
         pixel_values=visual.pixel_values, image_grid_thw=visual.image_grid_thw,

@@ -20,6 +20,7 @@ import dataclasses
 
 import pytest
 import torch
+from _real_model import collate_rows
 
 from megatron.bridge_thd.packing import pack_bshd_to_thd
 from megatron.bridge_thd.testbed.parity import gradients, worst_relative_gradient_error
@@ -76,19 +77,7 @@ def _batch(seed: int = 0) -> dict:
         # label[k] = token[k + 1]; supervised where that token belongs to the answer
         supervised.append([0] * (prefix - 1) + [1] * (answer + 1) + [0])
         rows.append(tokens)
-    width = max(len(r) for r in rows)
-    batch = {
-        "tokens": torch.zeros(len(rows), width, dtype=torch.long),
-        "labels": torch.full((len(rows), width), -100, dtype=torch.long),
-        "loss_mask": torch.zeros(len(rows), width),
-        "attention_mask": torch.zeros(len(rows), width, dtype=torch.bool),
-    }
-    for i, (tokens, mask) in enumerate(zip(rows, supervised)):
-        n = len(tokens)
-        batch["tokens"][i, :n] = torch.tensor(tokens)
-        batch["labels"][i, : n - 1] = torch.tensor(tokens[1:])
-        batch["loss_mask"][i, :n] = torch.tensor(mask, dtype=torch.float)
-        batch["attention_mask"][i, :n] = True
+    batch = collate_rows(rows, supervised)
     batch["pixel_values"] = torch.cat([p for _, p in images])
     batch["image_grid_thw"] = torch.tensor([g for g, _ in images])
     batch["pixel_values_videos"] = torch.cat([p for _, p in videos])

@@ -172,10 +172,10 @@ class PaddingMaskOnlySpy(torch.nn.Module):
 
 
 class RopeCuSeqlensSpy(torch.nn.Module):
-    """A model whose ``forward`` declares ``rope_cu_seqlens`` (the name Megatron-Bridge PR 3838
-    passed; no released Megatron-Bridge declares it): checks that an extra reaches a model only
-    when it is declared by name. Signature otherwise as 0.6.2's ``Qwen3VLModel.forward``
-    (``megatron/bridge/models/qwen_vl/modelling_qwen3_vl/model.py``)."""
+    """Stands for 0.6.2's ``Qwen3VLModel.forward`` (``megatron/bridge/models/qwen_vl/modelling_qwen3_vl/model.py``)
+    with one more parameter, ``rope_cu_seqlens`` (the name Megatron-Bridge PR 3838 passed; no
+    released Megatron-Bridge declares it): checks that an extra reaches a model only when it is
+    declared by name."""
 
     def __init__(self, config):
         super().__init__()
