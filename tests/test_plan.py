@@ -218,14 +218,14 @@ def test_planner_refuses_exactly_the_seq_lengths_the_step_refuses():
     from megatron.bridge_thd.testbed.data import ReceiptSpec, synthetic_receipt_batch
 
     spec = ReceiptSpec()
-    vision_ids = dict(image_token_id=spec.image_token_id, video_token_id=-1)
+    uncuttable_ids = (spec.image_token_id,)  # the receipts hold images only
     batch = synthetic_receipt_batch(4, seed=2)
     samples = receipt_lengths(4, seed=2)
     keep = batch["attention_mask"].bool()
     candidates = sorted({e + d for e in samples.image_ends for d in (-1, 0)} | {n - 1 for n in samples.tokens})
     refused_by_both = 0
     for seq_length in candidates:
-        _, _, checks = truncate_to_seq_length(keep, batch["tokens"], seq_length, vision_ids)
+        _, _, checks = truncate_to_seq_length(keep, batch["tokens"], seq_length, uncuttable_ids)
         step_refuses = any(bool(c.failed) for c in checks)
         try:
             check_seq_length(samples, seq_length)

@@ -181,8 +181,7 @@ def truncate_to_seq_length(
     """Keep each sample's first ``seq_length`` real tokens, unless that would cut an image.
 
     ``uncuttable_ids``: the family's token ids truncation must not cut (its adapter's
-    ``uncuttable_token_ids``: image and video placeholders), or a dict holding ``image_token_id`` /
-    ``video_token_id``.
+    ``uncuttable_token_ids``: image and video placeholders).
 
     Returns:
         keep: ``(B, T)`` the truncated keep mask.
@@ -196,8 +195,6 @@ def truncate_to_seq_length(
     rank = keep.cumsum(dim=1) - 1
     kept = keep & (rank < seq_length)
     dropped = keep & ~kept
-    if isinstance(uncuttable_ids, dict):
-        uncuttable_ids = (uncuttable_ids["image_token_id"], uncuttable_ids["video_token_id"])
     is_vision = torch.isin(tokens, torch.tensor(list(uncuttable_ids), device=tokens.device))
     cut_vision = (dropped & is_vision).any(dim=1)
     check = DeferredCheck(
@@ -413,6 +410,7 @@ class _Captured:
     truncation_checks: list[DeferredCheck]
     position_checks: list[DeferredCheck]
     settings: StepSettings
+    multi_modal: dict  # the visual inputs, on the device, as the model takes them
 
     @property
     def batch_size(self) -> int:
@@ -487,8 +485,7 @@ def _build_packed(c: _Captured) -> _Built:
 _STRATEGIES = {"thd": _build_packed, "thd_static": _build_packed, "bshd": _build_padded}
 
 
-def _capture(batch: dict, model, state, pg_collection, is_last_stage: bool,
-             adapter: ModelAdapter) -> tuple[_Captured, dict]:
+def _capture(batch: dict, model, state, pg_collection, is_last_stage: bool, adapter: ModelAdapter) -> _Captured:
     """batch -> device tensors, keep mask (before any pad/truncate helper could drop a 2D mask),
     truncation, the family's positions."""
     core_model = _unwrap(model)
@@ -503,9 +500,8 @@ def _capture(batch: dict, model, state, pg_collection, is_last_stage: bool,
     )
     positions, position_checks = adapter.position_ids(tokens, keep, multi_modal, model_config)
     position_checks = position_checks + adapter.data_checks(settings.layout, keep)
-    captured = _Captured(tokens, labels, loss_mask, keep, positions, truncated, mask_checks, truncation_checks,
-                         position_checks, settings)
-    return captured, multi_modal
+    return _Captured(tokens, labels, loss_mask, keep, positions, truncated, mask_checks, truncation_checks,
+                     position_checks, settings, multi_modal)
 
 
 def prepare_micro_batch(
@@ -534,10 +530,10 @@ def prepare_micro_batch(
         pg_collection: process groups (``tp``, ``cp``, ``pp``, ``ep``).
         adapter: the model family (:mod:`megatron.bridge_thd.adapters`).
     """
-    captured, multi_modal = _capture(batch, model, state, pg_collection, is_last_stage, adapter)
+    captured = _capture(batch, model, state, pg_collection, is_last_stage, adapter)
     built = _STRATEGIES[captured.settings.layout](captured)
     forward_args = built.forward_args
-    forward_args.update(multi_modal)
+    forward_args.update(captured.multi_modal)
     _pass_declared_extras(model, forward_args, built.extras, captured.settings.layout)
     width, batch_size = _padded_width(captured), captured.batch_size
     lengths = captured.keep.sum(dim=1)

@@ -6,7 +6,7 @@ patches (before the ``spatial_merge``^2 merge; an image contributes ``t*h*w / me
 tokens), and ``image_ends[i]``, where its image tokens end: one past its last image / video
 placeholder token (0 without images; None where the source does not say). The step keeps each
 sample's first ``seq_length`` tokens and refuses a micro-batch where that cuts an image or video
-token (``qwen3_vl_step.truncate_to_seq_length``), so :func:`check_seq_length` refuses such a
+token (``step.truncate_to_seq_length``), so :func:`check_seq_length` refuses such a
 ``seq_length`` here too. Sources:
 
 * :func:`receipt_lengths`: the embedded synthetic receipts (``megatron.bridge_thd.testbed.data``,
@@ -78,7 +78,7 @@ def check_seq_length(samples: SampleLengths, seq_length: int) -> None:
     """Refuse a ``seq_length`` whose truncation would cut an image of some sample, as the step does.
 
     The step keeps each sample's first ``seq_length`` tokens and raises when a dropped token is an
-    image or video placeholder (``qwen3_vl_step.truncate_to_seq_length``): sample i is refused
+    image or video placeholder (``step.truncate_to_seq_length``): sample i is refused
     exactly when ``image_end(i) > seq_length``. Every sample is checked (with shuffling, any sample
     can land in a micro-batch). Where ``image_end`` is not known, a sample with images longer than
     ``seq_length`` is refused too (it might be cut).
