@@ -10,6 +10,7 @@ raises in the caller with its traceback; a rank that hangs is killed after ``tim
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -23,23 +24,32 @@ from megatron.bridge_thd.testbed.standalone import free_port
 __all__ = ["run_on_gloo"]
 
 
-def _worker(rank, world_size, port, sizes, fn, args, folder):
+def _worker(rank, world_size, port, sizes, fn, args, folder, whole_bridge, initialize):
     path = os.path.join(folder, f"rank{rank}.pt")
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # torchrun's variables, for code that initialises the process group itself (Megatron-Bridge).
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
         torch.set_num_threads(1)
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-        from megatron.core import parallel_state
+        with contextlib.ExitStack() as stack:
+            if whole_bridge:
+                from megatron.bridge_thd.testbed.bridge_package import bridge_package
 
-        from megatron.bridge_thd.testbed.stack import cpu_stack
+                stack.enter_context(bridge_package())
+                import megatron.bridge  # noqa: F401 - the whole package, before any bare load
+            if initialize:
+                torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+                from megatron.core import parallel_state
 
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=sizes["tp"],
-            pipeline_model_parallel_size=sizes["pp"],
-            context_parallel_size=sizes["cp"],
-            expert_model_parallel_size=sizes["ep"],
-        )
-        with cpu_stack():
+                parallel_state.initialize_model_parallel(
+                    tensor_model_parallel_size=sizes["tp"],
+                    pipeline_model_parallel_size=sizes["pp"],
+                    context_parallel_size=sizes["cp"],
+                    expert_model_parallel_size=sizes["ep"],
+                )
+            from megatron.bridge_thd.testbed.stack import cpu_stack
+
+            stack.enter_context(cpu_stack())
             result = fn(*args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # noqa: BLE001 - reported to the caller with the traceback
@@ -50,7 +60,7 @@ def _worker(rank, world_size, port, sizes, fn, args, folder):
 
 
 def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1,
-                timeout: float = 300.0) -> list:
+                timeout: float = 300.0, whole_bridge: bool = False, initialize: bool = True) -> list:
     """Call ``fn(*args)`` on ``tp * cp * pp * dp`` gloo processes and return every rank's result.
 
     Args:
@@ -61,6 +71,12 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
             the data-parallel x context-parallel ranks, so ``ep`` must divide ``dp * cp``).
         timeout: seconds for the whole world (one deadline, not per process) before every
             process still alive is killed and an error is raised.
+        whole_bridge: import Megatron-Bridge whole first, inside
+            :func:`~megatron.bridge_thd.testbed.bridge_package.bridge_package` (kept for the call),
+            for recipes, ``ConfigContainer`` and the training loop.
+        initialize: create the gloo process group and Megatron-Core's groups; False leaves that to
+            ``fn`` (Megatron-Bridge's own ``initialize_megatron``), with torchrun's ``RANK`` /
+            ``WORLD_SIZE`` / ``MASTER_*`` / ``LOCAL_RANK`` set.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]`` (global ranks).
@@ -79,7 +95,8 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
     with tempfile.TemporaryDirectory(prefix="bridge_thd_gloo_") as folder:
         port = free_port()
         processes = [
-            context.Process(target=_worker, args=(rank, world_size, port, sizes, fn, args, folder), daemon=False)
+            context.Process(target=_worker, daemon=False,
+                            args=(rank, world_size, port, sizes, fn, args, folder, whole_bridge, initialize))
             for rank in range(world_size)
         ]
         for process in processes:
