@@ -950,6 +950,49 @@ def test_moe_overlap_with_bshd_is_accepted():
     configure(make_cfg(model=MOE_EP), "thd")  # off: fine
 
 
+class _ModelWithoutPlan:
+    """Like Megatron-Bridge 0.6.2's Qwen3VLModel: no build_schedule_plan."""
+
+
+class _ModelWithPlan:
+    def build_schedule_plan(self, *args, **kwargs):
+        raise NotImplementedError
+
+
+class _ProviderBuildingNoPlan(SimpleNamespace):
+    def provide(self, pre_process=None, post_process=None, vp_stage=None) -> _ModelWithoutPlan:
+        raise NotImplementedError
+
+
+class _ProviderBuildingPlan(SimpleNamespace):
+    def provide(self, pre_process=None, post_process=None, vp_stage=None) -> "_ModelWithPlan":
+        raise NotImplementedError
+
+
+def test_moe_overlap_with_bshd_is_refused_when_the_provider_builds_a_model_without_schedule_plans():
+    """Found on Megatron-Bridge's real Qwen3-VL 30B-A3B recipe (tests/test_bridge_recipes.py): its
+    provider builds Qwen3VLModel, which has no build_schedule_plan, so 'bshd' with the overlap failed
+    at the first step and neither configure nor validate() refused it."""
+    cfg = make_cfg()
+    cfg.model = _ProviderBuildingNoPlan(**{**vars(cfg.model), **MOE_EP})
+    cfg.comm_overlap = SimpleNamespace(overlap_moe_expert_parallel_comm=True)
+    before = snapshot(cfg)
+    with pytest.raises(ValueError) as info:
+        configure(cfg, "bshd")
+    message = str(info.value)
+    assert "comm_overlap.overlap_moe_expert_parallel_comm=True with layout='bshd'" in message
+    assert "_ModelWithoutPlan" in message and "has none" in message
+    assert "set comm_overlap.overlap_moe_expert_parallel_comm=False" in message
+    assert snapshot(cfg) == before
+
+
+def test_moe_overlap_with_bshd_is_accepted_when_the_provider_builds_a_model_with_schedule_plans():
+    """The annotation may be a string (``from __future__ import annotations``): resolved in the module."""
+    cfg = make_cfg()
+    cfg.model = _ProviderBuildingPlan(**{**vars(cfg.model), **MOE_EP, "overlap_moe_expert_parallel_comm": True})
+    configure(cfg, "bshd")
+
+
 def test_moe_overlap_in_the_model_that_comm_overlap_turns_off_is_accepted():
     """A ``comm_overlap`` section whose value is None writes False into the model config
     (``CommOverlapConfig.setup``), so the model's True never reaches the schedule."""

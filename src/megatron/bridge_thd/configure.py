@@ -244,6 +244,7 @@ class _Settings:
     moe_overlap: str | None  # the setting that turns MoE EP communication overlap on, if any
     seq_lengths: tuple[Any, Any]  # (dataset.seq_length, model.seq_length)
     pre_wrap_hooks: tuple = ()  # the model provider's registered pre-wrap hooks
+    built_model: Any = None  # the model class the provider's provide() declares it builds, if it can be told
 
     @property
     def pipeline_graphs(self) -> bool:
@@ -306,7 +307,28 @@ def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None) -> _Settings
             model_seq_length if model_seq_length is not None else getattr(model, "seq_length", None),
         ),
         pre_wrap_hooks=tuple(getattr(model_root, "_pre_wrap_hooks", None) or ()),
+        built_model=_built_model_class(model_root),
     )
+
+
+def _built_model_class(provider: Any) -> type | None:
+    """The class a Megatron-Bridge model provider's ``provide()`` declares it returns, or None.
+
+    Read from the return annotation (resolved in the provider module's namespace when it is a string,
+    as under ``from __future__ import annotations``); nothing is imported or built. Megatron-Bridge
+    0.6.2's Qwen-VL providers (``models/qwen_vl/qwen3_vl_provider.py``, ``qwen35_vl_provider.py``)
+    declare ``-> Qwen3VLModel``.
+    """
+    provide = getattr(type(provider), "provide", None)
+    if provide is None:
+        return None
+    try:
+        annotation = inspect.signature(provide).return_annotation
+    except (TypeError, ValueError):
+        return None
+    if isinstance(annotation, str):
+        annotation = getattr(provide, "__globals__", {}).get(annotation.split(".")[-1])
+    return annotation if isinstance(annotation, type) else None
 
 
 # ---- step 2: collect the problems (nothing is written yet) ----
@@ -501,19 +523,32 @@ def _moe_routing_problems(s: _Settings) -> list[str]:
 
 
 def _moe_overlap_problems(s: _Settings) -> list[str]:
-    """MoE EP communication overlap with a THD layout: the step builds schedule plans only for ``"bshd"``."""
+    """MoE EP communication overlap: the step builds schedule plans only for ``"bshd"``, and only
+    through the model's ``build_schedule_plan``."""
     # Megatron-Core 0.19.2 pipeline_parallel/combined_1f1b.py calls forward_step(..., return_schedule_plan=True)
     # when overlap_moe_expert_parallel_comm is on; megatron.bridge_thd's qwen3_vl_step.forward_step raises there
-    # for a THD row (it carries packed_seq_params).
-    if s.moe_overlap is None or s.layout not in THD_LAYOUTS:
+    # for a THD row (it carries packed_seq_params), and for "bshd" it calls model.build_schedule_plan.
+    if s.moe_overlap is None:
         return []
-    return [
-        f"{s.moe_overlap}=True with layout={s.layout!r}: Megatron-Core's combined 1F1B schedule "
-        "(pipeline_parallel/combined_1f1b.py) then asks the forward step for a schedule plan "
-        "(return_schedule_plan=True), and megatron.bridge_thd's step builds one only for the padded layout (it "
-        f"raises at the first step for a THD row); set {s.moe_overlap}=False, or use layout='bshd' with a model "
-        "that has build_schedule_plan (Megatron-Bridge 0.6.2's Qwen3VLModel has none)"
-    ]
+    if s.layout in THD_LAYOUTS:
+        return [
+            f"{s.moe_overlap}=True with layout={s.layout!r}: Megatron-Core's combined 1F1B schedule "
+            "(pipeline_parallel/combined_1f1b.py) then asks the forward step for a schedule plan "
+            "(return_schedule_plan=True), and megatron.bridge_thd's step builds one only for the padded layout (it "
+            f"raises at the first step for a THD row); set {s.moe_overlap}=False, or use layout='bshd' with a model "
+            "that has build_schedule_plan (Megatron-Bridge 0.6.2's Qwen3VLModel has none)"
+        ]
+    model_class = s.built_model
+    if model_class is not None and not hasattr(model_class, "build_schedule_plan"):
+        # Megatron-Bridge 0.6.2's Qwen3VLModel (models/qwen_vl/modelling_qwen3_vl/model.py) has no
+        # build_schedule_plan; its own step (models/qwen_vl/qwen3_vl_step.py) and ours call it for the plan.
+        return [
+            f"{s.moe_overlap}=True with layout={s.layout!r}: Megatron-Core's combined 1F1B schedule asks the "
+            "forward step for a schedule plan (return_schedule_plan=True), which the step builds with "
+            f"model.build_schedule_plan, and the model this provider builds ({model_class.__name__}, declared by "
+            f"{type(s.model).__name__}.provide) has none, so the first step fails; set {s.moe_overlap}=False"
+        ]
+    return []
 
 
 # ---- step 3: compute the changes, and find those that would overwrite an explicit setting ----
