@@ -7,8 +7,10 @@ and nothing else when ``to_megatron_provider(load_weights=False)`` follows. :fun
 each config into a temporary hub cache laid out as ``huggingface_hub`` lays out a download
 (``models--Qwen--<name>/refs/main`` -> ``snapshots/<revision>/config.json``) and sets
 ``HF_HUB_OFFLINE=1``, ``HF_HUB_CACHE`` / ``HF_HOME`` and ``MEGATRON_CONFIG_LOCK_DIR`` for the block
-(``huggingface_hub`` reads its constants at import: enter the block before importing it, i.e. in a
-fresh process, as :func:`megatron.bridge_thd.testbed.launcher.run_on_gloo` gives).
+(``huggingface_hub`` reads its constants at import, so the variables must be set before the process
+that loads the configs imports it: enter the block in the parent and start that process inside it,
+e.g. ``with offline_hub(): run_on_gloo(fn, whole_bridge=True, ...)``, whose spawned processes inherit
+the environment).
 
 Where the values come from (the hub itself cannot be reached from here; search of public sources):
 
