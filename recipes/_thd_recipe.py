@@ -1,28 +1,101 @@
-"""What the recipes share: a Megatron-Bridge recipe config, our packing flags, our step."""
+"""What the recipe scripts share: a Megatron-Bridge recipe config, our packing flags, our step, and a
+tiny CPU mode that runs the same code path on this machine (only model size and device differ).
+
+GPU node (the recipe as shipped, with Transformer Engine and hub access)::
+
+    torchrun --nproc-per-node 8 recipes/qwen3_vl_8b_cord_v2_thd.py --layout thd [--report run.json]
+
+Any machine, no GPU (tiny Qwen3-VL, a local cord_v2-shaped dataset and processor, gloo ranks)::
+
+    python recipes/qwen3_vl_8b_cord_v2_thd.py --cpu-tiny --layout thd --train-iters 4
+
+``--layout megatron_bridge`` runs Megatron-Bridge's own ``qwen3_vl_step`` on the recipe as shipped
+(the padded baseline, no ``configure``). ``--report`` writes the per-iteration records (loss,
+FLOPs, tokens, seconds, peak memory) as JSON; docs/megatron-bridge-on-cpu.md.
+"""
 
 import argparse
+import importlib
+import json
+import os
 
-from megatron.bridge.training.finetune import finetune
-
-from megatron.bridge_thd.configure import configure
-from megatron.bridge_thd.qwen3_vl_step import forward_step
-
-
-def config(base_config, layout: str, micro_batch_size: int, seq_length: int):
-    """``base_config()`` with our sequence length and micro-batch, packing set by ``configure``
-    (in-batch packing deferred to our step, the dataset's 2D mask, variable_seq_lengths under PP,
-    HybridEP padding; contradictions refused)."""
-    cfg = base_config()
-    cfg.model.seq_length = seq_length
-    cfg.dataset.seq_length = seq_length
-    cfg.train.micro_batch_size = micro_batch_size
-    return configure(cfg, layout=layout)
+LAYOUT_CHOICES = ["thd", "thd_static", "bshd", "megatron_bridge"]
 
 
-def main(base_config) -> None:
+def parse(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", choices=["thd", "thd_static", "bshd"], default="thd")
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    args = parser.parse_args()
-    finetune(config(base_config, args.layout, args.micro_batch_size, args.seq_length), forward_step_func=forward_step)
+    parser.add_argument("--layout", choices=LAYOUT_CHOICES, default="thd")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the recipe's (CPU mode: 2)")
+    parser.add_argument("--seq-length", type=int, default=None, help="default: the recipe's (CPU mode: 512)")
+    parser.add_argument("--train-iters", type=int, default=None, help="default: the recipe's (CPU mode: 4)")
+    parser.add_argument("--report", default=None, help="write the per-iteration records here (JSON)")
+    parser.add_argument("--cpu-tiny", action="store_true", help="run on this CPU: tiny model, local data, gloo")
+    parser.add_argument("--nproc", type=int, default=2, help="CPU mode: data-parallel gloo ranks")
+    parser.add_argument("--workdir", default=None, help="CPU mode: where data, processor and checkpoints go")
+    return parser.parse_args(argv)
+
+
+def config(base_config, layout: str, micro_batch_size=None, seq_length=None, train_iters=None):
+    """``base_config()`` with the given sizes; for our layouts, packing set by ``configure`` (in-batch
+    packing deferred to our step, the dataset's 2D mask, variable_seq_lengths under PP, HybridEP
+    padding; contradictions refused)."""
+    from megatron.bridge_thd.configure import configure
+
+    cfg = base_config()
+    if seq_length is not None:
+        cfg.model.seq_length = cfg.dataset.seq_length = seq_length
+    if micro_batch_size is not None:
+        cfg.train.micro_batch_size = micro_batch_size
+    if train_iters is not None:
+        cfg.train.train_iters = train_iters
+    return cfg if layout == "megatron_bridge" else configure(cfg, layout=layout)
+
+
+def _write(report, path):
+    if path:
+        with open(path, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
+def run_cpu_tiny(recipe_name: str, args) -> dict:
+    import tempfile
+
+    from megatron.bridge_thd.testbed.training import run_on_cpu
+
+    settings = dict(train_iters=args.train_iters or 4, micro_batch_size=args.micro_batch_size or 2,
+                    seq_length=args.seq_length or 512)
+    settings["global_batch_size"] = settings["micro_batch_size"] * args.nproc * 2
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bridge_thd_cpu_tiny_")
+    ranks = run_on_cpu([(args.layout, recipe_name, args.layout, settings)], workdir=workdir, world_size=args.nproc)
+    report = {"recipe": recipe_name, "layout": args.layout, "cpu_tiny": True, "settings": settings,
+              "ranks": [rank[args.layout] for rank in ranks]}
+    _write(report, args.report)
+    for row in ranks[-1][args.layout]["iterations"]:
+        print(f"iteration {row['iteration']:3d} | lm loss {row['loss']:.6f} | model TFLOPs {row['flops'] / 1e12:.6f} "
+              f"| tokens {row['flops_tokens']} | {row['seconds'] * 1000:.1f} ms")
+    return report
+
+
+def main(recipe_module: str, recipe_name: str, argv=None):
+    args = parse(argv)
+    if args.cpu_tiny:
+        return run_cpu_tiny(recipe_name, args)
+    import torch
+    from megatron.bridge.training.finetune import finetune
+
+    from megatron.bridge_thd.testbed.training import iteration_recorder, step_for
+
+    base_config = getattr(importlib.import_module(recipe_module), recipe_name)
+    cfg = config(base_config, args.layout, args.micro_batch_size, args.seq_length, args.train_iters)
+    recorder = iteration_recorder()
+    report = {"recipe": recipe_name, "layout": args.layout, "cpu_tiny": False, "oom": False,
+              "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
+              "seq_length": cfg.model.seq_length, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    try:
+        finetune(cfg, forward_step_func=step_for(args.layout), callbacks=[recorder])
+    except torch.OutOfMemoryError:
+        report["oom"] = True
+    report["iterations"] = recorder.rows
+    if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:  # the last rank holds the loss
+        _write(report, args.report)
+    return report

@@ -68,7 +68,8 @@ def _data_path_worker(root: str) -> dict:
 
     from megatron.bridge_thd.patches import applied
     from megatron.bridge_thd.qwen3_vl_step import forward_step
-    from megatron.bridge_thd.testbed.cord_v2 import loader_cpu_patches, model_token_settings
+    from megatron.bridge_thd.testbed.cord_v2 import model_token_settings
+    from megatron.bridge_thd.testbed.training import cpu_training_patches
     from megatron.bridge_thd.testbed.data import VisualInputs
     from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
     from megatron.bridge_thd.testbed.parity import Recorder, sample_inputs
@@ -96,7 +97,7 @@ def _data_path_worker(root: str) -> dict:
         built["counts"] = list(counts)
         return built["datasets"]
 
-    with applied(loader_cpu_patches()):
+    with applied(cpu_training_patches()):  # the loader makes its flags on 'cuda'
         train_iter, valid_iter, test_iter = setup_data_iterators(
             cfg=cfg, train_state=TrainState(), model_length=1,
             train_valid_test_datasets_provider=recording_provider, dp_group=pg.dp)

@@ -19,6 +19,12 @@ The patches (targets, where they are built and applied, why; one line each in do
   ``l2norm``, ``chunk_gated_delta_rule``, ``get_cuda_rng_tracker``, ``gated_delta_net.gdn``
   ``causal_conv1d``, ``chunk_gated_delta_rule``, and ``_GDNBase``'s ``torch.compile`` methods
   ``_apply_gated_norm``, ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta``.
+* Scoped, test bed only: ``testbed/training.py`` ``cpu_training_patches()``, applied by
+  ``cpu_training()``, for Megatron-Bridge's ``finetune()`` on the CPU: the provider's
+  ``get_gpt_layer_with_transformer_engine_spec``; ``initialize.compile_helpers`` (the wheel ships
+  ``helpers_cpp`` prebuilt, no Makefile); ``torch`` as the trainer modules of ``TRAINER_MODULES``
+  see it; ``torch.Tensor.cuda``; ``tensor_parallel.random`` ``_set_cuda_rng_state`` /
+  ``_get_cuda_rng_state`` (the CPU generator).
 * Scoped, test bed only: ``testbed/qwen25_vl.py`` ``qwen25_vl_import_patches()``:
   ``sys.modules['omegaconf']``, a placeholder while the Qwen2.5-VL provider is imported (only
   when omegaconf is absent).
@@ -31,6 +37,8 @@ The patches (targets, where they are built and applied, why; one line each in do
   defers to the original whenever no mask is in flight).
 
 Not a patch of a name, listed so that nothing that changes upstream objects is hidden:
+``testbed/bridge_package.py`` ``bridge_package()`` serves import-time stand-ins for
+``transformer_engine`` / ``nvidia_resiliency_ext`` to Megatron-Bridge's unguarded imports;
 ``upstream.py`` puts a ``sys.meta_path`` finder first (once; Megatron-Bridge's packages load
 without their ``__init__`` when TE is absent); ``moe_padding.with_padding_mask`` swaps the user's
 model class to ``PaddingMask<Class>`` (registered as a module-level name of ``moe_padding`` for

@@ -32,7 +32,6 @@ __all__ = [
     "write_cord_v2_preset_layout",
     "tiny_qwen3_vl_processor",
     "model_token_settings",
-    "loader_cpu_patches",
     "PROCESSOR_TOKEN_IDS",
     "SPECIAL_TOKENS",
     "CORD_V2_HUB_PATH",
@@ -283,7 +282,8 @@ def _build_tokenizer():
     return fast
 
 
-def tiny_qwen3_vl_processor(folder=None, *, min_pixels: int = 32 * 32, max_pixels: int = 128 * 128):
+def tiny_qwen3_vl_processor(folder=None, *, min_pixels: int = 32 * 32, max_pixels: int = 128 * 128,
+                            patch_size: int | None = None):
     """A Hugging Face ``Qwen3VLProcessor`` for the tiny Qwen3-VL of the test bed, built locally.
 
     Tokenizer: byte-level BPE of :data:`BPE_VOCAB_SIZE` trained on receipt text, then Qwen's
@@ -297,6 +297,9 @@ def tiny_qwen3_vl_processor(folder=None, *, min_pixels: int = 32 * 32, max_pixel
     Args:
         folder: where to save it (``AutoProcessor.from_pretrained(folder)`` then loads it offline);
             None: not saved.
+        patch_size: the vision patch (default ``TINY_VISION_CONFIG``'s 4). The training runs use
+            Qwen3-VL's own 16 (``testbed.training``): Megatron-Bridge's collate resizes every image
+            to at least 200704 pixels, 196 tokens at patch 16 as on the real model, 3136 at patch 4.
 
     Returns:
         The processor.
@@ -307,7 +310,7 @@ def tiny_qwen3_vl_processor(folder=None, *, min_pixels: int = 32 * 32, max_pixel
 
     from megatron.bridge_thd.testbed.reference import TINY_VISION_CONFIG
 
-    geometry = dict(patch_size=TINY_VISION_CONFIG["patch_size"], temporal_patch_size=TINY_VISION_CONFIG["temporal_patch_size"],
+    geometry = dict(patch_size=patch_size or TINY_VISION_CONFIG["patch_size"], temporal_patch_size=TINY_VISION_CONFIG["temporal_patch_size"],
                     merge_size=TINY_VISION_CONFIG["spatial_merge_size"])
     mean, std = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]  # Qwen3-VL's
     image_processor = Qwen2VLImageProcessor(size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
@@ -345,25 +348,3 @@ def model_token_settings() -> dict:
     ids = PROCESSOR_TOKEN_IDS
     return dict(vocab_size=ids["vocab_size"], image_token_id=ids["image_token_id"],
                 video_token_id=ids["video_token_id"], vision_start_token_id=ids["vision_start_token_id"])
-
-
-def loader_cpu_patches():
-    """The one scoped patch Megatron-Bridge 0.6.2's ``data/loaders.py`` needs on a machine without
-    CUDA: ``build_train_valid_test_data_loaders`` makes its do-train / valid / test flags with
-    ``torch.tensor(..., device="cuda")`` before broadcasting them; ``torch`` as that module sees it
-    makes them on the CPU (the test bed's ``_TorchOnCpu``). Apply with
-    ``megatron.bridge_thd.patches.applied(loader_cpu_patches())``; Megatron-Bridge must be imported
-    whole first (:func:`~megatron.bridge_thd.testbed.bridge_package.bridge_package`).
-    """
-    import importlib
-
-    import torch
-
-    from megatron.bridge_thd.patches import Patch
-    from megatron.bridge_thd.testbed.stack import _TorchOnCpu
-
-    if torch.cuda.is_available():
-        return []
-    loaders = importlib.import_module("megatron.bridge.data.loaders")
-    return [Patch(loaders, "torch", _TorchOnCpu(),
-                  "build_train_valid_test_data_loaders makes its do_train / do_valid / do_test flags with device='cuda'")]

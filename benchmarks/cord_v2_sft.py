@@ -1,0 +1,194 @@
+"""cord_v2 SFT through Megatron-Bridge's own recipe and ``finetune()``: Megatron-Bridge's step (padded)
+vs ours (``thd``, ``thd_static``), MBS 2 and 4, in the shape of Megatron-Bridge PR 3838's table.
+
+Per run: ms/iter (median after the warm-up iterations), samples/s, real tokens/s (the collate's 2D
+mask), model TFLOP/s per GPU as Megatron-Bridge's trainer counts them (its FLOPs accounting divided
+by the step time), peak memory, and out of memory. Writes ``--out``/cord_v2_sft.json, a Markdown
+table (.md) and a PNG. docs/cord-v2-benchmark.md.
+
+CPU (tiny Qwen3-VL, local cord_v2-shaped data, DP=2 over gloo; ``make bench``, and a smoke in
+``make test``)::
+
+    .venv/bin/python benchmarks/cord_v2_sft.py --cpu-tiny [--iterations 6 --warmup 2]
+
+8xH100 (the recipe as shipped, one ``torchrun`` per row; Transformer Engine, hub access)::
+
+    python benchmarks/cord_v2_sft.py --gpu --nproc 8 --iterations 30 --warmup 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+RECIPE_SCRIPT = ROOT / "recipes" / "qwen3_vl_8b_cord_v2_thd.py"
+RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
+STEPS = ("megatron_bridge", "thd", "thd_static")
+STEP_LABELS = {"megatron_bridge": "Megatron-Bridge qwen3_vl_step (padded)", "thd": "ours, thd", "thd_static": "ours, thd_static"}
+
+
+def summarise(rows_per_rank: list[list[dict]], counts_per_rank: list[list[dict]] | None, *, warmup: int,
+              global_batch_size: int, world_size: int, oom: bool = False) -> dict:
+    """One table row from the per-iteration records of every rank (``testbed.training`` recorder).
+
+    ``rows_per_rank[r][i]``: rank r's record of iteration i (the loss only on the last PP stage);
+    ``counts_per_rank[r]``: rank r's micro-batches in order (real tokens), or None where not counted.
+    """
+    if oom or not rows_per_rank or not rows_per_rank[0]:
+        return {"oom": True}
+    measured = slice(warmup, None)
+    seconds = [max(rank[i]["seconds"] for rank in rows_per_rank) for i in range(len(rows_per_rank[0]))][measured]
+    if not seconds:
+        raise ValueError(f"--warmup {warmup}: no iteration left to measure; run more iterations")
+    median = statistics.median(seconds)
+    flops = [row["flops"] for row in rows_per_rank[0]][measured]
+    row = {
+        "oom": False,
+        "iterations_measured": len(seconds),
+        "ms_per_iter": median * 1000.0,
+        "samples_per_s": global_batch_size / median,
+        "tflops_per_gpu": statistics.median(f / s for f, s in zip(flops, seconds)) / world_size / 1e12,
+        "peak_memory_gib": max(rank[-1]["peak_memory_bytes"] for rank in rows_per_rank) / 2**30,
+        "final_loss": next((r[-1]["loss"] for r in reversed(rows_per_rank) if r[-1]["loss"] is not None), None),
+    }
+    if counts_per_rank:
+        iterations = len(rows_per_rank[0])
+        per_iteration = [len(counts) // iterations for counts in counts_per_rank]
+        tokens = [sum(c["real_tokens"] for rank, n in zip(counts_per_rank, per_iteration)
+                      for c in rank[i * n:(i + 1) * n]) for i in range(iterations)][measured]
+        row["real_tokens_per_s"] = sum(tokens) / sum(seconds)
+    return row
+
+
+def render(results: dict) -> str:
+    """The Markdown table of a results file."""
+    lines = [
+        f"{results['device']}; recipe `{results['recipe']}`, seq_length {results['seq_length']}, "
+        f"global batch {results['global_batch_size']}, {results['world_size']} ranks, "
+        f"median of {results['iterations'] - results['warmup']} iterations after {results['warmup']} warm-up.",
+        "",
+        "| MBS | step | ms/iter | samples/s | real tokens/s | TFLOP/s/GPU | peak memory (GiB) | vs padded |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mbs in results["micro_batch_sizes"]:
+        baseline = results["rows"].get(f"megatron_bridge-mbs{mbs}", {})
+        for step in STEPS:
+            row = results["rows"].get(f"{step}-mbs{mbs}")
+            if row is None:
+                continue
+            if row.get("oom"):
+                lines.append(f"| {mbs} | {STEP_LABELS[step]} | OOM | | | | | |")
+                continue
+            speedup = (f"{baseline['ms_per_iter'] / row['ms_per_iter']:.2f}x" if baseline and not baseline.get("oom")
+                       else "baseline OOM")
+            tokens = f"{row['real_tokens_per_s']:.0f}" if "real_tokens_per_s" in row else ""
+            lines.append(f"| {mbs} | {STEP_LABELS[step]} | {row['ms_per_iter']:.1f} | {row['samples_per_s']:.2f} | "
+                         f"{tokens} | {row['tflops_per_gpu']:.6f} | {row['peak_memory_gib']:.2f} | {speedup} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    """ms/iter per step and MBS (bars; OOM marked), as in PR 3838's comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(STEPS)
+    for index, step in enumerate(STEPS):
+        for position, mbs in enumerate(results["micro_batch_sizes"]):
+            row = results["rows"].get(f"{step}-mbs{mbs}", {"oom": True})
+            x = position + (index - 1) * width
+            if row.get("oom"):
+                ax.text(x, 0, "OOM", ha="center", va="bottom", rotation=90)
+                continue
+            ax.bar(x, row["ms_per_iter"], width, color=f"C{index}", label=STEP_LABELS[step] if position == 0 else None)
+    ax.set_xticks(range(len(results["micro_batch_sizes"])), [f"MBS {m}" for m in results["micro_batch_sizes"]])
+    ax.set_ylabel("ms / iteration (median)")
+    ax.set_title(f"cord_v2 SFT, {results['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def measure_cpu(args) -> dict:
+    from megatron.bridge_thd.testbed.training import run_on_cpu
+
+    runs = []
+    for mbs in args.micro_batch_sizes:
+        for step in STEPS:
+            runs.append((f"{step}-mbs{mbs}", RECIPE, step,
+                         dict(train_iters=args.iterations, micro_batch_size=mbs, global_batch_size=args.global_batch_size,
+                              seq_length=args.seq_length, run_name=f"bench-{step}-mbs{mbs}", save_interval=10**6)))
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bridge_thd_cord_v2_sft_")
+    ranks = run_on_cpu(runs, workdir=workdir, world_size=args.nproc, timeout=args.timeout)
+    rows = {key: summarise([rank[key]["iterations"] for rank in ranks], [rank[key]["micro_batches"] for rank in ranks],
+                           warmup=args.warmup, global_batch_size=args.global_batch_size, world_size=args.nproc)
+            for key, *_ in runs}
+    return {"device": f"CPU, tiny Qwen3-VL, DP={args.nproc} over gloo", "rows": rows}
+
+
+def measure_gpu(args) -> dict:
+    rows = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for mbs in args.micro_batch_sizes:
+            for step in STEPS:
+                key, report = f"{step}-mbs{mbs}", os.path.join(folder, f"{step}-{mbs}.json")
+                command = ["torchrun", f"--nproc-per-node={args.nproc}", str(RECIPE_SCRIPT), "--layout", step,
+                           "--micro-batch-size", str(mbs), "--seq-length", str(args.seq_length),
+                           "--train-iters", str(args.iterations), "--report", report]
+                done = subprocess.run(command, cwd=ROOT)
+                if not os.path.exists(report):
+                    rows[key] = {"oom": True, "failed": done.returncode}
+                    continue
+                result = json.load(open(report))
+                rows[key] = summarise([result["iterations"]], None, warmup=args.warmup,
+                                      global_batch_size=result["global_batch_size"], world_size=result["world_size"],
+                                      oom=result["oom"])
+    return {"device": f"{args.nproc}x GPU", "rows": rows}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--cpu-tiny", action="store_true")
+    mode.add_argument("--gpu", action="store_true")
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seq-length", type=int, default=512, help="CPU default; PR 3838 used 2048 on GPUs")
+    parser.add_argument("--global-batch-size", type=int, default=16, help="CPU mode (GPU: the recipe's)")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for cord_v2_sft[_gpu].json / .md / .png")
+    args = parser.parse_args(argv)
+    if args.warmup >= args.iterations:
+        parser.error(f"--warmup {args.warmup} must be smaller than --iterations {args.iterations}")
+    results = measure_cpu(args) if args.cpu_tiny else measure_gpu(args)
+    results.update(recipe=RECIPE, seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+                   world_size=args.nproc, iterations=args.iterations, warmup=args.warmup,
+                   micro_batch_sizes=args.micro_batch_sizes)
+    stem = "cord_v2_sft" if args.cpu_tiny else "cord_v2_sft_gpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    table = render(results)
+    (args.out / f"{stem}.md").write_text(table + "\n")
+    plot(results, args.out / f"{stem}.png")
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "src"))
+    main()

@@ -1,0 +1,170 @@
+"""Megatron-Bridge 0.6.2's own training loop on the CPU: its Qwen3-VL 8B recipe (``AutoBridge``
+provider, ``ConfigContainer``), its cord_v2 data path with the Qwen3-VL collate, ``finetune()`` ->
+``pretrain`` -> ``setup`` / ``train`` / ``train_step`` with Megatron-Core's DDP and optimizer,
+checkpoint save and resume, at DP=2 over gloo; only model size and device differ
+(``testbed.training.cpu_run_config``; docs/megatron-bridge-on-cpu.md).
+
+Three steps drive the same recipe on the same data order: Megatron-Bridge's own
+``qwen3_vl_step`` (the padded baseline), ours with ``thd`` and with ``thd_static``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
+
+from megatron.bridge_thd.testbed.hf_hub import offline_hub  # noqa: E402
+from megatron.bridge_thd.testbed.launcher import run_on_gloo  # noqa: E402
+from megatron.bridge_thd.testbed.training import prepare_cpu_run, run_recipe_on_cpu  # noqa: E402
+
+RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
+ITERATIONS, RESUME_AT = 20, 10
+MICRO_BATCH, GLOBAL_BATCH, SEQ_LENGTH = 2, 8, 512
+SHORT = 5  # iterations of the PP=2 and CP=2 runs
+RELATIVE = 1e-5
+
+
+def _next_port():
+    # Each finetune() creates and destroys its own process group: a fresh rendezvous port each.
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+
+
+def _dp2_runs(paths):
+    common = dict(train_iters=ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
+                  seq_length=SEQ_LENGTH)
+    runs = {"megatron_bridge": run_recipe_on_cpu(RECIPE, paths, "megatron_bridge", **common)}
+    _next_port()
+    runs["thd_static"] = run_recipe_on_cpu(RECIPE, paths, "thd_static", **common)
+    # thd: stopped after RESUME_AT iterations (exit_interval: a checkpoint is saved), then resumed
+    # to the end.
+    _next_port()
+    runs["thd_first"] = run_recipe_on_cpu(RECIPE, paths, "thd", **common, exit_interval=RESUME_AT,
+                                          run_name="thd-resume")
+    _next_port()
+    runs["thd_resumed"] = run_recipe_on_cpu(RECIPE, paths, "thd", **common, run_name="thd-resume")
+    return runs
+
+
+def _parallel_runs(paths):
+    common = dict(train_iters=ITERATIONS, exit_interval=SHORT, global_batch_size=GLOBAL_BATCH,
+                  micro_batch_size=MICRO_BATCH, seq_length=SEQ_LENGTH, count_tokens=False)
+    runs = {"pp2": run_recipe_on_cpu(RECIPE, paths, "thd", pp=2, **common, run_name="pp2")}
+    _next_port()
+    runs["cp2"] = run_recipe_on_cpu(RECIPE, paths, "thd", cp=2, **common, run_name="cp2")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return prepare_cpu_run(tmp_path_factory.mktemp("cord_v2_run"))
+
+
+@pytest.fixture(scope="module")
+def dp2(paths):
+    with offline_hub():
+        return run_on_gloo(_dp2_runs, paths, dp=2, whole_bridge=True, initialize=False, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def parallel(paths):
+    with offline_hub():
+        return run_on_gloo(_parallel_runs, paths, dp=2, whole_bridge=True, initialize=False, timeout=300)
+
+
+def _losses(rank_result, name):
+    return [row["loss"] for row in rank_result[name]["iterations"]]
+
+
+def _thd_losses(rank_result):
+    return _losses(rank_result, "thd_first") + _losses(rank_result, "thd_resumed")
+
+
+def _close(a, b):
+    return abs(a - b) <= RELATIVE * max(abs(a), abs(b))
+
+
+def test_twenty_iterations_per_step_on_both_ranks(dp2):
+    for rank in dp2:
+        for name in ("megatron_bridge", "thd_static"):
+            assert [row["iteration"] for row in rank[name]["iterations"]] == list(range(1, ITERATIONS + 1))
+        assert [row["iteration"] for row in rank["thd_first"]["iterations"]] == list(range(1, RESUME_AT + 1))
+        # The resumed run starts where the checkpoint left off, not from iteration 1.
+        assert [row["iteration"] for row in rank["thd_resumed"]["iterations"]] == list(range(RESUME_AT + 1, ITERATIONS + 1))
+
+
+def test_losses_equal_across_the_three_steps(dp2):
+    rank = dp2[0]
+    baseline = _losses(rank, "megatron_bridge")
+    for name, losses in (("thd_static", _losses(rank, "thd_static")), ("thd", _thd_losses(rank))):
+        for iteration, (ours, theirs) in enumerate(zip(losses, baseline, strict=True), start=1):
+            assert _close(ours, theirs), f"{name} iteration {iteration}: {ours} vs Megatron-Bridge's step {theirs}"
+
+
+def test_loss_falls(dp2):
+    for losses in (_losses(dp2[0], "megatron_bridge"), _losses(dp2[0], "thd_static"), _thd_losses(dp2[0])):
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1
+
+
+def test_resume_from_iteration_ten_gives_the_same_iteration_eleven(dp2):
+    resumed = dp2[0]["thd_resumed"]["iterations"][0]
+    assert resumed["iteration"] == RESUME_AT + 1
+    for name in ("megatron_bridge", "thd_static"):
+        uninterrupted = dp2[0][name]["iterations"][RESUME_AT]
+        assert uninterrupted["iteration"] == RESUME_AT + 1
+        assert _close(resumed["loss"], uninterrupted["loss"])
+    # A resume that restarted the data or the optimiser would repeat iteration 1's loss instead.
+    assert not _close(resumed["loss"], dp2[0]["thd_first"]["iterations"][0]["loss"])
+
+
+def _micro_batches_per_iteration(run):
+    per_iteration = GLOBAL_BATCH // (MICRO_BATCH * 2)
+    counts = run["micro_batches"]
+    return [counts[i:i + per_iteration] for i in range(0, len(counts), per_iteration)]
+
+
+def _thd(rank, part):
+    first, resumed = rank["thd_first"], rank["thd_resumed"]
+    if part == "iterations":
+        return first["iterations"] + resumed["iterations"]
+    return _micro_batches_per_iteration(first) + _micro_batches_per_iteration(resumed)
+
+
+def test_logged_tokens_are_the_real_tokens_with_thd(dp2):
+    """The trainer's FLOPs accounting sees each rank's real tokens (the collate's 2D mask) with our
+    ``thd``; with Megatron-Bridge's step and with ``thd_static`` it counts every padded position its
+    rows carry (two rows of seq_length per micro-batch: the linear layers do run on them)."""
+    for rank in dp2:
+        for row, batches in zip(_thd(rank, "iterations"), _thd(rank, "batches"), strict=True):
+            assert row["flops_tokens"] == sum(batch["real_tokens"] for batch in batches)
+        for name in ("megatron_bridge", "thd_static"):
+            run = rank[name]
+            for row, batches in zip(run["iterations"], _micro_batches_per_iteration(run), strict=True):
+                assert row["flops_tokens"] == len(batches) * MICRO_BATCH * SEQ_LENGTH
+
+
+def test_logged_flops_count_real_work(dp2):
+    """Same data, same model: ``thd``'s FLOPs equal Megatron-Bridge's exactly on iterations where no
+    sample of the global batch is padded, and are smaller on every other."""
+    padded = [any(batch["real_tokens"] < MICRO_BATCH * SEQ_LENGTH for batch in first + second)
+              for first, second in zip(_thd(dp2[0], "batches"), _thd(dp2[1], "batches"), strict=True)]
+    assert any(padded), "the data has no padding: the comparison would prove nothing"
+    theirs = dp2[0]["megatron_bridge"]["iterations"]
+    for mine, baseline, has_padding in zip(_thd(dp2[0], "iterations"), theirs, padded, strict=True):
+        assert mine["flops"] > 0
+        if has_padding:
+            assert mine["flops"] < baseline["flops"]
+        else:
+            assert mine["flops"] == pytest.approx(baseline["flops"], rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["pp2", "cp2"])
+def test_pipeline_and_context_parallel_thd_match_data_parallel(parallel, dp2, name):
+    """PP=2 and CP=2 (DP=1) take the same micro-batches as DP=2 in the same order: the same losses."""
+    reference = _losses(dp2[0], "thd_first")[:SHORT]
+    losses = [row["loss"] for row in parallel[-1][name]["iterations"]]  # the last rank holds the loss under PP
+    assert len(losses) == SHORT
+    for iteration, (mine, theirs) in enumerate(zip(losses, reference, strict=True), start=1):
+        assert _close(mine, theirs), f"{name} iteration {iteration}: {mine} vs DP=2 {theirs}"
