@@ -63,7 +63,7 @@ def summarise(rows_per_rank: list[list[dict]], counts_per_rank: list[list[dict]]
         iterations = len(rows_per_rank[0])
         per_iteration = [len(counts) // iterations for counts in counts_per_rank]
         tokens = [sum(c["real_tokens"] for rank, n in zip(counts_per_rank, per_iteration)
-                      for c in rank[i * n:(i + 1) * n]) for i in range(iterations)][measured]
+                      for c in rank[i * n:(i + 1) * n] if c["counted"]) for i in range(iterations)][measured]
         row["real_tokens_per_s"] = sum(tokens) / sum(seconds)
     return row
 
@@ -148,13 +148,15 @@ def measure_gpu(args) -> dict:
                            "--micro-batch-size", str(mbs), "--seq-length", str(args.seq_length),
                            "--train-iters", str(args.iterations), "--report", report]
                 done = subprocess.run(command, cwd=ROOT)
-                if not os.path.exists(report):
+                reports = [json.load(open(f"{report}.rank{r}.json")) for r in range(args.nproc)
+                           if os.path.exists(f"{report}.rank{r}.json")]
+                if len(reports) != args.nproc:
                     rows[key] = {"oom": True, "failed": done.returncode}
                     continue
-                result = json.load(open(report))
-                rows[key] = summarise([result["iterations"]], None, warmup=args.warmup,
-                                      global_batch_size=result["global_batch_size"], world_size=result["world_size"],
-                                      oom=result["oom"])
+                first = reports[0]
+                rows[key] = summarise([r["iterations"] for r in reports], [r["micro_batches"] for r in reports],
+                                      warmup=args.warmup, global_batch_size=first["global_batch_size"],
+                                      world_size=first["world_size"], oom=any(r["oom"] for r in reports))
     return {"device": f"{args.nproc}x GPU", "rows": rows}
 
 

@@ -28,7 +28,8 @@ def parse(argv=None):
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the recipe's (CPU mode: 2)")
     parser.add_argument("--seq-length", type=int, default=None, help="default: the recipe's (CPU mode: 512)")
     parser.add_argument("--train-iters", type=int, default=None, help="default: the recipe's (CPU mode: 4)")
-    parser.add_argument("--report", default=None, help="write the per-iteration records here (JSON)")
+    parser.add_argument("--report", default=None,
+                        help="write the per-iteration records here (JSON; on GPUs one file per rank, PATH.rank<r>.json)")
     parser.add_argument("--cpu-tiny", action="store_true", help="run on this CPU: tiny model, local data, gloo")
     parser.add_argument("--nproc", type=int, default=2, help="CPU mode: data-parallel gloo ranks")
     parser.add_argument("--workdir", default=None, help="CPU mode: where data, processor and checkpoints go")
@@ -83,7 +84,7 @@ def main(recipe_module: str, recipe_name: str, argv=None):
     import torch
     from megatron.bridge.training.finetune import finetune
 
-    from megatron.bridge_thd.testbed.training import iteration_recorder, step_for
+    from megatron.bridge_thd.testbed.training import counting_step, iteration_recorder, step_for
 
     base_config = getattr(importlib.import_module(recipe_module), recipe_name)
     cfg = config(base_config, args.layout, args.micro_batch_size, args.seq_length, args.train_iters)
@@ -91,11 +92,12 @@ def main(recipe_module: str, recipe_name: str, argv=None):
     report = {"recipe": recipe_name, "layout": args.layout, "cpu_tiny": False, "oom": False,
               "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
               "seq_length": cfg.model.seq_length, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    counts = []
     try:
-        finetune(cfg, forward_step_func=step_for(args.layout), callbacks=[recorder])
+        finetune(cfg, forward_step_func=counting_step(step_for(args.layout), counts), callbacks=[recorder])
     except torch.OutOfMemoryError:
         report["oom"] = True
-    report["iterations"] = recorder.rows
-    if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1:  # the last rank holds the loss
-        _write(report, args.report)
+    report.update(iterations=recorder.rows, micro_batches=counts, rank=int(os.environ.get("RANK", "0")))
+    if args.report:  # every rank: its own real tokens; the last pipeline stage also holds the loss
+        _write(report, f"{args.report}.rank{report['rank']}.json")
     return report

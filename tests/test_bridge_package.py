@@ -7,50 +7,12 @@ import pytest
 
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 
-from megatron.bridge_thd.testbed.launcher import run_on_gloo  # noqa: E402
-
-
-def _inspect_import():
-    import sys
-
-    from megatron.bridge_thd.testbed.bridge_package import StandInCalled, is_stand_in, stood_in_packages
-
-    import megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_block as qwen3_vl_block
-    import megatron.bridge.peft.lora_layers as lora_layers
-    import megatron.bridge.training.comm_overlap as comm_overlap
-    import megatron.bridge.training.finetune  # noqa: F401 - pretrain imports nvidia_resiliency_ext
-    import megatron.core.extensions.transformer_engine as mcore_te
-    import megatron.core.tensor_parallel.random as mcore_random
-
-    holders = sorted(name for name, module in list(sys.modules.items())
-                     if any(is_stand_in(value) for value in list(getattr(module, "__dict__", {}).values())))
-    try:
-        lora_layers.te.Linear(4, 4)
-        called = "no error"
-    except StandInCalled as error:
-        called = str(error)
-    try:
-        import transformer_engine  # noqa: F401
-        absent = False
-    except ImportError:
-        absent = True
-    return {
-        "stood_in": stood_in_packages(),
-        "holders": holders,
-        "resident": sorted(n for n in sys.modules if n.split(".")[0] in ("transformer_engine", "nvidia_resiliency_ext")),
-        "have_te": {"megatron.core.extensions.transformer_engine": mcore_te.HAVE_TE,
-                    "megatron.bridge.training.comm_overlap": comm_overlap.HAVE_TE,
-                    "modelling_qwen3_vl.transformer_block": qwen3_vl_block.HAVE_TE,
-                    "megatron.core.tensor_parallel.random": getattr(mcore_random, "HAVE_TE", False)},
-        "called": called,
-        "absent_in_block": absent,
-        "package_file": sys.modules["megatron.bridge"].__file__,
-    }
+from _fresh_bridge import fresh_bridge_process  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def inspected():
-    return run_on_gloo(_inspect_import, whole_bridge=True, initialize=False, timeout=240)[0]
+    return fresh_bridge_process()["package"]
 
 
 def test_the_whole_package_is_imported(inspected):
@@ -93,3 +55,22 @@ def test_refused_after_a_bare_load(monkeypatch):
     with pytest.raises(RuntimeError, match="already loaded without its __init__"):
         with bridge_package():
             pass
+
+
+def test_every_training_patch_is_listed_in_docs_and_the_module_docstring(inspected):
+    """``testbed.training``'s records need Megatron-Bridge whole, so tests/test_patches.py cannot
+    build them in the suite's process: they are built in the fresh one and checked here."""
+    import pathlib
+    import re
+
+    from megatron.bridge_thd import patches
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "patches.md").read_text()
+    records = inspected["training_patches"]
+    assert len(records) >= 25
+    for target, why, in_sys_modules, name in records:
+        assert why, target
+        assert f"`{target}`" in doc, f"docs/patches.md does not list {target}"
+        if name != "torch":  # the trainer modules' torch is named once, as TRAINER_MODULES, in the docstring
+            assert re.search(rf"``[\w.]*\b{name}``", patches.__doc__), f"patches' docstring does not list {target}"
+    assert "``TRAINER_MODULES``" in patches.__doc__

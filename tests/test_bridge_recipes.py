@@ -18,8 +18,6 @@ import traceback
 
 import pytest
 
-from megatron.bridge_thd.testbed.hf_hub import offline_hub
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
 
 LAYOUTS = ("thd", "thd_static", "bshd")
 
@@ -284,10 +282,11 @@ VARIANT_SIZES = {"own": dict(pp=1, cp=1), "pp2": dict(pp=2, cp=1), "cp2": dict(p
 
 @pytest.fixture(scope="module")
 def outcomes():
-    """Every case, computed once in one fresh process with Megatron-Bridge imported whole."""
-    with offline_hub():
-        [results] = run_on_gloo(all_cases, whole_bridge=True, initialize=False, timeout=240)
-    return results
+    """Every case, computed once in one fresh process with Megatron-Bridge imported whole (shared
+    with test_bridge_package.py: tests/_fresh_bridge.py)."""
+    from _fresh_bridge import fresh_bridge_process
+
+    return fresh_bridge_process()["recipes"]
 
 
 def _fail_text(outcome: dict) -> str:

@@ -26,7 +26,7 @@ from megatron.bridge_thd.patches import Patch, applied
 from megatron.bridge_thd.testbed.stack import _NO_STREAM, _CudaWithoutSync, _TorchOnCpu, cpu_stack
 
 __all__ = ["cpu_training", "cpu_training_patches", "TRAINER_MODULES", "prepare_cpu_run", "cpu_run_config",
-           "run_recipe_on_cpu", "run_on_cpu", "iteration_recorder", "step_for", "recipe_function",
+           "run_recipe_on_cpu", "run_on_cpu", "iteration_recorder", "counting_step", "step_for", "recipe_function",
            "write_tiny_hf_checkpoint", "TRAINING_VISION_GEOMETRY"]
 
 # The trainer modules that allocate on "cuda" or call torch.cuda directly (Megatron-Bridge 0.6.2).
@@ -421,6 +421,10 @@ def _recorder():
         def on_train_end(self, context):
             self._close_previous(context.state)
 
+        def on_checkpoint_save(self, context):
+            # exit_interval saves and exits (sys.exit) without on_train_end; the step's FLOPs are in by then.
+            self._close_previous(context.state)
+
     return Recorder()
 
 
@@ -435,9 +439,15 @@ class _RealTokenCounter:
         return self
 
     def __next__(self):
+        from megatron.core import parallel_state
+
         batch = next(self.iterator)
         mask = batch.get("attention_mask")
         self.counts.append({
+            # The ranks of one model replica (TP / CP / PP) read the same micro-batch: count it once.
+            "counted": (parallel_state.get_tensor_model_parallel_rank() == 0
+                        and parallel_state.get_context_parallel_rank() == 0
+                        and parallel_state.get_pipeline_model_parallel_rank() == 0),
             "real_tokens": None if mask is None or mask.dim() != 2 else int(mask.bool().sum()),
             "supervised_tokens": int(batch["loss_mask"].bool().sum()) if "loss_mask" in batch else None,
         })
@@ -445,6 +455,20 @@ class _RealTokenCounter:
 
     def __getattr__(self, name):
         return getattr(self.iterator, name)
+
+
+def counting_step(step, counts: list):
+    """``step`` with its data iterator wrapped by :class:`_RealTokenCounter` (``counts`` receives one
+    entry per micro-batch this rank takes); same signature, so the trainer injects the same arguments."""
+    import functools
+
+    @functools.wraps(step)
+    def counted(state, data_iterator, model, *args, **kwargs):
+        if data_iterator is not None:
+            data_iterator = _RealTokenCounter(data_iterator, counts)
+        return step(state, data_iterator, model, *args, **kwargs)
+
+    return counted
 
 
 def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int, global_batch_size: int = 8,
@@ -460,8 +484,6 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     Returns:
         ``{"iterations": [recorded rows], "micro_batches": [real / supervised token counts]}``.
     """
-    import functools
-
     from megatron.bridge.training.finetune import finetune
 
     from megatron.bridge_thd.configure import configure
@@ -473,19 +495,13 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                          run_name=run_name or f"{recipe}-{layout}")
     if layout != "megatron_bridge":
         cfg = configure(cfg, layout=layout)
-    step = step_for(layout)
     counts: list = []
-
-    @functools.wraps(step)
-    def counting_step(state, data_iterator, model, *args, **kwargs):
-        if count_tokens and data_iterator is not None:
-            data_iterator = _RealTokenCounter(data_iterator, counts)
-        return step(state, data_iterator, model, *args, **kwargs)
+    step = counting_step(step_for(layout), counts) if count_tokens else step_for(layout)
 
     recorder = _recorder()
     with cpu_training():
         try:
-            finetune(cfg, forward_step_func=counting_step, callbacks=[recorder])
+            finetune(cfg, forward_step_func=step, callbacks=[recorder])
         except SystemExit as stop:
             # exit_interval: the trainer saves a checkpoint and calls sys.exit(0), as a job ends;
             # here the rank goes on, so it releases what the job's exit would have.
