@@ -22,6 +22,7 @@ bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_verl.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/edge_cases_report.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/cord_v2_sft.py --cpu-tiny
+	$(PYTHON) $(QUIET_IMPORTS) benchmarks/training_loop_report.py
 	$(PYTHON) $(QUIET_IMPORTS) scripts/readme_figures.py
 
 # Re-run the demo and rewrite every README figure block from the scripts that produce it.

@@ -92,6 +92,10 @@ def render(results: dict) -> str:
             tokens = f"{row['real_tokens_per_s']:.0f}" if "real_tokens_per_s" in row else ""
             lines.append(f"| {mbs} | {STEP_LABELS[step]} | {row['ms_per_iter']:.1f} | {row['samples_per_s']:.2f} | "
                          f"{tokens} | {row['tflops_per_gpu']:.6f} | {row['peak_memory_gib']:.2f} | {speedup} |")
+    if results["device"].startswith("CPU"):
+        lines += ["", "CPU: peak memory is the process's maximum resident set so far, and the runs share two "
+                  "processes in order, so it only grows down the table; timings of a tiny model on two cores, "
+                  "not a GPU figure."]
     return "\n".join(lines)
 
 

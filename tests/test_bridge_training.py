@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 
-from megatron.bridge_thd.testbed.training import run_on_cpu  # noqa: E402
+from megatron.bridge_thd.testbed.training import run_on_cpu, training_loop_runs  # noqa: E402
 
 RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
 ITERATIONS, RESUME_AT = 20, 10
@@ -24,26 +24,11 @@ SHORT = 5  # iterations of the PP=2 and CP=2 runs
 RELATIVE = 1e-5
 
 
-def _runs():
-    """Every run of this file, in order, on one world of two gloo ranks (``testbed.training.run_on_cpu``)."""
-    common = dict(train_iters=ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
-                  seq_length=SEQ_LENGTH)
-    return [
-        ("megatron_bridge", RECIPE, "megatron_bridge", common),
-        ("thd_static", RECIPE, "thd_static", common),
-        # thd: stopped after RESUME_AT iterations (exit_interval: a checkpoint is saved), then resumed
-        # to the end; train_iters is kept, so the data order and the schedule are the uninterrupted runs'.
-        ("thd_first", RECIPE, "thd", dict(common, exit_interval=RESUME_AT, run_name="thd-resume")),
-        ("thd_resumed", RECIPE, "thd", dict(common, run_name="thd-resume")),
-        # The same two ranks as PP=2 and as CP=2 (DP=1 both: the same micro-batches as each other).
-        ("pp2", RECIPE, "thd", dict(common, pp=2, exit_interval=SHORT, count_tokens=False, run_name="pp2")),
-        ("cp2", RECIPE, "thd", dict(common, cp=2, exit_interval=SHORT, count_tokens=False, run_name="cp2")),
-    ]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return run_on_cpu(_runs(), workdir=tmp_path_factory.mktemp("cord_v2_run"), world_size=2, timeout=540)
+    return run_on_cpu(training_loop_runs(RECIPE, iterations=ITERATIONS, resume_at=RESUME_AT, short=SHORT,
+                                         micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
+                                         seq_length=SEQ_LENGTH), workdir=tmp_path_factory.mktemp("cord_v2_run"), world_size=2, timeout=540)
 
 
 @pytest.fixture(scope="module")

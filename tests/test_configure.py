@@ -15,12 +15,13 @@ Two kinds of config objects are used:
   ``Qwen3VLModel.__init__`` runs on its language model config
   (``models/qwen_vl/modelling_qwen3_vl/model.py``).
 
-``training/config.py`` (``ConfigContainer.validate``) cannot be imported here: it imports
-``data.builders.direct_hf_sft`` -> ``data.sources.hf`` -> ``datasets`` (not installed), and
-``data.builders.gpt_sft`` needs ``megatron.bridge.data.packing.__init__``, which the CPU loader in
-``megatron.bridge_thd.upstream`` does not run. Its packing-related lines are therefore copied
-verbatim into :func:`bridge_062_packing_validate` below (file and line numbers there), and
-``test_copied_upstream_lines_are_current`` fails if the installed file no longer has them.
+``training/config.py`` (``ConfigContainer.validate``) is not imported in this process: the suite
+loads Megatron-Bridge's modules without their package ``__init__`` (``megatron.bridge_thd.upstream``),
+and ``data.builders.gpt_sft`` needs ``megatron.bridge.data.packing.__init__``. The real
+``validate()`` on the real recipes runs in a fresh process in ``tests/test_bridge_recipes.py``; here
+its packing-related lines are copied verbatim into :func:`bridge_062_packing_validate` below (file
+and line numbers there) for fast in-process cases, and ``test_copied_upstream_lines_are_current``
+fails if the installed file no longer has them.
 """
 
 from __future__ import annotations
@@ -333,15 +334,6 @@ def test_cited_upstream_lines_are_current(cited):
     relative, line = cited
     text = (bridge_root() / relative).read_text().splitlines()[line - 1]
     assert CITED_LINES[cited] in text, f"{relative}:{line} is now: {text.strip()}"
-
-
-@needs_bridge
-def test_training_config_still_needs_packages_missing_here():
-    """Documents why ConfigContainer.validate is copied rather than called (see module docstring)."""
-    if importlib.util.find_spec("datasets") is not None:
-        pytest.skip("the 'datasets' package is installed here; training.config may load")
-    with pytest.raises(ImportError):
-        load_bridge_module("training.config")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from megatron.bridge_thd.testbed.stack import _NO_STREAM, _CudaWithoutSync, _Tor
 
 __all__ = ["cpu_training", "cpu_training_patches", "TRAINER_MODULES", "prepare_cpu_run", "cpu_run_config",
            "run_recipe_on_cpu", "run_on_cpu", "iteration_recorder", "counting_step", "step_for", "recipe_function",
-           "write_tiny_hf_checkpoint", "TRAINING_VISION_GEOMETRY"]
+           "write_tiny_hf_checkpoint", "TRAINING_VISION_GEOMETRY", "training_loop_runs"]
 
 # The trainer modules that allocate on "cuda" or call torch.cuda directly (Megatron-Bridge 0.6.2).
 TRAINER_MODULES = (
@@ -544,3 +544,27 @@ def run_on_cpu(runs: list, *, workdir, world_size: int = 2, timeout: float = 600
     with offline_hub():
         return run_on_gloo(_run_in_order, paths, runs, dp=world_size, whole_bridge=True, initialize=False,
                            timeout=timeout)
+
+
+def training_loop_runs(recipe: str = "qwen3_vl_8b_sft_2gpu_h100_bf16_config", *, iterations: int = 20,
+                       resume_at: int = 10, short: int = 5, micro_batch_size: int = 2, global_batch_size: int = 8,
+                       seq_length: int = 512) -> list:
+    """The runs that check Megatron-Bridge's training loop with our step, for :func:`run_on_cpu` on two
+    ranks (``tests/test_bridge_training.py``, ``benchmarks/training_loop_report.py``):
+
+    * ``megatron_bridge``, ``thd_static``: ``iterations`` at DP=2 (Megatron-Bridge's own step; ours);
+    * ``thd_first`` / ``thd_resumed``: ``thd`` stopped at ``resume_at`` (``exit_interval``: a checkpoint
+      is saved), then resumed from that checkpoint to the end; ``train_iters`` is kept, so the data
+      order and the schedule are the uninterrupted runs';
+    * ``pp2``, ``cp2``: ``thd`` at PP=2 and at CP=2 on the same two ranks, ``short`` iterations.
+    """
+    common = dict(train_iters=iterations, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+                  seq_length=seq_length)
+    return [
+        ("megatron_bridge", recipe, "megatron_bridge", common),
+        ("thd_static", recipe, "thd_static", common),
+        ("thd_first", recipe, "thd", dict(common, exit_interval=resume_at, run_name="thd-resume")),
+        ("thd_resumed", recipe, "thd", dict(common, run_name="thd-resume")),
+        ("pp2", recipe, "thd", dict(common, pp=2, exit_interval=short, count_tokens=False, run_name="pp2")),
+        ("cp2", recipe, "thd", dict(common, cp=2, exit_interval=short, count_tokens=False, run_name="cp2")),
+    ]
