@@ -31,11 +31,6 @@ def ranks(tmp_path_factory):
                                          seq_length=SEQ_LENGTH), workdir=tmp_path_factory.mktemp("cord_v2_run"), world_size=2, timeout=540)
 
 
-@pytest.fixture(scope="module")
-def dp2(ranks):
-    return ranks
-
-
 def _losses(rank_result, name):
     return [row["loss"] for row in rank_result[name]["iterations"]]
 
@@ -48,8 +43,8 @@ def _close(a, b):
     return abs(a - b) <= RELATIVE * max(abs(a), abs(b))
 
 
-def test_twenty_iterations_per_step_on_both_ranks(dp2):
-    for rank in dp2:
+def test_twenty_iterations_per_step_on_both_ranks(ranks):
+    for rank in ranks:
         for name in ("megatron_bridge", "thd_static"):
             assert [row["iteration"] for row in rank[name]["iterations"]] == list(range(1, ITERATIONS + 1))
         assert [row["iteration"] for row in rank["thd_first"]["iterations"]] == list(range(1, RESUME_AT + 1))
@@ -57,28 +52,28 @@ def test_twenty_iterations_per_step_on_both_ranks(dp2):
         assert [row["iteration"] for row in rank["thd_resumed"]["iterations"]] == list(range(RESUME_AT + 1, ITERATIONS + 1))
 
 
-def test_losses_equal_across_the_three_steps(dp2):
-    rank = dp2[0]
+def test_losses_equal_across_the_three_steps(ranks):
+    rank = ranks[0]
     baseline = _losses(rank, "megatron_bridge")
     for name, losses in (("thd_static", _losses(rank, "thd_static")), ("thd", _thd_losses(rank))):
         for iteration, (ours, theirs) in enumerate(zip(losses, baseline, strict=True), start=1):
             assert _close(ours, theirs), f"{name} iteration {iteration}: {ours} vs Megatron-Bridge's step {theirs}"
 
 
-def test_loss_falls(dp2):
-    for losses in (_losses(dp2[0], "megatron_bridge"), _losses(dp2[0], "thd_static"), _thd_losses(dp2[0])):
+def test_loss_falls(ranks):
+    for losses in (_losses(ranks[0], "megatron_bridge"), _losses(ranks[0], "thd_static"), _thd_losses(ranks[0])):
         assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1
 
 
-def test_resume_from_iteration_ten_gives_the_same_iteration_eleven(dp2):
-    resumed = dp2[0]["thd_resumed"]["iterations"][0]
+def test_resume_from_iteration_ten_gives_the_same_iteration_eleven(ranks):
+    resumed = ranks[0]["thd_resumed"]["iterations"][0]
     assert resumed["iteration"] == RESUME_AT + 1
     for name in ("megatron_bridge", "thd_static"):
-        uninterrupted = dp2[0][name]["iterations"][RESUME_AT]
+        uninterrupted = ranks[0][name]["iterations"][RESUME_AT]
         assert uninterrupted["iteration"] == RESUME_AT + 1
         assert _close(resumed["loss"], uninterrupted["loss"])
     # A resume that restarted the data or the optimiser would repeat iteration 1's loss instead.
-    assert not _close(resumed["loss"], dp2[0]["thd_first"]["iterations"][0]["loss"])
+    assert not _close(resumed["loss"], ranks[0]["thd_first"]["iterations"][0]["loss"])
 
 
 def _micro_batches_per_iteration(run):
@@ -94,11 +89,11 @@ def _thd(rank, part):
     return _micro_batches_per_iteration(first) + _micro_batches_per_iteration(resumed)
 
 
-def test_logged_tokens_are_the_real_tokens_with_thd(dp2):
+def test_logged_tokens_are_the_real_tokens_with_thd(ranks):
     """The trainer's FLOPs accounting sees each rank's real tokens (the collate's 2D mask) with our
     ``thd``; with Megatron-Bridge's step and with ``thd_static`` it counts every padded position its
     rows carry (two rows of seq_length per micro-batch: the linear layers do run on them)."""
-    for rank in dp2:
+    for rank in ranks:
         for row, batches in zip(_thd(rank, "iterations"), _thd(rank, "batches"), strict=True):
             assert row["flops_tokens"] == sum(batch["real_tokens"] for batch in batches)
         for name in ("megatron_bridge", "thd_static"):
@@ -107,14 +102,14 @@ def test_logged_tokens_are_the_real_tokens_with_thd(dp2):
                 assert row["flops_tokens"] == len(batches) * MICRO_BATCH * SEQ_LENGTH
 
 
-def test_logged_flops_count_real_work(dp2):
+def test_logged_flops_count_real_work(ranks):
     """Same data, same model: ``thd``'s FLOPs equal Megatron-Bridge's exactly on iterations where no
     sample of the global batch is padded, and are smaller on every other."""
     padded = [any(batch["real_tokens"] < MICRO_BATCH * SEQ_LENGTH for batch in first + second)
-              for first, second in zip(_thd(dp2[0], "batches"), _thd(dp2[1], "batches"), strict=True)]
+              for first, second in zip(_thd(ranks[0], "batches"), _thd(ranks[1], "batches"), strict=True)]
     assert any(padded), "the data has no padding: the comparison would prove nothing"
-    theirs = dp2[0]["megatron_bridge"]["iterations"]
-    for mine, baseline, has_padding in zip(_thd(dp2[0], "iterations"), theirs, padded, strict=True):
+    theirs = ranks[0]["megatron_bridge"]["iterations"]
+    for mine, baseline, has_padding in zip(_thd(ranks[0], "iterations"), theirs, padded, strict=True):
         assert mine["flops"] > 0
         if has_padding:
             assert mine["flops"] < baseline["flops"]

@@ -19,7 +19,8 @@ from megatron.bridge_thd.lengths import keep_mask_from_attention_mask, raise_fai
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids
 from megatron.bridge_thd.packing import gather_from_row, scatter_into_row, segment_index
 
-__all__ = ["thd_attention", "ReferenceQwen3VL", "ATTENTION_NAME", "TINY_VISION_CONFIG"]
+__all__ = ["thd_attention", "ReferenceQwen3VL", "ATTENTION_NAME", "TINY_VISION_CONFIG", "TINY_TEXT_CONFIG",
+           "tiny_hf_qwen3_vl_config"]
 
 TINY_VISION_CONFIG = dict(
     depth=2,
@@ -35,6 +36,47 @@ TINY_VISION_CONFIG = dict(
 )
 """The tiny vision tower shared by :meth:`ReferenceQwen3VL.tiny` and the CPU build of
 Megatron-Bridge's model (``megatron.bridge_thd.testbed.model``)."""
+
+TINY_TEXT_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+)
+"""The tiny language model's geometry (Hugging Face ``text_config`` fields), shared by
+:meth:`ReferenceQwen3VL.tiny` and the CPU training checkpoint (``testbed.training``)."""
+
+_TINY_MOE_TEXT_CONFIG = dict(moe_intermediate_size=32, num_experts_per_tok=2, decoder_sparse_step=1)
+
+
+def tiny_hf_qwen3_vl_config(*, text: dict, vision: dict, tokens: dict, moe: bool = False):
+    """A Hugging Face tiny Qwen3-VL (or Qwen3-VL-MoE) config and its model class.
+
+    Args:
+        text: ``text_config`` fields on top of :data:`TINY_TEXT_CONFIG` (vocabulary, layers, ids;
+            ``num_experts`` with ``moe``).
+        vision: ``vision_config`` fields on top of :data:`TINY_VISION_CONFIG`.
+        tokens: the top-level token ids (image, video, vision start / end).
+        moe: mixture-of-experts text model (top-2 of ``text["num_experts"]``, experts of 32).
+
+    Returns:
+        ``(config, model class)``.
+    """
+    import copy
+
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    text_config = dict(copy.deepcopy(TINY_TEXT_CONFIG), **(_TINY_MOE_TEXT_CONFIG if moe else {}), **text)
+    vision_config = dict(copy.deepcopy(TINY_VISION_CONFIG), **vision)
+    config_cls, model_cls = (
+        (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe else (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+    )
+    config = config_cls(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False, **tokens)
+    return config, model_cls
+
 
 ATTENTION_NAME = "megatron_bridge_thd_reference"
 """Name under which :func:`thd_attention` is registered with ``transformers.AttentionInterface``."""
@@ -184,36 +226,12 @@ class ReferenceQwen3VL(torch.nn.Module):
         Token ids: vocabulary 256; image 250, video 251, vision start 252, vision end 253,
         padding 0. Vision: patch 4, temporal patch 2, merge 2 (one LLM token per 2x2 patches).
         """
-        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-        from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-
-        text_config = dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                             "mrope_interleaved": True},
-            pad_token_id=0,
-        )
-        if moe:
-            text_config.update(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1)
-        vision_config = dict(TINY_VISION_CONFIG, deepstack_visual_indexes=list(TINY_VISION_CONFIG["deepstack_visual_indexes"]))
-        config_cls, model_cls = (
-            (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe else (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
-        )
-        config = config_cls(
-            text_config=text_config,
-            vision_config=vision_config,
-            image_token_id=250,
-            video_token_id=251,
-            vision_start_token_id=252,
-            vision_end_token_id=253,
-            tie_word_embeddings=False,
+        config, model_cls = tiny_hf_qwen3_vl_config(
+            text=dict(vocab_size=256, num_hidden_layers=3, max_position_embeddings=4096, pad_token_id=0,
+                      **(dict(num_experts=8) if moe else {})),
+            vision={},
+            tokens=dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253),
+            moe=moe,
         )
         config._attn_implementation = "sdpa"
         torch.manual_seed(seed)

@@ -80,18 +80,22 @@ class _CudaWithoutSync:
 
 
 class _TorchOnCpu:
-    """``torch`` as ``schedules`` sees it: tensors asked for on ``"cuda"`` are made on the CPU."""
+    """``torch`` as ``schedules`` sees it: tensors asked for on ``"cuda"`` by one of ``FACTORIES`` are
+    made on the CPU, and ``torch.cuda`` is ``CUDA``."""
+
+    FACTORIES = ("zeros", "ones", "empty", "tensor", "full")
+    CUDA = _CudaWithoutSync
 
     def __getattr__(self, name):
         value = getattr(torch, name)
-        if name in ("zeros", "ones", "empty", "tensor", "full"):
+        if name in self.FACTORIES:
             def on_cpu(*args, device=None, **kwargs):
                 if device is not None and str(device).startswith("cuda"):
                     device = "cpu"
                 return value(*args, device=device, **kwargs)
             return on_cpu
         if name == "cuda":
-            return _CudaWithoutSync()
+            return self.CUDA()
         return value
 
 

@@ -23,7 +23,7 @@ import os
 import torch
 
 from megatron.bridge_thd.patches import Patch, applied
-from megatron.bridge_thd.testbed.stack import _NO_STREAM, _CudaWithoutSync, _TorchOnCpu, cpu_stack
+from megatron.bridge_thd.testbed.stack import _CudaWithoutSync, _TorchOnCpu, cpu_stack
 
 __all__ = ["cpu_training", "cpu_training_patches", "TRAINER_MODULES", "prepare_cpu_run", "cpu_run_config",
            "run_recipe_on_cpu", "run_on_cpu", "iteration_recorder", "counting_step", "step_for", "recipe_function",
@@ -123,49 +123,31 @@ class _CudaForTrainer(_CudaWithoutSync):
             return lambda state, *args, **kwargs: torch.set_rng_state(state)
         if name == "Event":
             return _CpuEvent
-        if name in ("Stream", "current_stream"):
-            return lambda *args, **kwargs: _NO_STREAM
         return super().__getattr__(name)
-
-
-_FACTORIES = ("rand", "randn", "randint", "arange", "zeros", "ones", "empty", "tensor", "full")
 
 
 class _TorchForTrainer(_TorchOnCpu):
-    """``torch`` as the trainer modules see it: factories asked for ``"cuda"`` make CPU tensors."""
+    """``torch`` as the trainer modules see it: more factories asked for ``"cuda"`` make CPU
+    tensors, and ``torch.cuda`` is :class:`_CudaForTrainer`."""
 
-    def __getattr__(self, name):
-        if name == "cuda":
-            return _CudaForTrainer()
-        if name in _FACTORIES:
-            factory = getattr(torch, name)
-
-            def on_cpu(*args, device=None, **kwargs):
-                if device is not None and str(device).startswith("cuda"):
-                    device = "cpu"
-                return factory(*args, device=device, **kwargs)
-            return on_cpu
-        return super().__getattr__(name)
+    FACTORIES = _TorchOnCpu.FACTORIES + ("rand", "randn", "randint", "arange")
+    CUDA = _CudaForTrainer
 
 
 def _local_language_layer_spec(*args, **kwargs):
-    """The local GPT layer spec with the CPU THD core attention, called as Megatron-Core's
-    ``get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm, ...)``."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """``testbed.model.language_layer_spec`` (the local GPT layer spec with the CPU THD core attention),
+    called as Megatron-Core's ``get_gpt_layer_with_transformer_engine_spec(num_experts,
+    moe_grouped_gemm, qk_layernorm, ...)``."""
+    from types import SimpleNamespace
 
-    from megatron.bridge_thd.testbed.attention import THDCoreAttention
+    from megatron.bridge_thd.testbed.model import language_layer_spec
 
     names = ("num_experts", "moe_grouped_gemm", "qk_layernorm")
     settings = dict(zip(names, args))
     settings.update({key: value for key, value in kwargs.items() if key in names})
-    spec = get_gpt_layer_local_spec(
-        num_experts=settings.get("num_experts"),
-        moe_grouped_gemm=False,
-        qk_layernorm=settings.get("qk_layernorm", False),
-        normalization="RMSNorm",
-    )
-    spec.submodules.self_attention.submodules.core_attention = THDCoreAttention
-    return spec
+    return language_layer_spec(SimpleNamespace(num_moe_experts=settings.get("num_experts"),
+                                               qk_layernorm=settings.get("qk_layernorm", False),
+                                               normalization="RMSNorm"))
 
 
 def _helpers_prebuilt() -> bool:
@@ -234,26 +216,18 @@ def write_tiny_hf_checkpoint(folder, *, token_ids: dict, seed: int = 0, moe: boo
     Returns:
         ``str(folder)``.
     """
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    from megatron.bridge_thd.testbed.reference import tiny_hf_qwen3_vl_config
 
-    from megatron.bridge_thd.testbed.reference import TINY_VISION_CONFIG
-
-    text_config = dict(
-        vocab_size=token_ids["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-        pad_token_id=token_ids["pad_token_id"], eos_token_id=token_ids["eos_token_id"],
-    )
-    if moe:
-        text_config.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)
-    # One deepstack layer: it must sit on the first pipeline stage, which has one layer at PP=2.
-    vision_config = dict(TINY_VISION_CONFIG, **TRAINING_VISION_GEOMETRY, deepstack_visual_indexes=[0])
-    config_cls, model_cls = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
-                             else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
-    config = config_cls(
-        text_config=text_config, vision_config=vision_config, tie_word_embeddings=False,
-        image_token_id=token_ids["image_token_id"], video_token_id=token_ids["video_token_id"],
-        vision_start_token_id=token_ids["vision_start_token_id"], vision_end_token_id=token_ids["vision_end_token_id"],
+    ids = token_ids
+    config, model_cls = tiny_hf_qwen3_vl_config(
+        text=dict(vocab_size=ids["vocab_size"], num_hidden_layers=num_layers, max_position_embeddings=8192,
+                  pad_token_id=ids["pad_token_id"], eos_token_id=ids["eos_token_id"],
+                  **(dict(num_experts=4) if moe else {})),
+        # One deepstack layer: it must sit on the first pipeline stage, which has one layer at PP=2.
+        vision=dict(TRAINING_VISION_GEOMETRY, deepstack_visual_indexes=[0]),
+        tokens={name: ids[name] for name in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                             "vision_end_token_id")},
+        moe=moe,
     )
     torch.manual_seed(seed)
     model_cls(config).save_pretrained(str(folder))
@@ -376,11 +350,6 @@ def _peak_memory_bytes() -> int:
 
 
 def iteration_recorder():
-    """The per-iteration recorder callback (public for the recipe scripts on GPUs)."""
-    return _recorder()
-
-
-def _recorder():
     """A Megatron-Bridge ``Callback`` recording, per iteration, what the trainer logs: the reduced
     loss, the gradient norm, the model FLOPs the trainer added (``floating_point_operations_so_far``,
     DP-global), the sequence tokens its FLOPs accounting saw on this rank (``_flops_seqlen_sum``)
@@ -498,7 +467,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     counts: list = []
     step = counting_step(step_for(layout), counts) if count_tokens else step_for(layout)
 
-    recorder = _recorder()
+    recorder = iteration_recorder()
     with cpu_training():
         try:
             finetune(cfg, forward_step_func=step, callbacks=[recorder])
