@@ -5,7 +5,8 @@ and its data loader / iterator, into our step on the tiny real ``Qwen3VLModel``.
 Everything of Megatron-Bridge runs unmodified in fresh gloo processes (``run_on_gloo(whole_bridge=True,
 initialize=True)``, DP=2): ``_sft_common_vlm()``'s ``DirectHFSFTDatasetConfig`` with its
 ``HFDatasetSourceConfig(dataset_name="cord_v2")`` (only ``hf_processor_path``, the two flags
-``configure(layout="thd")`` sets on a dataset, and CPU loader settings changed), found on disk as
+``configure(layout="thd")`` sets on a dataset, CPU loader settings and a shorter ``seq_length``
+changed), found on disk as
 ``naver-clova-ix/cord-v2`` under the working directory, and ``setup_data_iterators`` as the trainer
 calls it (one scoped patch: its flags tensor on the CPU). One world computes everything once (a
 module fixture); each test asserts on its part. Expected values come from the parquet files and
@@ -27,12 +28,39 @@ from megatron.bridge_thd.testbed.cord_v2 import (
     write_cord_v2_preset_layout,
 )
 from megatron.bridge_thd.testbed.launcher import run_on_gloo
+from megatron.bridge_thd.testbed.training import TRAINING_VISION_GEOMETRY
 
-SEQ_LENGTH = 4096  # _sft_common_vlm's seq_length, unchanged
-IMAGE_CUT_LENGTH = 2048  # a seq_length that ends inside every image (~3.2k image tokens each)
+# Qwen3-VL's own patch geometry (patch 16, temporal 2, merge 2), for the processor and the model alike.
+# Megatron-Bridge's collate resizes every image to at least QWEN_VL_MIN_PIXELS = 200704 pixels
+# (smart_resize with factor patch * merge = 32, ceil on each side): an image is at least
+# 200704 / 32**2 = 196 tokens, and, the receipts' aspect ratio being at most 3 (32-96 px wide,
+# 48-96 px tall, rounded by qwen_vl_utils to multiples of 28), at most
+# (200704 + 32 * 448 * (3**0.5 + 3**-0.5) + 32**2) / 32**2 < 230 tokens.
+PATCH = TRAINING_VISION_GEOMETRY["patch_size"]
+TEMPORAL_PATCH = TRAINING_VISION_GEOMETRY["temporal_patch_size"]
+MERGE = TRAINING_VISION_GEOMETRY["spatial_merge_size"]
+# seq_length, a multiple of pad_to_multiple_of=128 (so that a cut batch is exactly this wide) between
+# the longest possible short row and the shortest possible long row:
+# * a short row (1-6 menu items) is at most 229 + 43 + 880 = 1152 tokens: the image at most 229; the
+#   chat framing 43 ("<|im_start|>user\n<|vision_start|>", "<|vision_end|>Describe this image.<|im_end|>\n",
+#   "<|im_start|>assistant\n", "<|im_end|>\n": 6 special tokens and 37 bytes of text); the answer's
+#   json2token text at most 880 bytes (6 items of at most 99 bytes each, "<s_unitprice>59,500</s_unitprice>
+#   <s_price>178,500</s_price><s_nm>CHEESE CAKE</s_nm><s_cnt>3</s_cnt>", 5 "<sep/>", "<s_menu></s_menu>",
+#   sub_total at most 107 and total at most 132 bytes with a subtotal of at most 6 x 178,500); a
+#   byte-level BPE token is at least one byte;
+# * a long row (40-55 items, write_cord_v2's long_items) is more than 40 x 32 + 196 = 1476 tokens: the
+#   byte-level pre-tokenizer (GPT-2 regex) splits every item into at least 32 pieces that BPE never
+#   merges across (per tag nm / cnt / price 9: "<" or "><", "s", "_", the key, ">", "</", "s", "_", the
+#   key; and the values: the name at least 1, the count 1, the price, at least "2,500", 3), and the
+#   image is at least 196 tokens.
+# 1152 itself would do; the next multiple, 1280 (10 x 128), leaves a margin on both sides.
+SEQ_LENGTH = 1280
+# A seq_length that ends inside every image: the image placeholders start after 3 to 7 tokens
+# ("<|im_start|>", "user\n" in 1 to 5, "<|vision_start|>") and run for at least 196, so a cut at any
+# length in (7, 3 + 196) keeps part of the image only; 128 is the one multiple of pad_to_multiple_of there.
+IMAGE_CUT_LENGTH = 128
 DP, MICRO_BATCH = 2, 2  # micro_batch_size 2 is _sft_common_vlm's
 N_TRAIN, N_VAL = 4, 2  # every second row long: with DP=2 each rank's one micro-batch holds one long row
-MERGE = 2
 MODEL_RANK = 0  # the DP rank that runs the model (the step, and each sample alone)
 
 
@@ -78,6 +106,7 @@ def _data_path_worker(root: str) -> dict:
     cfg = _sft_common_vlm()
     dataset = cfg.dataset
     dataset.hf_processor_path = os.path.join(root, "processor")
+    dataset.seq_length = SEQ_LENGTH  # and the model's below (0.6.2 requires the two to be equal)
     # What configure(cfg, layout="thd") sets on the dataset (configure.FLAG_RULES).
     dataset.defer_in_batch_packing_to_step = True
     dataset.skip_getting_attention_mask_from_dataset = False
@@ -148,7 +177,9 @@ def _data_path_worker(root: str) -> dict:
     # (c), (d): our step on this rank's batch, with the tiny real model built with the processor's ids.
     # The other rank has returned by now: its core is free (the CPU test attention is dense).
     torch.set_num_threads(2)
-    config = tiny_qwen3_vl_config(seq_length=SEQ_LENGTH, **model_token_settings())
+    config = tiny_qwen3_vl_config(seq_length=SEQ_LENGTH, **TRAINING_VISION_GEOMETRY, **model_token_settings())
+    for name, value in TRAINING_VISION_GEOMETRY.items():  # the vision tower is built from this config
+        setattr(config.vision_config, name, value)
     model = build_qwen3_vl(config, seed=0)
     state = minimal_state(seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH)
     recorder = Recorder(model)
@@ -183,7 +214,7 @@ def _data_path_worker(root: str) -> dict:
 def receipts(tmp_path_factory):
     root = tmp_path_factory.mktemp("cord_v2")
     write_cord_v2_preset_layout(root, n_train=N_TRAIN, n_val=N_VAL, seed=0, long_every=2)
-    tiny_qwen3_vl_processor(root / "processor")
+    tiny_qwen3_vl_processor(root / "processor", patch_size=PATCH)
     return root
 
 
@@ -251,7 +282,7 @@ def test_loader_yields_unpacked_batches_with_the_2d_mask_for_our_step(ranks):
         assert width <= SEQ_LENGTH and width % 128 == 0  # pad_to_multiple_of=128, cut at seq_length
         grids = batch["visual.image_grid_thw"]
         assert grids.shape == (MICRO_BATCH, 3)  # one receipt photo per sample
-        assert batch["visual.pixel_values"].shape == (int(grids.prod(-1).sum()), 3 * 2 * 4 * 4)
+        assert batch["visual.pixel_values"].shape == (int(grids.prod(-1).sum()), 3 * TEMPORAL_PATCH * PATCH * PATCH)
         keep = batch["attention_mask"].bool()
         for i in range(MICRO_BATCH):
             seen.append(_row_of(batch["input_ids"][i], int(keep[i].sum()), rank["full"]))
