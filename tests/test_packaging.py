@@ -57,10 +57,11 @@ RUNTIME_ENTRY_POINTS = (
     "megatron.bridge_thd.step",
     "megatron.bridge_thd.packing",
 )
-NOT_RUNTIME = ("megatron.bridge_thd.testbed", "megatron.bridge_thd.plan", "megatron.bridge_thd.interop")
+NOT_RUNTIME = ("megatron.bridge_thd.testbed", "megatron.bridge_thd.plan", "megatron.bridge_thd.interop",
+               "megatron.bridge_thd.batching")
 
 
-def test_the_runtime_never_imports_the_test_bed_the_planner_or_interop():
+def test_the_runtime_never_imports_the_test_bed_the_planner_interop_or_batching():
     # In a fresh interpreter: what training imports pulls in none of the other roles.
     code = (
         "import sys\n"
@@ -91,8 +92,15 @@ def test_the_public_names_users_import_keep_working():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_the_batching_home_is_importable_and_empty():
-    import megatron.bridge_thd.batching as batching
-
-    assert batching.__doc__ and "docs/batching.md" in batching.__doc__
-    assert not [name for name in vars(batching) if not name.startswith("__")]
+def test_batching_never_imports_the_test_bed_or_interop():
+    # In a fresh interpreter: the placement policy and its Megatron-Bridge wiring stand on the runtime
+    # (layouts, packing) and the planner's model presets only.
+    code = (
+        "import sys\n"
+        "for name in ('cost', 'policy', 'sizes', 'sampler', 'bridge'):\n"
+        "    __import__(f'megatron.bridge_thd.batching.{name}')\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('megatron.bridge_thd.testbed', 'megatron.bridge_thd.interop')))\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -185,7 +185,8 @@ def _size(model: Any, name: str) -> int:
     return int(getattr(model, name, 1) or 1)
 
 
-def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None, force: bool = False) -> Any:
+def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None, force: bool = False,
+              global_batch_packing: Any = None) -> Any:
     """Set ``cfg``'s packing flags for ``megatron.bridge_thd.qwen3_vl_step.forward_step``.
 
     Args:
@@ -197,6 +198,11 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
             config does not show; ``False`` asserts none (refused if the model enables them).
         force: overwrite settings the user set explicitly to values the layout cannot use, with a
             WARNING line each, instead of refusing them. It lifts nothing else.
+        global_batch_packing: ``None`` / ``False``: Megatron-Bridge's own placement (in-batch
+            packing). ``True`` or a :class:`megatron.bridge_thd.batching.bridge.GlobalBatchPacking`:
+            place each step's samples across DP ranks and micro-batches (docs/batching.md); stored
+            as ``dataset.global_batch_packing``, and Megatron-Bridge's loader builder is wrapped
+            once for the process (``batching.bridge.loader_patch``).
 
     Returns:
         ``cfg`` itself, mutated.
@@ -206,7 +212,7 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
             problem found is listed; nothing is changed then).
     """
     _check_arguments(layout, cuda_graphs, force)
-    settings = _read_settings(cfg, layout, cuda_graphs)
+    settings = _read_settings(cfg, layout, cuda_graphs, _global_batch_setting(global_batch_packing))
 
     problems, notes = _find_problems(settings)
     changes, change_notes = _plan_changes(settings)
@@ -218,6 +224,11 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
 
     # ---- everything checked: write ----
     changed = _apply(changes)
+    if settings.global_batch is not None:
+        from megatron.bridge_thd.batching.bridge import loader_patch
+        from megatron.bridge_thd.patches import apply_permanently
+
+        apply_permanently(loader_patch())
     _log(settings, changed, notes + change_notes, overrides)
     return cfg
 
@@ -245,6 +256,7 @@ class _Settings:
     seq_lengths: tuple[Any, Any]  # (dataset.seq_length, model.seq_length)
     pre_wrap_hooks: tuple = ()  # the model provider's registered pre-wrap hooks
     built_model: Any = None  # the model class the provider's provide() declares it builds, if it can be told
+    global_batch: Any = None  # a batching.bridge.GlobalBatchPacking, or None
 
     @property
     def pipeline_graphs(self) -> bool:
@@ -278,7 +290,20 @@ def _moe_overlap_setting(cfg: Any, model: Any) -> str | None:
     return "model.overlap_moe_expert_parallel_comm" if on else None
 
 
-def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None) -> _Settings:
+def _global_batch_setting(value: Any) -> Any:
+    """``global_batch_packing`` as a ``GlobalBatchPacking`` or None; anything else is refused."""
+    if value is None or value is False:
+        return None
+    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+
+    if value is True:
+        return GlobalBatchPacking()
+    if not isinstance(value, GlobalBatchPacking):
+        raise ValueError(f"global_batch_packing: {value!r}; pass None, True or a batching.bridge.GlobalBatchPacking")
+    return value
+
+
+def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None, global_batch: Any = None) -> _Settings:
     """Pick ``cfg``'s sections and the parallel sizes and switches the checks and writes depend on."""
     dataset = getattr(cfg, "dataset", None)
     model_root = getattr(cfg, "model", None)
@@ -308,6 +333,7 @@ def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None) -> _Settings
         ),
         pre_wrap_hooks=tuple(getattr(model_root, "_pre_wrap_hooks", None) or ()),
         built_model=_built_model_class(model_root),
+        global_batch=global_batch,
     )
 
 
@@ -349,8 +375,39 @@ def _find_problems(s: _Settings) -> tuple[list[str], list[str]]:
         *_moe_allgather_problems(s),
         *_moe_overlap_problems(s),
         *_moe_routing_problems(s),
+        *_global_batch_problems(s),
     ]
     return problems, notes
+
+
+def _global_batch_problems(s: _Settings) -> list[str]:
+    """Global-batch packing with a layout, a data loader or a setting it cannot work with."""
+    g = s.global_batch
+    if g is None:
+        return []
+    problems = []
+    if s.layout not in ("thd", "thd_static"):
+        problems.append(
+            f"global_batch_packing: layout {s.layout!r} lays out exactly train.micro_batch_size samples per micro-batch, "
+            "but global-batch packing gives each micro-batch as many samples as fit its row; use layout 'thd' or "
+            "'thd_static'")
+    loader = getattr(s.dataset, "dataloader_type", None)
+    if loader not in ("single", "cyclic"):
+        problems.append(
+            f"dataset.dataloader_type: {loader!r}; global-batch packing draws each step from Megatron-Bridge's 'single' "
+            "or 'cyclic' sampler ('batch' splits a per-rank global batch into equal micro-batches in the training "
+            "step, 'external' has no sampler to draw from); set it to 'cyclic' (or 'single')")
+    row = g.row_length
+    if row is not None and (isinstance(row, bool) or not isinstance(row, int) or row < 1):
+        problems.append(f"global_batch_packing.row_length: {row!r}; expected None (chosen from the data) or an int >= 1")
+    if g.cost_model is not None:
+        from megatron.bridge_thd.batching.cost import sample_cost
+
+        try:
+            sample_cost(g.cost_model)
+        except (ValueError, OSError) as error:
+            problems.append(f"global_batch_packing.cost_model: {error}")
+    return problems
 
 
 def _cuda_graphs_argument_problems(s: _Settings) -> list[str]:
@@ -627,6 +684,8 @@ def _dataset_changes(s: _Settings) -> list[_Change]:
         _Change(dataset, "dataset", "packing_layout", layout,
                 why=f"configure was called with layout={layout!r}, and the step reads its layout from here",
                 alternative=", or call configure with that layout"),
+        *([_Change(dataset, "dataset", "global_batch_packing", s.global_batch, guarded=False)]
+          if s.global_batch is not None else []),
         _Change(dataset, "dataset", "skip_getting_attention_mask_from_dataset", False,
                 why="the step takes each sample's real tokens from the dataset's 2D attention mask, which this "
                 "flag asks the data path to leave out (a dataset that honours it gives the step no mask, and the "

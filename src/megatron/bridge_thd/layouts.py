@@ -109,7 +109,11 @@ def thd_slots(lengths, align: int) -> int:
     return sum(round_up(int(n), align) for n in lengths)
 
 
-def static_row_length(batch_size: int, *, seq_length: int, align: int, micro_batch_size: int | None = None) -> int:
+def static_row_length(batch_size: int, *, seq_length: int, align: int, micro_batch_size: int | None = None,
+                      row_length: int | None = None) -> int:
     """Slots of a ``thd_static`` row: ``max(micro_batch_size, B) * round_up(seq_length, align)``,
-    whatever the data."""
+    whatever the data; with global-batch packing (``row_length`` set: the run's fixed row, chosen
+    by ``megatron.bridge_thd.batching``), ``round_up(row_length, align)`` whatever the batch size."""
+    if row_length is not None:
+        return round_up(row_length, align)
     return max(micro_batch_size or batch_size, batch_size) * round_up(seq_length, align)

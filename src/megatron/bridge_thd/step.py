@@ -24,7 +24,7 @@ from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
 from megatron.bridge_thd.layouts import LAYOUT_NAMES as LAYOUTS
 from megatron.bridge_thd.layouts import bshd_alignment, bshd_width, layout_for, static_row_length, thd_alignment
 from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, raise_failed_checks
-from megatron.bridge_thd.packing import pack_bshd_to_thd, scatter_into_row
+from megatron.bridge_thd.packing import pack_bshd_to_thd, round_up, scatter_into_row
 from megatron.bridge_thd.te_compat import check_te_cp_padding
 from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
 
@@ -240,6 +240,9 @@ class StepSettings:
     sequence_parallel: bool
     layout: str
     micro_batch_size: int | None
+    # thd_static under global-batch packing: the run's fixed row (dataset.global_batch_packing.row_length,
+    # set by configure or chosen from the lengths scan when the loader is built); None: sized from the batch.
+    row_length: int | None = None
 
 
 def _step_settings(state, model_config, pg_collection) -> StepSettings:
@@ -256,6 +259,7 @@ def _step_settings(state, model_config, pg_collection) -> StepSettings:
         sequence_parallel=bool(_model_setting(model_config, state, "sequence_parallel", False)),
         layout=resolve_layout(state, sizes["pp"], variable_seq_lengths),
         micro_batch_size=_cfg(state, "train", "micro_batch_size", None),
+        row_length=getattr(_cfg(state, "dataset", "global_batch_packing", None), "row_length", None),
     )
 
 
@@ -463,9 +467,10 @@ def _build_packed(c: _Captured) -> _Built:
         micro_batch_size = settings.micro_batch_size or c.batch_size
         if c.fixed_p2p_shapes:
             p2p_micro_batch_size = micro_batch_size
-            _check_static_pipeline_row(c.batch_size, micro_batch_size, seq_length, align, "thd_static")
+            _check_static_pipeline_row(c.batch_size, micro_batch_size, seq_length, align, "thd_static",
+                                       settings.row_length)
         total_length = static_row_length(c.batch_size, seq_length=seq_length, align=align,
-                                         micro_batch_size=micro_batch_size)
+                                         micro_batch_size=micro_batch_size, row_length=settings.row_length)
         if c.truncated is not None:  # a truncating static batch: one read for the report
             _log_truncation(_read_now(c.truncation_checks, c.truncated), seq_length)
             checks = c.mask_checks + c.position_checks  # the truncation check was just read
@@ -552,7 +557,7 @@ def prepare_micro_batch(
 
 
 def _check_static_pipeline_row(batch_size: int, micro_batch_size: int, seq_length: int, align: int,
-                               layout: str) -> None:
+                               layout: str, row_length: int | None = None) -> None:
     """What a stage sends must fill Megatron-Core's p2p buffers exactly (checked before the first
     model forward, so before any send: a mismatch would otherwise fail on the receiving stage, or
     hang it on NCCL).
@@ -561,8 +566,16 @@ def _check_static_pipeline_row(batch_size: int, micro_batch_size: int, seq_lengt
     ``(seq_length / cp [/ tp with SP], micro_batch_size, H)`` (``pipeline_parallel/schedules.py``,
     ``get_tensor_shapes``), so a static row must hold exactly ``micro_batch_size * seq_length``
     slots (each CP rank then sends its ``1 / cp`` of them), and the padded layout exactly
-    ``micro_batch_size`` samples of ``seq_length``.
+    ``micro_batch_size`` samples of ``seq_length``. Under global-batch packing (``row_length`` set)
+    a row holds any number of samples, so the row length itself must be that many slots.
     """
+    if row_length is not None and round_up(row_length, align) != micro_batch_size * round_up(seq_length, align):
+        raise ValueError(
+            f"dataset.global_batch_packing.row_length: {row_length} slots, but without variable_seq_lengths the "
+            f"pipeline's fixed buffers hold train.micro_batch_size * model.seq_length = {micro_batch_size} x "
+            f"{seq_length} slots; set row_length to {micro_batch_size * round_up(seq_length, align)} (or leave it "
+            "unset), or set model.variable_seq_lengths=True"
+        )
     if seq_length % align:
         what = "a static row" if layout != "bshd" else "the padded (B, seq_length) layout"
         raise ValueError(
@@ -570,7 +583,7 @@ def _check_static_pipeline_row(batch_size: int, micro_batch_size: int, seq_lengt
             f"{what} cannot fill the pipeline's fixed (seq_length, micro_batch_size, H) buffers; set seq_length to "
             f"{math.ceil(seq_length / align) * align}, or set model.variable_seq_lengths=True"
         )
-    if batch_size > micro_batch_size or (layout == "bshd" and batch_size != micro_batch_size):
+    if row_length is None and (batch_size > micro_batch_size or (layout == "bshd" and batch_size != micro_batch_size)):
         raise ValueError(
             f"batch: {batch_size} samples for train.micro_batch_size={micro_batch_size}, the batch size of the "
             f"pipeline's fixed buffers ({layout} needs "

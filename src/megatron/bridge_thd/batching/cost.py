@@ -1,0 +1,131 @@
+"""Per-sample training cost from Megatron-Bridge's own FLOPs terms. Reasoning: docs/batching.md.
+
+A sample of ``s`` LLM tokens whose images have ``p_1, p_2, ...`` ViT patches costs (fwd + bwd)::
+
+    cost = per_token * s + per_token_squared * s**2 + per_patch * sum_k p_k + per_patch_squared * sum_k p_k**2
+
+The four coefficients are read off Megatron-Bridge 0.6.2's ``training/utils/flop_utils.py``
+(``num_floating_point_operations`` for the language model, ``vit_flops`` for the vision tower) by
+evaluating them at a few points, so the cost follows the formula the trainer logs:
+
+* ``per_token``: projections, MLP / experts (top-k), logits and the Gated-DeltaNet layers of a
+  Qwen3.5 hybrid: everything linear in ``s``;
+* ``per_token_squared``: the causal attention core of the *full-attention* layers only (zero
+  contribution from Gated-DeltaNet layers, which the formula counts as linear);
+* ``per_patch``: the ViT layers' projections and MLP and the patch merger;
+* ``per_patch_squared``: the ViT's bidirectional attention, within each image (``vit_flops`` is
+  quadratic in the patches of one image, never across images).
+
+The language model's cost is per real sample: in a THD row attention never crosses a sample
+boundary, so a micro-batch costs the sum of its samples' costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+__all__ = ["SampleCost", "sample_cost", "image_patches"]
+
+# Evaluation points: powers of two keep every term an exact integer in double precision, and
+# the patch points are multiples of any spatial_merge_size**2 (the merger floors patches / merge^2).
+_TOKENS = 1 << 16
+_SQUARED = 1 << 32
+_PATCHES = 1 << 12
+
+
+@dataclass(frozen=True)
+class SampleCost:
+    """Coefficients of the per-sample cost (module docstring); units: FLOPs, fwd + bwd, one sample.
+
+    ``name`` says where they came from (a preset or a config path) for tables and logs.
+    """
+
+    per_token: float
+    per_token_squared: float
+    per_patch: float = 0.0
+    per_patch_squared: float = 0.0
+    name: str = ""
+
+    def __call__(self, lengths, patches=None, patches_squared=None) -> torch.Tensor:
+        """Cost of each sample.
+
+        Args:
+            lengths: ``(N,)`` LLM tokens per sample (text + image placeholder tokens).
+            patches: ``(N,)`` ViT patches per sample (sum over its images), or None (no images).
+            patches_squared: ``(N,)`` sum over the sample's images of (patches of that image)^2, or
+                None: each sample's patches are taken as one image.
+
+        Returns:
+            ``(N,)`` float64 FLOPs.
+        """
+        s = torch.as_tensor(lengths, dtype=torch.float64)
+        cost = self.per_token * s + self.per_token_squared * s * s
+        if patches is not None:
+            p = torch.as_tensor(patches, dtype=torch.float64)
+            q = p * p if patches_squared is None else torch.as_tensor(patches_squared, dtype=torch.float64)
+            cost = cost + self.per_patch * p + self.per_patch_squared * q
+        return cost
+
+    def text_only(self) -> "SampleCost":
+        """The same model with the vision tower's cost left out (what a text-only balancer sees)."""
+        return SampleCost(self.per_token, self.per_token_squared, 0.0, 0.0, f"{self.name} (text only)")
+
+
+def image_patches(grids: Sequence[Sequence[Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample, the sum of its images' patches and the sum of their squares.
+
+    Args:
+        grids: per sample, its images' ``(t, h, w)`` patch grids (``image_grid_thw`` rows).
+
+    Returns:
+        ``patches`` ``(N,)`` int64 and ``patches_squared`` ``(N,)`` float64.
+    """
+    counts = [[int(t) * int(h) * int(w) for t, h, w in sample] for sample in grids]
+    patches = torch.tensor([sum(c) for c in counts], dtype=torch.int64)
+    squared = torch.tensor([float(sum(x * x for x in c)) for c in counts], dtype=torch.float64)
+    return patches, squared
+
+
+def sample_cost(model) -> SampleCost:
+    """The cost coefficients of a model, from Megatron-Bridge's FLOPs formula.
+
+    Args:
+        model: a planner preset name (``bridge-thd plan --list-models``, e.g. ``"qwen3-vl-8b"``),
+            a path to a Hugging Face ``config.json``, or a :class:`megatron.bridge_thd.plan.presets.ModelSpec`.
+
+    Raises:
+        ValueError: an unknown preset name or an unreadable config (naming it).
+    """
+    from megatron.bridge_thd.plan.flops import flops_config
+    from megatron.bridge_thd.plan.presets import ModelSpec, get_preset, spec_from_hf_config
+    from megatron.bridge_thd.upstream import load_flop_utils
+
+    if isinstance(model, ModelSpec):
+        spec = model
+    elif isinstance(model, (str, Path)) and (str(model).endswith(".json") or Path(model).is_file()):
+        spec = spec_from_hf_config(model)
+    elif isinstance(model, str):
+        spec = get_preset(model)
+    else:
+        raise ValueError(f"model: expected a preset name, a config.json path or a ModelSpec, got {model!r}")
+    flop_utils = load_flop_utils()
+    cfg = flops_config(spec, tensor_parallel=1)
+
+    def language(tokens: int, squared: int) -> float:
+        return float(flop_utils.num_floating_point_operations(
+            cfg, batch_size=1, seqlen_sum=tokens, seqlen_squared_sum=squared, num_vision_patches=0))
+
+    def vision(patches: int) -> float:
+        return float(flop_utils.vit_flops(cfg, 1, patches))
+
+    per_token = language(_TOKENS, 0) / _TOKENS
+    per_token_squared = (language(_TOKENS, _SQUARED) - language(_TOKENS, 0)) / _SQUARED
+    # vit(p) = c p + d p^2 at p and 2p: d = (vit(2p) - 2 vit(p)) / (2 p^2), c = (vit(p) - d p^2) / p.
+    one, two = vision(_PATCHES), vision(2 * _PATCHES)
+    per_patch_squared = (two - 2 * one) / (2 * _PATCHES * _PATCHES)
+    per_patch = (one - per_patch_squared * _PATCHES * _PATCHES) / _PATCHES
+    return SampleCost(per_token, per_token_squared, per_patch, per_patch_squared, spec.name)

@@ -1,0 +1,249 @@
+"""Global-batch packing: place one step's samples on DP ranks and micro-batches. Reasoning: docs/batching.md.
+
+:func:`assign` is the policy. It sees the samples Megatron-Bridge's sampler drew for one step (their
+lengths and, optionally, image patches), and returns, per DP rank, per micro-batch, the indices of
+the samples that go there. Each micro-batch becomes one THD row of at most ``row_length`` slots.
+
+The placement, in two steps:
+
+1. **Micro-batches** (``dp_size * num_micro_batches`` rows of ``row_length`` slots): longest-
+   processing-time first on the cost (:mod:`.cost`): samples in decreasing cost, each into the
+   cheapest row that still has room for its aligned tokens. The first rows each receive one of the
+   costliest samples, so no row is empty. If a sample finds no row with room (a tight static row),
+   the placement restarts first-fit-decreasing on tokens (each sample into the first row with room),
+   which fills rows to within a few percent of the mean; if that fails too, the step does not fit
+   and the error says by how much. Cost then balances only across ranks (step 2).
+2. **Ranks**: the rows in decreasing cost, each to the cheapest rank that has fewer than
+   ``num_micro_batches`` rows, so every rank has the same number of micro-batches and per-rank
+   cost is balanced as well as per-row cost.
+
+:func:`in_batch_assignment` is what Megatron-Bridge's samplers do (consecutive ``micro_batch_size``
+slices per rank), for comparison; :func:`placement_stats` measures either.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from megatron.bridge_thd.batching.cost import SampleCost
+
+__all__ = ["Assignment", "assign", "in_batch_assignment", "PlacementStats", "placement_stats", "aligned_lengths"]
+
+# [rank][micro_batch] -> sample indices (positions in the step's ``lengths``).
+Assignment = list[list[list[int]]]
+
+
+def aligned_lengths(lengths, align_to: int) -> torch.Tensor:
+    """``(N,)`` int64: each length rounded up to ``align_to``, the slots it takes in a THD row
+    (``layouts.thd_slots``)."""
+    s = torch.as_tensor(lengths, dtype=torch.int64)
+    return (s + align_to - 1) // align_to * align_to
+
+
+def _check_inputs(lengths: torch.Tensor, dp_size, num_micro_batches, row_length, align_to, vision_patches):
+    for name, value in (("dp_size", dp_size), ("num_micro_batches", num_micro_batches), ("row_length", row_length),
+                        ("align_to", align_to)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths: expected a 1-D sequence of per-sample token counts, got shape {tuple(lengths.shape)}")
+    if lengths.numel() and int(lengths.min()) < 1:
+        bad = int(torch.argmin(lengths))
+        raise ValueError(f"lengths: sample {bad} has {int(lengths[bad])} tokens; every sample needs at least one")
+    rows = dp_size * num_micro_batches
+    if lengths.numel() < rows:
+        raise ValueError(
+            f"lengths: {lengths.numel()} samples cannot fill dp_size * num_micro_batches = {rows} micro-batches (each "
+            "needs at least one sample); draw at least that many samples per step (global_batch_size)")
+    if vision_patches is not None and len(vision_patches) != lengths.numel():
+        raise ValueError(f"vision_patches: {len(vision_patches)} entries for {lengths.numel()} samples")
+
+
+def _too_long(slots: torch.Tensor, lengths: torch.Tensor, row_length: int, align_to: int) -> None:
+    over = torch.nonzero(slots > row_length).flatten().tolist()
+    if over:
+        worst = max(over, key=lambda i: int(lengths[i]))
+        raise ValueError(
+            f"lengths: {len(over)} sample(s) cannot fit a row of row_length={row_length} slots: sample {worst} has "
+            f"{int(lengths[worst])} tokens ({int(slots[worst])} slots aligned to {align_to}); samples "
+            f"{over[:8]}{' ...' if len(over) > 8 else ''}. Raise row_length to at least {int(slots.max())}; nothing is "
+            "dropped or truncated")
+
+
+def _longest_processing_time(order: list[int], cost: list[float], slots: list[int], rows: int,
+                             row_length: int) -> list[list[int]] | None:
+    """Each sample (in ``order``) into the cheapest row with room; None when one finds none."""
+    heap = [(0.0, r) for r in range(rows)]  # (cost so far, row), cheapest first
+    room = [row_length] * rows
+    members: list[list[int]] = [[] for _ in range(rows)]
+    for i in order:
+        skipped = []
+        while heap and room[heap[0][1]] < slots[i]:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        load, r = heapq.heappop(heap)
+        members[r].append(i)
+        room[r] -= slots[i]
+        heapq.heappush(heap, (load + cost[i], r))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return members
+
+
+def _first_fit_decreasing(order: list[int], slots: list[int], rows: int, row_length: int) -> list[list[int]] | None:
+    """Each sample (in decreasing slots) into the first row with room (a max-room segment tree, so
+    O(log rows) per sample); None when none has room. Rows left empty then take the smallest sample
+    of a row holding several (it fits: an empty row has all its room)."""
+    size = 1 << max(rows - 1, 0).bit_length()
+    room = [0] * (2 * size)  # room[size + r]: free slots of row r; inner nodes: max of children
+    room[size:size + rows] = [row_length] * rows
+    for node in range(size - 1, 0, -1):
+        room[node] = max(room[2 * node], room[2 * node + 1])
+    members: list[list[int]] = [[] for _ in range(rows)]
+    for i in sorted(order, key=lambda i: -slots[i]):
+        if room[1] < slots[i]:
+            return None
+        node = 1
+        while node < size:  # leftmost leaf with room
+            node = 2 * node if room[2 * node] >= slots[i] else 2 * node + 1
+        members[node - size].append(i)
+        room[node] -= slots[i]
+        node //= 2
+        while node:
+            room[node] = max(room[2 * node], room[2 * node + 1])
+            node //= 2
+    for empty in [r for r in range(rows) if not members[r]]:
+        donor = max((r for r in range(rows) if len(members[r]) > 1), key=lambda r: len(members[r]))
+        smallest = min(members[donor], key=lambda i: slots[i])
+        members[donor].remove(smallest)
+        members[empty].append(smallest)
+    return members
+
+
+def _rows_to_ranks(members: list[list[int]], row_cost: list[float], dp_size: int,
+                   num_micro_batches: int) -> Assignment:
+    """Rows in decreasing cost, each to the cheapest rank with a free micro-batch place; within a
+    rank the costliest micro-batch first."""
+    heap = [(0.0, rank) for rank in range(dp_size)]
+    ranks: Assignment = [[] for _ in range(dp_size)]
+    for r in sorted(range(len(members)), key=lambda r: -row_cost[r]):
+        load, rank = heapq.heappop(heap)
+        ranks[rank].append(members[r])
+        if len(ranks[rank]) < num_micro_batches:
+            heapq.heappush(heap, (load + row_cost[r], rank))
+    return ranks
+
+
+def assign(lengths, *, dp_size: int, num_micro_batches: int, row_length: int, vision_patches=None,
+           vision_patches_squared=None, align_to: int = 1, seed: int = 0,
+           cost: SampleCost | None = None) -> Assignment:
+    """Place one step's samples on ``dp_size`` ranks x ``num_micro_batches`` micro-batches.
+
+    Args:
+        lengths: ``(N,)`` LLM tokens per sample (text + image placeholder tokens), in the order the
+            sampler drew them; the returned indices are positions in it.
+        dp_size: data-parallel ranks.
+        num_micro_batches: micro-batches per rank per step (Megatron-Bridge's
+            ``global_batch_size / (micro_batch_size * dp_size)``); the same on every rank.
+        row_length: slots of one micro-batch's THD row; every micro-batch's aligned tokens fit it.
+        vision_patches: ``(N,)`` ViT patches per sample (sum over its images), or None.
+        vision_patches_squared: ``(N,)`` sum over each sample's images of patches^2, or None (each
+            sample's patches one image).
+        align_to: each sample takes ``round_up(length, align_to)`` slots (``layouts.thd_alignment``).
+        seed: breaks ties between equal costs (a seeded permutation), so equal inputs and seeds give
+            equal placements.
+        cost: the per-sample cost (:func:`.cost.sample_cost`); None balances on
+            ``s + s^2 / 24576``, VERL's tokens-and-attention proxy scaled to tokens.
+
+    Returns:
+        ``[rank][micro_batch] -> [sample index, ...]``: every sample exactly once, no micro-batch empty.
+
+    Raises:
+        ValueError: a bad argument, or a sample longer than ``row_length`` (named; nothing is dropped),
+            or samples that together do not fit ``dp_size * num_micro_batches`` rows.
+    """
+    lengths = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1) if not torch.is_tensor(lengths) else lengths
+    _check_inputs(lengths, dp_size, num_micro_batches, row_length, align_to, vision_patches)
+    slots = aligned_lengths(lengths, align_to)
+    _too_long(slots, lengths, row_length, align_to)
+    rows = dp_size * num_micro_batches
+    if int(slots.sum()) > rows * row_length:
+        raise ValueError(
+            f"row_length: this step's {lengths.numel()} samples take {int(slots.sum())} aligned slots, more than "
+            f"dp_size * num_micro_batches * row_length = {rows} x {row_length} = {rows * row_length}; raise row_length "
+            f"to at least {-(-int(slots.sum()) // rows)} (or the micro-batches per step)")
+    if cost is None:
+        costs = lengths.to(torch.float64) + lengths.to(torch.float64) ** 2 / 24576.0
+    else:
+        costs = cost(lengths, vision_patches, vision_patches_squared)
+    # Ties broken by a seeded permutation: decreasing cost, then the permutation's rank.
+    tiebreak = torch.randperm(lengths.numel(), generator=torch.Generator().manual_seed(seed))
+    order = sorted(range(lengths.numel()), key=lambda i: (-float(costs[i]), int(tiebreak[i])))
+    cost_list, slot_list = costs.tolist(), slots.tolist()
+    members = _longest_processing_time(order, cost_list, slot_list, rows, row_length)
+    if members is None:
+        members = _first_fit_decreasing(order, slot_list, rows, row_length)
+    if members is None:
+        raise ValueError(
+            f"row_length: this step's samples ({int(slots.sum())} aligned slots, longest {int(slots.max())}) do not "
+            f"fit {rows} rows of {row_length} slots with any placement tried (longest-processing-time on cost, then "
+            f"first-fit-decreasing on tokens); raise row_length (e.g. to {int(row_length * 1.1) + align_to})")
+    row_cost = [sum(cost_list[i] for i in row) for row in members]
+    ranks = _rows_to_ranks(members, row_cost, dp_size, num_micro_batches)
+    return [sorted(rank, key=lambda row: -sum(cost_list[i] for i in row)) for rank in ranks]
+
+
+def in_batch_assignment(num_samples: int, *, dp_size: int, micro_batch_size: int) -> Assignment:
+    """Megatron-Bridge's placement of a step's ``num_samples`` samples (its samplers' order): micro-batch
+    ``j`` of rank ``r`` holds positions ``j * micro_batch_size * dp_size + r * micro_batch_size + [0, micro_batch_size)``."""
+    per_step = micro_batch_size * dp_size
+    if num_samples % per_step:
+        raise ValueError(f"num_samples: {num_samples} is not a multiple of micro_batch_size * dp_size = {per_step}")
+    return [[list(range(j * per_step + r * micro_batch_size, j * per_step + (r + 1) * micro_batch_size))
+             for j in range(num_samples // per_step)] for r in range(dp_size)]
+
+
+@dataclass(frozen=True)
+class PlacementStats:
+    """One step's placement, measured.
+
+    ``real_tokens``: sum of lengths; ``slots``: token slots the rows hold (``row_length`` per
+    micro-batch for a static row, the aligned tokens otherwise); ``padding``: 1 - real / slots;
+    ``rank_imbalance``: max / mean of per-rank cost; ``micro_batch_imbalance``: max / mean of per-
+    micro-batch cost (over all ranks); ``rank_cost``: per-rank cost.
+    """
+
+    real_tokens: int
+    slots: int
+    padding: float
+    rank_imbalance: float
+    micro_batch_imbalance: float
+    rank_cost: tuple[float, ...]
+
+
+def placement_stats(assignment: Assignment, lengths, *, costs=None, row_length: int | None = None,
+                    align_to: int = 1) -> PlacementStats:
+    """Measure an assignment; ``costs`` ``(N,)`` per sample (default: the lengths); ``row_length``
+    set for a static row (slots = row_length per micro-batch), None for ``thd`` (aligned tokens)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    costs = lengths.to(torch.float64) if costs is None else torch.as_tensor(costs, dtype=torch.float64)
+    cost_list, slot_list = costs.tolist(), aligned_lengths(lengths, align_to).tolist()
+    rank_cost, micro_cost, slots = [], [], 0
+    for rank in assignment:
+        per_micro = [sum(cost_list[i] for i in row) for row in rank]
+        micro_cost += per_micro
+        rank_cost.append(sum(per_micro))
+        slots += sum(row_length if row_length is not None else sum(slot_list[i] for i in row) for row in rank)
+    real = int(lengths.sum())
+
+    def imbalance(values):
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean > 0 else 1.0
+
+    return PlacementStats(real, slots, 1.0 - real / slots if slots else 0.0, imbalance(rank_cost),
+                          imbalance(micro_cost), tuple(rank_cost))

@@ -1,0 +1,187 @@
+"""A batch sampler that places each step's samples by :func:`.policy.assign`. Reasoning: docs/batching.md.
+
+:class:`GlobalBatchSampler` wraps Megatron-Bridge's own per-rank batch samplers, one per DP rank
+(copies of the rank's sampler with the rank changed): for each step it draws ``num_micro_batches``
+micro-batches from every rank's copy, exactly the samples Megatron-Bridge would give the step in
+the same order of steps, and yields this rank's micro-batches of the placement. Every rank computes
+the same placement from the same draws, so no communication is needed.
+
+:func:`choose_row_length` picks a static row for the run from the same draws: the smallest
+multiple of the alignment at which every step of the run fits.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from megatron.bridge_thd.batching.cost import SampleCost
+from megatron.bridge_thd.batching.policy import aligned_lengths, assign, placement_stats
+from megatron.bridge_thd.batching.sizes import SampleSizes
+
+__all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "choose_row_length"]
+
+logger = logging.getLogger(__name__)
+
+
+def rank_samplers(sampler, dp_size: int) -> list:
+    """Copies of a Megatron-Bridge batch sampler (``MegatronPretrainingSampler`` or
+    ``MegatronPretrainingRandomSampler``, ``data/samplers.py``), one per DP rank: the rank is only
+    read when iterating (``get_start_end_idx`` / the random sampler's ``__iter__``)."""
+    copies = []
+    for rank in range(dp_size):
+        twin = copy.copy(sampler)
+        twin.data_parallel_rank = rank
+        copies.append(twin)
+    return copies
+
+
+def step_draws(samplers: Sequence, num_micro_batches: int) -> Iterator[list[int]]:
+    """Per step, the dataset indices every rank's sampler gives it, in Megatron-Bridge's order
+    (micro-batch ``j`` of rank 0, rank 1, ..., then ``j + 1``); ends when a sampler ends."""
+    iterators = [iter(s) for s in samplers]
+    while True:
+        drawn: list[int] = []
+        try:
+            for _ in range(num_micro_batches):
+                for iterator in iterators:
+                    drawn += list(next(iterator))
+        except StopIteration:
+            if drawn:
+                logger.warning("bridge_thd.batching: the samplers ended inside a step; its %d samples are not trained "
+                               "(as with Megatron-Bridge's own samplers, whose loop ends there)", len(drawn))
+            return
+        yield drawn
+
+
+@dataclass(frozen=True)
+class StepPlacement:
+    """One step, as logged: ``step`` (1-based among the steps this sampler placed), real tokens,
+    slots, padding, per-rank and per-micro-batch cost max / mean, and the same per-rank figure for
+    Megatron-Bridge's own placement of the same samples."""
+
+    step: int
+    real_tokens: int
+    slots: int
+    padding: float
+    rank_imbalance: float
+    micro_batch_imbalance: float
+    in_batch_rank_imbalance: float
+
+
+class GlobalBatchSampler:
+    """Yields this DP rank's micro-batches (lists of dataset indices), placed per step.
+
+    Args:
+        samplers: one Megatron-Bridge batch sampler per DP rank (:func:`rank_samplers`).
+        dp_rank: this rank.
+        num_micro_batches: micro-batches per rank per step.
+        row_length: slots of one micro-batch's row.
+        sizes: every dataset sample's sizes (:func:`.sizes.dataset_sizes`).
+        static_row: True for ``thd_static`` (padding measured against ``row_length``).
+        align_to, seed, cost: as :func:`.policy.assign`.
+        log: log one line per step on global rank 0 (``logging``, INFO).
+    """
+
+    def __init__(self, samplers: Sequence, *, dp_rank: int, num_micro_batches: int, row_length: int,
+                 sizes: SampleSizes, static_row: bool, align_to: int = 1, seed: int = 0,
+                 cost: SampleCost | None = None, log: bool = True):
+        self.samplers, self.dp_rank, self.num_micro_batches = list(samplers), dp_rank, num_micro_batches
+        self.row_length, self.sizes, self.static_row = row_length, sizes, static_row
+        self.align_to, self.seed, self.cost, self.log = align_to, seed, cost, log
+        self.history: list[StepPlacement] = []
+
+    def __len__(self) -> int:
+        return len(self.samplers[self.dp_rank])
+
+    def place(self, drawn: list[int]):
+        """``[rank][micro_batch] -> dataset indices`` for one step's draws."""
+        index = torch.tensor(drawn, dtype=torch.int64)
+        sizes = self.sizes
+        placement = assign(sizes.lengths[index], dp_size=len(self.samplers), num_micro_batches=self.num_micro_batches,
+                           row_length=self.row_length, vision_patches=sizes.patches[index],
+                           vision_patches_squared=sizes.patches_squared[index], align_to=self.align_to,
+                           seed=self.seed, cost=self.cost)
+        self._record(index, placement)
+        return [[[drawn[i] for i in row] for row in rank] for rank in placement]
+
+    def _record(self, index: torch.Tensor, placement) -> None:
+        sizes, dp = self.sizes, len(self.samplers)
+        lengths = sizes.lengths[index]
+        costs = (self.cost(lengths, sizes.patches[index], sizes.patches_squared[index]) if self.cost is not None
+                 else lengths.to(torch.float64) + lengths.to(torch.float64) ** 2 / 24576.0)
+        row_length = self.row_length if self.static_row else None
+        stats = placement_stats(placement, lengths, costs=costs, row_length=row_length, align_to=self.align_to)
+        per_micro = len(index) // (dp * self.num_micro_batches)
+        # Megatron-Bridge's own placement of the same draws: rank r's j-th micro-batch is block j * dp + r.
+        own = [[list(range((j * dp + r) * per_micro, (j * dp + r + 1) * per_micro))
+                for j in range(self.num_micro_batches)] for r in range(dp)]
+        in_batch = placement_stats(own, lengths, costs=costs, align_to=self.align_to)
+        record = StepPlacement(len(self.history) + 1, stats.real_tokens, stats.slots, stats.padding,
+                               stats.rank_imbalance, stats.micro_batch_imbalance, in_batch.rank_imbalance)
+        self.history.append(record)
+        if self.log and _is_global_rank_zero():
+            logger.info(
+                "bridge_thd global-batch packing: step %d: real tokens %d in %d slots (padding %.1f%%); per-rank cost "
+                "max/mean %.3f (in-batch placement of the same samples: %.3f); per-micro-batch max/mean %.3f",
+                record.step, record.real_tokens, record.slots, 100 * record.padding, record.rank_imbalance,
+                record.in_batch_rank_imbalance, record.micro_batch_imbalance)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for drawn in step_draws(self.samplers, self.num_micro_batches):
+            yield from self.place(drawn)[self.dp_rank]
+
+
+def _is_global_rank_zero() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def choose_row_length(samplers: Sequence, *, num_micro_batches: int, sizes: SampleSizes, steps: int,
+                      align_to: int = 1, upper: int | None = None, cost: SampleCost | None = None,
+                      seed: int = 0) -> int:
+    """The smallest row (a multiple of ``align_to``) at which every one of the run's first ``steps``
+    steps fits :func:`.policy.assign`: start at the largest per-step lower bound
+    (``max(longest sample, ceil(aligned tokens / rows))``) and grow by ~0.5% while a step does not fit.
+
+    ``samplers`` are fresh per-rank copies (they are iterated here). ``upper``: refuse a row above it
+    (e.g. ``micro_batch_size * seq_length``, what the recipe's memory was planned for).
+
+    Raises:
+        ValueError: no step drawn, or the row would exceed ``upper``.
+    """
+    dp = len(samplers)
+    rows = dp * num_micro_batches
+    draws = []
+    for drawn in step_draws(samplers, num_micro_batches):
+        draws.append(torch.tensor(drawn, dtype=torch.int64))
+        if len(draws) >= steps:
+            break
+    if not draws:
+        raise ValueError("choose_row_length: the samplers drew no complete step; check global_batch_size and the data")
+    bound = 0
+    for index in draws:
+        slots = aligned_lengths(sizes.lengths[index], align_to)
+        bound = max(bound, int(slots.max()), -(-int(slots.sum()) // rows))
+    row = -(-bound // align_to) * align_to
+
+    def fits(index: torch.Tensor) -> bool:
+        try:
+            assign(sizes.lengths[index], dp_size=dp, num_micro_batches=num_micro_batches, row_length=row,
+                   vision_patches=sizes.patches[index], vision_patches_squared=sizes.patches_squared[index],
+                   align_to=align_to, seed=seed, cost=cost)
+        except ValueError:
+            return False
+        return True
+
+    # Every step is checked again at each new row: a greedy placement is not monotone in the row.
+    while upper is None or row <= upper:
+        if all(fits(index) for index in draws):
+            return row
+        row = -(-int(row * 1.005 + 1) // align_to) * align_to
+    raise ValueError(
+        f"row_length: the run's steps need a row longer than {upper} slots (micro_batch_size * seq_length); "
+        "set dataset.global_batch_packing.row_length, or raise train.micro_batch_size")
