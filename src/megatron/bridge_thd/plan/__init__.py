@@ -3,26 +3,32 @@
 For a model preset (or a Hugging Face config.json), a per-sample length distribution and a
 parallel layout, estimate per packing layout (``bshd``, ``thd``, ``thd_static``) the token slots,
 attention work, trainer FLOPs (Megatron-Bridge 0.6.2's own formula), MoE routing, activation and
-model-state memory per GPU, and a roofline step time. Modules: :mod:`.presets`, :mod:`.samples`,
-:mod:`.layouts`, :mod:`.flops`, :mod:`.memory`, :mod:`.roofline`, :mod:`.estimate`,
-:mod:`.report`, :mod:`.plot`, :mod:`.calibrate`, :mod:`.cli`.
+model-state memory per GPU, and a roofline step time; and per layout the step time of the slowest
+DP rank with Megatron-Bridge's in-batch placement and with global-batch packing (:mod:`.balance`,
+docs/batching.md). Modules: :mod:`.presets`, :mod:`.samples`, :mod:`.layouts`, :mod:`.flops`,
+:mod:`.memory`, :mod:`.roofline`, :mod:`.estimate`, :mod:`.balance`, :mod:`.report`, :mod:`.plot`,
+:mod:`.calibrate`, :mod:`.cli`.
 
 API::
 
     from megatron.bridge_thd.plan import PlanSettings, Parallel, get_preset, receipt_lengths, plan, format_plan
     p = plan(get_preset("qwen3-vl-8b"), receipt_lengths(1024), PlanSettings(2048, 4, Parallel(tp=2)))
     print(format_plan(p)); p.speedup()
+    b = balance_plan(get_preset("qwen3-vl-8b"), receipt_lengths(1024), PlanSettings(2048, 4, Parallel(tp=2)), 64)
+    print(format_balance(b)); b.speedup("thd_static")
 """
 
 import warnings
 
 with warnings.catch_warnings():  # megatron.core's import-time notices (no TE / Apex on CPU)
     warnings.simplefilter("ignore")
+    from megatron.bridge_thd.plan.balance import BalancePlan, balance_plan
     from megatron.bridge_thd.plan.estimate import Plan, PlanSettings, plan
     from megatron.bridge_thd.plan.layouts import LAYOUTS, Parallel
     from megatron.bridge_thd.plan.presets import PRESETS, ModelSpec, get_preset, spec_from_hf_config
-    from megatron.bridge_thd.plan.report import format_plan
+    from megatron.bridge_thd.plan.report import format_balance, format_plan
     from megatron.bridge_thd.plan.samples import SampleLengths, load_lengths, receipt_lengths
 
 __all__ = ["Plan", "PlanSettings", "plan", "LAYOUTS", "Parallel", "SampleLengths", "load_lengths", "receipt_lengths",
-           "PRESETS", "ModelSpec", "get_preset", "spec_from_hf_config", "format_plan"]
+           "PRESETS", "ModelSpec", "get_preset", "spec_from_hf_config", "format_plan", "BalancePlan", "balance_plan",
+           "format_balance"]

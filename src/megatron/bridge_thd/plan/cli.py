@@ -3,6 +3,7 @@
 Examples::
 
     bridge-thd plan --model qwen3-vl-8b --seq-length 8192 --micro-batch-size 4 --tp 2 --png /tmp/plan.png
+    bridge-thd plan --model qwen3-vl-8b --global-batch-size 64     # with / without global-batch packing
     bridge-thd plan --hf-config config.json --lengths lengths.csv --seq-length 4096 --tp 4 --pp 2
     bridge-thd plan --calibrate
     python -m megatron.bridge_thd.plan --list-models
@@ -32,7 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model.seq_length (default 2048); refused if truncating a sample to it would cut an image, "
                    "as the step refuses it")
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step per DP replica")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per step per DP replica (default 1, or --global-batch-size / "
+                   "(micro_batch_size * DP))")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per step, a multiple of micro_batch_size * DP (default micro_batch_size * "
+                   "micro-batches * DP); the steps are consecutive global batches of the samples, placed with and "
+                   "without global-batch packing (docs/batching.md)")
     for name in ("tp", "cp", "pp", "ep"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--gpus", type=int, default=8, help="total GPUs (DP = gpus / (tp*cp*pp))")
@@ -56,6 +63,7 @@ def _list() -> str:
 
 
 def _run(args) -> str:
+    from megatron.bridge_thd.plan.balance import balance_plan, micro_batches_per_rank
     from megatron.bridge_thd.plan.estimate import PlanSettings, plan
     from megatron.bridge_thd.plan.layouts import Parallel
     from megatron.bridge_thd.plan.presets import get_preset, spec_from_hf_config
@@ -72,10 +80,21 @@ def _run(args) -> str:
         raise ValueError(f"--ep {args.ep}: {spec.name} is a dense model (no experts); use --ep 1")
     if args.overhead_ms < 0:
         raise ValueError(f"--overhead-ms: expected >= 0, got {args.overhead_ms}")
-    settings = PlanSettings(args.seq_length, args.micro_batch_size, parallel, args.micro_batches,
+    micro_batches = args.micro_batches
+    if micro_batches is not None and micro_batches < 1:
+        raise ValueError(f"--micro-batches: expected an int >= 1, got {micro_batches}")
+    if args.global_batch_size is not None:
+        implied = micro_batches_per_rank(args.global_batch_size, args.micro_batch_size, parallel.dp, len(samples))
+        if micro_batches is not None and micro_batches != implied:
+            raise ValueError(
+                f"--global-batch-size {args.global_batch_size} and --micro-batches {micro_batches} disagree: "
+                f"micro_batch_size * micro-batches * DP = {args.micro_batch_size} x {micro_batches} x {parallel.dp} = "
+                f"{args.micro_batch_size * micro_batches * parallel.dp}; give one of them")
+        micro_batches = implied
+    settings = PlanSettings(args.seq_length, args.micro_batch_size, parallel, micro_batches or 1,
                             get_gpu(args.gpu), args.mfu, args.overhead_ms / 1e3)
     result = plan(spec, samples, settings)
-    text = format_plan(result)
+    text = format_plan(result, balance_plan(spec, samples, settings, args.global_batch_size, seed=args.seed))
     if args.png:
         try:
             from megatron.bridge_thd.plan.plot import write_plot

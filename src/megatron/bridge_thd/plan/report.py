@@ -1,10 +1,11 @@
-"""The planner's printed table (markdown) for a :class:`~megatron.bridge_thd.plan.estimate.Plan`."""
+"""The planner's printed tables (markdown) for a :class:`~megatron.bridge_thd.plan.estimate.Plan` and, with
+and without global-batch packing, a :class:`~megatron.bridge_thd.plan.balance.BalancePlan`."""
 
 from __future__ import annotations
 
 from megatron.bridge_thd.plan.estimate import Plan
 
-__all__ = ["format_plan", "plan_table", "plan_summary"]
+__all__ = ["format_plan", "plan_table", "plan_summary", "balance_table", "balance_summary", "format_balance"]
 
 GIB = 2**30
 
@@ -52,6 +53,64 @@ def plan_summary(p: Plan) -> str:
             f"{1 - thd.flops.total / base.flops.total:.0%} fewer FLOPs; predicted speed-up {p.speedup():.2f}x.")
 
 
-def format_plan(p: Plan) -> str:
-    """The header, :func:`plan_table` and :func:`plan_summary`."""
-    return "\n".join(_header(p) + [plan_table(p), "", plan_summary(p)])
+def format_plan(p: Plan, balance=None) -> str:
+    """The header, :func:`plan_table` and :func:`plan_summary`; with ``balance`` (a
+    :class:`~megatron.bridge_thd.plan.balance.BalancePlan`), :func:`format_balance` after them."""
+    lines = _header(p) + [plan_table(p), "", plan_summary(p)]
+    if balance is not None:
+        lines += ["", format_balance(balance)]
+    return "\n".join(lines)
+
+
+_PLACEMENT_NAMES = {"in-batch": "in-batch (Megatron-Bridge)", "packed": "global-batch packing"}
+
+
+def balance_table(b) -> str:
+    """Markdown table: per layout, in-batch placement and global-batch packing (one row each)."""
+    lines = [
+        "| layout | placement | row slots | token slots/µb | padding | per-rank cost max/mean | per-rank time max/mean "
+        "| act GiB/GPU (peak) | step ms (slowest rank) | samples/s | vs in-batch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for layout, placements in b.layouts.items():
+        base = placements["in-batch"]
+        for name, e in placements.items():
+            if e.refused:
+                lines.append(f"| {layout} | {_PLACEMENT_NAMES[name]} | — | — | — | — | — | — | — | — | refused: {e.refused} |")
+                continue
+            row = f"{e.row_length:,}" if e.row_length is not None else "—"
+            lines.append(
+                f"| {layout} | {_PLACEMENT_NAMES[name]} | {row} | {e.slots:,.0f} | {e.padding:.1%} "
+                f"| {e.rank_cost_imbalance:.3f} | {e.rank_time_imbalance:.3f} | {e.activation_peak / GIB:.1f} "
+                f"| {e.step_s * 1e3:.1f} | {e.samples_per_s:.1f} | {base.step_s / e.step_s:.2f}x |")
+    return "\n".join(lines)
+
+
+def balance_summary(b) -> str:
+    """One sentence per packable layout: step time and padding without and with the policy."""
+    parts = []
+    for layout, placements in b.layouts.items():
+        before, after = placements["in-batch"], placements["packed"]
+        if after.refused:
+            continue
+        parts.append(f"{layout}: step {before.step_s * 1e3:.1f} -> {after.step_s * 1e3:.1f} ms "
+                     f"({b.speedup(layout):.2f}x), padding {before.padding:.1%} -> {after.padding:.1%}, per-rank cost "
+                     f"max/mean {before.rank_cost_imbalance:.3f} -> {after.rank_cost_imbalance:.3f}")
+    return "Global-batch packing vs in-batch placement: " + "; ".join(parts) + "."
+
+
+def format_balance(b) -> str:
+    """The with / without global-batch packing section: its header, :func:`balance_table` and
+    :func:`balance_summary`."""
+    s, par = b.settings, b.settings.parallel
+    over = " (above micro_batch_size * seq_length: more memory than the recipe planned)" if b.static_row > b.capacity else ""
+    header = [
+        f"Global-batch packing (docs/batching.md): global batch {b.global_batch_size} = DP{par.dp} x "
+        f"{b.num_micro_batches} micro-batch(es) x micro_batch_size {s.micro_batch_size}; {b.steps} step(s) of "
+        f"consecutive samples; cost per sample: Megatron-Bridge's FLOPs terms ({b.cost_name})",
+        f"thd_static row: in-batch micro_batch_size * seq_length = {b.capacity:,} slots; global-batch packing "
+        f"{b.static_row:,} slots, chosen from these steps{over}. Step time: the slowest DP rank's summed micro-batch "
+        "times (roofline), averaged over the steps",
+        "",
+    ]
+    return "\n".join(header + [balance_table(b), "", balance_summary(b)])

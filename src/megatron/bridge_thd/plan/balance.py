@@ -1,0 +1,278 @@
+"""The planner with and without global-batch packing: predicted step time per layout when a step's
+samples stay where Megatron-Bridge's sampler puts them (in-batch placement) and when
+:func:`megatron.bridge_thd.batching.assign` places them across DP ranks and micro-batches.
+Reasoning and the rest of the planner: docs/planner.md; the policy: docs/batching.md.
+
+The samples form ``len(samples) // global_batch_size`` steps of consecutive samples (the remainder
+is dropped). Each sample is truncated to ``seq_length`` as the step truncates it. Per step:
+
+* **in-batch** (:func:`~megatron.bridge_thd.batching.in_batch_assignment`): rank ``r``'s ``j``-th
+  micro-batch holds the step's samples ``(j * dp + r) * micro_batch_size + [0, micro_batch_size)``;
+  ``thd_static`` rows are ``micro_batch_size * round_up(seq_length, align)`` slots
+  (:func:`megatron.bridge_thd.layouts.static_row_length`).
+* **packed** (global-batch packing, :func:`~megatron.bridge_thd.batching.assign` with the cost of
+  :func:`~megatron.bridge_thd.batching.sample_cost`, Megatron-Bridge's own FLOPs terms): ``thd``
+  into rows of ``micro_batch_size * round_up(seq_length, align)`` slots (the runtime's default
+  bound); ``thd_static`` into the run's fixed row, chosen from these steps by the runtime's own
+  :func:`~megatron.bridge_thd.batching.sampler.choose_row_length` (smallest multiple of the
+  alignment, grown by ~0.5%, at which every step fits), so its slots and padding drop. ``bshd`` has
+  no packed figures: it lays out exactly ``micro_batch_size`` samples per micro-batch and
+  ``configure`` refuses global-batch packing with it.
+
+Time: each micro-batch's FLOPs by :func:`~.flops.micro_batch_flops` (its sample count, slots,
+``sum s^2`` and patches) and its roofline time by :func:`~.roofline.step_seconds` (one micro-batch,
+no bubble, no overhead); a rank's time is the sum over its micro-batches times the 1F1B bubble
+``1 + (pp - 1) / micro_batches`` plus the fixed overhead; the **step time is the slowest rank's**
+(every rank waits for it at the gradient all-reduce), averaged over the steps. Per-rank cost
+max / mean is :func:`~megatron.bridge_thd.batching.placement_stats`'s ``rank_imbalance`` with the
+same per-sample cost, averaged over the steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megatron.bridge_thd import layouts
+from megatron.bridge_thd.plan.estimate import PlanSettings
+from megatron.bridge_thd.plan.flops import flops_config, micro_batch_flops
+from megatron.bridge_thd.plan.layouts import LAYOUTS, MicroBatch, layout_stats
+from megatron.bridge_thd.plan.memory import activation_bytes, parameter_counts
+from megatron.bridge_thd.plan.presets import ModelSpec
+from megatron.bridge_thd.plan.roofline import step_seconds
+from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
+
+__all__ = ["PLACEMENTS", "PlacementEstimate", "BalancePlan", "Step", "micro_batches_per_rank", "plan_steps", "static_row_for_steps",
+           "step_assignments", "balance_plan"]
+
+PLACEMENTS = ("in-batch", "packed")
+# Layouts global-batch packing can place (configure refuses it with bshd).
+PACKABLE = ("thd", "thd_static")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step's samples: ``lengths`` (LLM tokens, truncated to ``seq_length``), ``patches`` (ViT
+    patches per sample) and ``patches_squared`` (per sample, the sum over its images of patches^2)."""
+
+    lengths: tuple[int, ...]
+    patches: tuple[int, ...]
+    patches_squared: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PlacementEstimate:
+    """One layout under one placement, over all steps.
+
+    ``row_length``: ``thd_static``'s row (slots), None otherwise; ``slots``: mean token slots per
+    micro-batch; ``padding``: 1 - real tokens / slots over all steps; ``rank_cost_imbalance`` /
+    ``rank_time_imbalance``: per-rank cost (``sample_cost``) / roofline time, max over mean, averaged
+    over the steps; ``step_s``: the slowest rank's time, averaged over the steps; ``samples_per_s``:
+    ``global_batch_size / step_s``; ``activation_peak``: bytes per GPU of the largest micro-batch;
+    ``refused``: why the placement is not available for this layout (then every figure is NaN)."""
+
+    layout: str
+    placement: str
+    row_length: int | None
+    slots: float
+    padding: float
+    rank_cost_imbalance: float
+    rank_time_imbalance: float
+    step_s: float
+    samples_per_s: float
+    activation_peak: float
+    refused: str = ""
+
+
+@dataclass(frozen=True)
+class BalancePlan:
+    """The planner's answer with and without global-batch packing: ``layouts[layout][placement]``."""
+
+    spec: ModelSpec
+    samples: SampleLengths
+    settings: PlanSettings
+    global_batch_size: int
+    num_micro_batches: int
+    steps: int
+    capacity: int  # micro_batch_size * round_up(seq_length, align): in-batch thd_static row, packed thd bound
+    static_row: int  # packed thd_static row, chosen from the steps
+    cost_name: str
+    layouts: dict[str, dict[str, PlacementEstimate]]
+
+    def speedup(self, layout: str) -> float:
+        """In-batch step time over packed step time for ``layout`` (> 1: packing is faster)."""
+        e = self.layouts[layout]
+        return e["in-batch"].step_s / e["packed"].step_s
+
+
+def micro_batches_per_rank(global_batch_size, micro_batch_size: int, dp: int, num_samples: int) -> int:
+    """``global_batch_size / (micro_batch_size * dp)``, the micro-batches every DP rank runs per step.
+
+    Raises:
+        ValueError: naming ``--global-batch-size``: not an int >= 1, not a multiple of
+            ``micro_batch_size * dp``, or larger than the ``num_samples`` samples.
+    """
+    per_micro = micro_batch_size * dp
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"--global-batch-size: expected an int >= 1, got {global_batch_size!r}")
+    if global_batch_size % per_micro:
+        raise ValueError(
+            f"--global-batch-size {global_batch_size}: must be a multiple of micro_batch_size * DP = "
+            f"{micro_batch_size} x {dp} = {per_micro} (Megatron-Bridge's rule: every DP rank runs the same number of "
+            f"micro-batches); e.g. {max(per_micro, global_batch_size // per_micro * per_micro)}")
+    if global_batch_size > num_samples:
+        raise ValueError(
+            f"--global-batch-size {global_batch_size}: larger than the {num_samples} samples, so no step can be formed; "
+            "pass more samples (--num-samples / --lengths) or a smaller global batch")
+    return global_batch_size // per_micro
+
+
+def plan_steps(samples: SampleLengths, global_batch_size: int, seq_length: int) -> list[Step]:
+    """Consecutive global batches of ``samples`` (the remainder dropped), each sample truncated to
+    ``seq_length`` (refused where that would cut an image, as the step refuses it)."""
+    check_seq_length(samples, seq_length)
+    steps = []
+    for k in range(len(samples) // global_batch_size):
+        idx = range(k * global_batch_size, (k + 1) * global_batch_size)
+        counts = [[t * h * w for t, h, w in samples.grids[i]] for i in idx]
+        steps.append(Step(tuple(min(samples.tokens[i], seq_length) for i in idx), tuple(sum(c) for c in counts),
+                          tuple(float(sum(x * x for x in c)) for c in counts)))
+    return steps
+
+
+def _sizes(steps: list[Step]):
+    import torch
+
+    from megatron.bridge_thd.batching.sizes import SampleSizes
+
+    return SampleSizes(torch.tensor([n for s in steps for n in s.lengths], dtype=torch.int64),
+                       torch.tensor([p for s in steps for p in s.patches], dtype=torch.int64),
+                       torch.tensor([q for s in steps for q in s.patches_squared], dtype=torch.float64), "planner")
+
+
+def _in_batch_samplers(steps: list[Step], dp: int, micro_batch_size: int, num_micro_batches: int) -> list[list]:
+    """Per DP rank, the micro-batches Megatron-Bridge's sampler gives it over the steps (global
+    sample positions), in the form :func:`~megatron.bridge_thd.batching.sampler.step_draws` reads."""
+    from megatron.bridge_thd.batching.policy import in_batch_assignment
+
+    gbs = dp * micro_batch_size * num_micro_batches
+    own = in_batch_assignment(gbs, dp_size=dp, micro_batch_size=micro_batch_size)
+    return [[[k * gbs + i for i in own[r][j]] for k in range(len(steps)) for j in range(num_micro_batches)]
+            for r in range(dp)]
+
+
+def static_row_for_steps(steps: list[Step], *, dp: int, micro_batch_size: int, num_micro_batches: int, align: int,
+                         cost=None, seed: int = 0) -> int:
+    """``thd_static``'s row under global-batch packing: the runtime's own
+    :func:`~megatron.bridge_thd.batching.sampler.choose_row_length` on these steps (no upper bound:
+    a row above ``micro_batch_size * seq_length`` is reported, not refused)."""
+    from megatron.bridge_thd.batching.sampler import choose_row_length
+
+    return choose_row_length(_in_batch_samplers(steps, dp, micro_batch_size, num_micro_batches),
+                             num_micro_batches=num_micro_batches, sizes=_sizes(steps), steps=len(steps),
+                             align_to=align, upper=None, cost=cost, seed=seed)
+
+
+def step_assignments(step: Step, placement: str, *, dp: int, micro_batch_size: int, num_micro_batches: int,
+                     row_length: int, align: int, cost=None, seed: int = 0):
+    """``[rank][micro_batch] -> positions in the step`` for ``placement`` (:data:`PLACEMENTS`)."""
+    from megatron.bridge_thd.batching.policy import assign, in_batch_assignment
+
+    if placement == "in-batch":
+        return in_batch_assignment(len(step.lengths), dp_size=dp, micro_batch_size=micro_batch_size)
+    if placement == "packed":
+        return assign(list(step.lengths), dp_size=dp, num_micro_batches=num_micro_batches, row_length=row_length,
+                      vision_patches=list(step.patches), vision_patches_squared=list(step.patches_squared),
+                      align_to=align, seed=seed, cost=cost)
+    raise ValueError(f"placement {placement!r} is not known; valid placements: {', '.join(PLACEMENTS)}")
+
+
+def _ratio(values) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+def _refused(layout: str, placement: str, why: str) -> PlacementEstimate:
+    nan = float("nan")
+    return PlacementEstimate(layout, placement, None, nan, nan, nan, nan, nan, nan, nan, why)
+
+
+def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings, global_batch_size: int | None = None,
+                 seed: int = 0) -> BalancePlan:
+    """Every layout of :data:`~.layouts.LAYOUTS` with in-batch placement and with global-batch packing
+    (module docstring). ``global_batch_size`` defaults to ``micro_batch_size * micro_batches_per_step * DP``.
+
+    Raises:
+        ValueError: a global batch that is not a multiple of ``micro_batch_size * DP`` or larger than
+            the samples (naming ``--global-batch-size``), or a ``seq_length`` that cuts an image.
+    """
+    from megatron.bridge_thd.batching.cost import sample_cost
+    from megatron.bridge_thd.batching.policy import placement_stats
+
+    par, mbs = settings.parallel, settings.micro_batch_size
+    if global_batch_size is None:
+        global_batch_size = mbs * settings.micro_batches_per_step * par.dp
+    n_mb = micro_batches_per_rank(global_batch_size, mbs, par.dp, len(samples))
+    steps = plan_steps(samples, global_batch_size, settings.seq_length)
+    align = par.thd_alignment()
+    capacity = layouts.static_row_length(mbs, seq_length=settings.seq_length, align=align)
+    cost = sample_cost(spec)
+    row = static_row_for_steps(steps, dp=par.dp, micro_batch_size=mbs, num_micro_batches=n_mb, align=align,
+                               cost=cost, seed=seed)
+    cfg = flops_config(spec, par.tp, settings.seq_length)
+    weight_bytes = 2 * sum(parameter_counts(spec).values()) / (par.tp * par.pp)
+    bubble = 1 + (par.pp - 1) / n_mb
+
+    @lru_cache(maxsize=None)
+    def micro_seconds(batch_size: int, slots: int, squared: int, patches: int) -> tuple[float, float]:
+        flops = micro_batch_flops(cfg, batch_size, slots, squared, patches).total
+        act = activation_bytes(spec, par, slots, patches, n_mb).total
+        return step_seconds(flops / (par.tp * par.cp * par.pp), weight_bytes, act, settings.gpu, settings.mfu), act
+
+    costs = [cost(list(s.lengths), list(s.patches), list(s.patches_squared)).tolist() for s in steps]
+    placed = {}  # (placement, row_length) -> per step assignment, shared by layouts with the same row
+    out: dict[str, dict[str, PlacementEstimate]] = {}
+    for layout in LAYOUTS:
+        out[layout] = {}
+        for placement in PLACEMENTS:
+            if placement == "packed" and layout not in PACKABLE:
+                out[layout][placement] = _refused(
+                    layout, placement, f"{layout} lays out exactly micro_batch_size samples per micro-batch; "
+                    "configure refuses global-batch packing with it")
+                continue
+            bound = row if (placement == "packed" and layout == "thd_static") else capacity
+            key = (placement, bound)
+            if key not in placed:
+                placed[key] = [step_assignments(s, placement, dp=par.dp, micro_batch_size=mbs, num_micro_batches=n_mb,
+                                                row_length=bound, align=align, cost=cost, seed=seed) for s in steps]
+            static_row = bound if (placement == "packed" and layout == "thd_static") else None
+            step_times, time_ratios, cost_ratios, slots, real, count, peak = [], [], [], 0, 0, 0, 0.0
+            for s, assignment, step_costs in zip(steps, placed[key], costs):
+                rank_times = []
+                for rank in assignment:
+                    seconds = 0.0
+                    for members in rank:
+                        lengths = tuple(s.lengths[i] for i in members)
+                        patches = sum(s.patches[i] for i in members)
+                        mb_slots, squared = layout_stats(layout, MicroBatch(lengths, patches, 0), settings.seq_length,
+                                                         par)
+                        if static_row is not None:
+                            mb_slots = layouts.static_row_length(len(lengths), seq_length=settings.seq_length,
+                                                                 align=align, row_length=static_row)
+                        t, act = micro_seconds(len(lengths), mb_slots, squared, patches)
+                        seconds += t
+                        peak = max(peak, act)
+                        slots += mb_slots
+                        real += sum(lengths)
+                        count += 1
+                    rank_times.append(seconds * bubble + settings.overhead_s)
+                step_times.append(max(rank_times))
+                time_ratios.append(_ratio(rank_times))
+                cost_ratios.append(placement_stats(assignment, list(s.lengths), costs=step_costs).rank_imbalance)
+            step_s = sum(step_times) / len(step_times)
+            out[layout][placement] = PlacementEstimate(
+                layout, placement, (static_row or capacity) if layout == "thd_static" else None, slots / count,
+                1 - real / slots,
+                sum(cost_ratios) / len(cost_ratios), sum(time_ratios) / len(time_ratios), step_s,
+                global_batch_size / step_s, peak)
+    return BalancePlan(spec, samples, settings, global_batch_size, n_mb, len(steps), capacity, row, cost.name, out)
