@@ -1,0 +1,176 @@
+"""bridge-thd plan with and without global-batch packing (plan.balance): the slowest rank's step
+time, the static row's padding and per-rank cost max / mean against hand computations on tiny
+cases, and the --global-batch-size flag with its errors."""
+
+from __future__ import annotations
+
+import warnings
+from itertools import product
+
+import pytest
+
+from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, balance_plan, get_preset
+from megatron.bridge_thd.plan.cli import main
+from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec
+from megatron.bridge_thd.plan.roofline import GPU
+
+warnings.simplefilter("ignore")
+
+# The tiny dense model of tests/test_plan.py: hidden 8, q = 2 heads x 4 = 8, kv = 1 x 4 = 4, ffn 16, 2 layers,
+# vocabulary 128 (already a multiple of 128).
+TINY = ModelSpec(name="tiny", hf_repo="none", num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1,
+                 kv_channels=4, ffn_hidden_size=16, vocab_size=128,
+                 vision=VisionSpec(depth=1, hidden_size=4, num_heads=1, intermediate_size=8, out_hidden_size=8))
+H, Q, KV, F, L, V = 8, 8, 4, 16, 2, 128
+PER_SLOT = 6 * H * 3 * F * L + 6 * L * (H * (Q + 2 * KV) + Q * H) + 6 * H * V  # fwd + bwd FLOPs per token slot
+PER_SQUARED = 6 * L * Q  # fwd + bwd FLOPs per unit of sum s^2 (causal attention core)
+PEAK = 1e15
+# Memory never binds (bandwidth ~ infinite) and MFU 1: a micro-batch takes exactly its FLOPs / PEAK.
+COMPUTE_ONLY = GPU("compute-only", PEAK, 1e30, 80e9)
+
+
+def _seconds(slots: int, lengths) -> float:
+    """A micro-batch's roofline time by hand: (linear in slots + attention in sum s^2) / peak."""
+    return (PER_SLOT * slots + PER_SQUARED * sum(s * s for s in lengths)) / PEAK
+
+
+def _cost(s: int) -> float:
+    """Per-sample cost by hand (no images): the same FLOPs for one sample alone."""
+    return PER_SLOT * s + PER_SQUARED * s * s
+
+
+def _text(*lengths) -> SampleLengths:
+    return SampleLengths(tuple(lengths), tuple(() for _ in lengths))
+
+
+def _settings(micro_batch_size=2, gpus=2, micro_batches=1, seq_length=8, pp=1, overhead_s=0.0):
+    return PlanSettings(seq_length, micro_batch_size, Parallel(pp=pp, gpus=gpus), micro_batches, COMPUTE_ONLY, 1.0,
+                        overhead_s)
+
+
+def _smallest_row(lengths, rows: int) -> int:
+    """Smallest row that some split of ``lengths`` into ``rows`` non-empty rows fits (brute force)."""
+    best = None
+    for labels in product(range(rows), repeat=len(lengths)):
+        if len(set(labels)) < rows:
+            continue
+        load = max(sum(n for n, r in zip(lengths, labels) if r == k) for k in range(rows))
+        best = load if best is None else min(best, load)
+    return best
+
+
+def test_the_slowest_rank_sets_the_step_and_packing_balances_it():
+    # DP 2, micro-batch 2, one step: in-batch gives rank 0 (8, 8) and rank 1 (1, 1); the balanced split is
+    # (8, 1) on each rank.
+    b = balance_plan(TINY, _text(8, 8, 1, 1), _settings())
+    assert (b.global_batch_size, b.num_micro_batches, b.steps) == (4, 1, 1)
+    thd, static, bshd = (b.layouts[k] for k in ("thd", "thd_static", "bshd"))
+    assert thd["in-batch"].step_s == pytest.approx(_seconds(16, (8, 8)))
+    assert thd["packed"].step_s == pytest.approx(_seconds(9, (8, 1)))
+    assert b.speedup("thd") == pytest.approx(_seconds(16, (8, 8)) / _seconds(9, (8, 1)))
+    # rank times (8, 8) vs (1, 1): max / mean
+    slow, fast = _seconds(16, (8, 8)), _seconds(2, (1, 1))
+    assert thd["in-batch"].rank_time_imbalance == pytest.approx(slow / ((slow + fast) / 2))
+    assert thd["packed"].rank_time_imbalance == pytest.approx(1.0)
+    # thd_static in-batch: every row micro_batch_size * seq_length = 16 slots; packed: the row chosen is 9
+    assert static["in-batch"].row_length == 16 and static["in-batch"].step_s == pytest.approx(_seconds(16, (8, 8)))
+    assert b.static_row == 9 and static["packed"].row_length == 9
+    assert static["packed"].step_s == pytest.approx(_seconds(9, (8, 1)))
+    # bshd: width 8 rounded up to Megatron-Bridge's multiple of 16, on both ranks; no packed figures
+    assert bshd["in-batch"].step_s == pytest.approx(_seconds(2 * 16, (16, 16)))
+    assert bshd["packed"].refused and "configure refuses" in bshd["packed"].refused
+
+
+def test_static_row_padding_and_the_row_chosen_from_the_data():
+    lengths = (5, 5, 5, 1)
+    b = balance_plan(TINY, _text(*lengths), _settings())
+    # the lower bound max(longest, ceil(16 / 2 rows)) = 8 does not fit (5 + 5 + 5 + 1 cannot split 8 / 8)
+    assert b.static_row == _smallest_row(lengths, 2) == 10
+    static = b.layouts["thd_static"]
+    real = sum(lengths)
+    assert static["in-batch"].padding == pytest.approx(1 - real / (2 * 16))
+    assert static["packed"].padding == pytest.approx(1 - real / (2 * 10))
+    assert static["in-batch"].slots == 16 and static["packed"].slots == 10
+    assert b.layouts["thd"]["in-batch"].padding == pytest.approx(0.0)  # align 1: thd slots are the real tokens
+
+
+def test_per_rank_cost_max_over_mean_by_hand():
+    b = balance_plan(TINY, _text(8, 8, 1, 1), _settings())
+    ranks = [2 * _cost(8), 2 * _cost(1)]
+    expected = max(ranks) / (sum(ranks) / 2)
+    for layout in ("thd", "thd_static", "bshd"):
+        assert b.layouts[layout]["in-batch"].rank_cost_imbalance == pytest.approx(expected)
+    assert b.layouts["thd"]["packed"].rank_cost_imbalance == pytest.approx(1.0)
+    assert b.layouts["thd_static"]["packed"].rank_cost_imbalance == pytest.approx(1.0)
+
+
+def test_steps_are_consecutive_global_batches_averaged_with_bubble_and_overhead():
+    # Two steps of 4 (the ninth sample is dropped); PP 2 (gpus 4 = PP2 x DP2), two micro-batches of 1 per rank.
+    samples = _text(8, 2, 2, 2, 4, 4, 4, 4, 7)
+    settings = _settings(micro_batch_size=1, gpus=4, micro_batches=2, pp=2, overhead_s=0.5)
+    b = balance_plan(TINY, samples, settings)
+    assert (b.global_batch_size, b.num_micro_batches, b.steps) == (4, 2, 2)
+    bubble = 1 + (2 - 1) / 2
+
+    def rank(*micro):  # FLOPs divide over the 2 pipeline stages
+        return sum(_seconds(n, (n,)) for n in micro) / 2 * bubble + 0.5
+
+    # in-batch: rank r's j-th micro-batch is sample j * DP + r of the step
+    first = max(rank(8, 2), rank(2, 2))
+    second = max(rank(4, 4), rank(4, 4))
+    assert b.layouts["thd"]["in-batch"].step_s == pytest.approx((first + second) / 2)
+    assert b.layouts["thd"]["in-batch"].samples_per_s == pytest.approx(4 / ((first + second) / 2))
+
+
+def test_default_global_batch_is_micro_batch_size_times_micro_batches_times_dp():
+    b = balance_plan(TINY, _text(*([3, 5] * 8)), _settings(micro_batches=2))
+    assert b.global_batch_size == 2 * 2 * 2 and b.steps == 2
+
+
+def test_bad_global_batch_sizes_are_refused_naming_the_flag():
+    for bad, words in ((6, "multiple of micro_batch_size \\* DP"), (0, "int >= 1"), (8, "larger than the 4 samples")):
+        with pytest.raises(ValueError, match=f"--global-batch-size.*{words}"):
+            balance_plan(TINY, _text(8, 8, 1, 1), _settings(), bad)
+
+
+def test_cli_prints_both_placements_and_takes_the_flag(capsys):
+    args = ["--model", "qwen3-vl-8b", "--num-samples", "64", "--seq-length", "2048", "--micro-batch-size", "4"]
+    assert main(args + ["--global-batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "| thd |" in out and "| thd_static |" in out  # the existing table is still printed
+    assert "2 micro-batch(es)/step" in out  # 64 = 4 x 2 x DP8
+    assert "global batch 64 = DP8 x 2 micro-batch(es)" in out
+    for layout, placement in product(("bshd", "thd", "thd_static"), ("in-batch (Megatron-Bridge)", "global-batch packing")):
+        assert f"| {layout} | {placement} |" in out
+    assert main(args) == 0
+    assert "global batch 32 = DP8 x 1 micro-batch(es)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--global-batch-size", "48"], "--global-batch-size 48: must be a multiple of micro_batch_size * DP = 4 x 8 = 32"),
+    (["--global-batch-size", "0"], "--global-batch-size: expected an int >= 1"),
+    (["--global-batch-size", "-32"], "--global-batch-size: expected an int >= 1"),
+    (["--global-batch-size", "128"], "--global-batch-size 128: larger than the 64 samples"),
+    (["--global-batch-size", "64", "--micro-batches", "1"], "--global-batch-size 64 and --micro-batches 1 disagree"),
+])
+def test_cli_rejects_bad_global_batch_sizes_with_the_flag_named(capsys, extra, message):
+    assert main(["--model", "qwen3-vl-8b", "--num-samples", "64"] + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bridge-thd plan: error: ") and message in err
+
+
+def test_cli_refuses_a_non_integer_global_batch_size(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--global-batch-size", "many"])
+    assert exit_info.value.code == 2 and "--global-batch-size" in capsys.readouterr().err
+
+
+def test_real_preset_packing_never_slows_thd_static_and_fills_its_row():
+    from megatron.bridge_thd.plan import receipt_lengths
+
+    b = balance_plan(get_preset("qwen3-vl-8b"), receipt_lengths(256, 0), PlanSettings(2048, 4, Parallel(gpus=8)), 128)
+    static = b.layouts["thd_static"]
+    assert b.static_row < b.capacity == 4 * 2048
+    assert static["packed"].padding < static["in-batch"].padding
+    assert static["packed"].step_s < static["in-batch"].step_s
+    assert b.layouts["thd"]["packed"].rank_cost_imbalance <= b.layouts["thd"]["in-batch"].rank_cost_imbalance
