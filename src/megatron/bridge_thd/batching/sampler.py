@@ -181,7 +181,9 @@ def choose_row_length(samplers: Sequence, *, num_micro_batches: int, sizes: Samp
     while upper is None or row <= upper:
         if all(fits(index) for index in draws):
             return row
-        row = -(-int(row * 1.005 + 1) // align_to) * align_to
+        grown = -(-int(row * 1.005 + 1) // align_to) * align_to
+        # The last try is the ceiling itself (the in-batch row always fits when no sample exceeds seq_length).
+        row = grown if upper is None or row == upper else min(grown, upper)
     raise ValueError(
         f"row_length: the run's steps need a row longer than {upper} slots (micro_batch_size * seq_length); "
         "set dataset.global_batch_packing.row_length, or raise train.micro_batch_size")

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["VisualInputs", "ReceiptSpec", "receipt_sample", "synthetic_receipt_batch", "padding_free_batch"]
+__all__ = ["VisualInputs", "ReceiptSpec", "receipt_sample", "synthetic_receipt_batch", "padding_free_batch",
+           "select_samples"]
 
 
 @dataclass
@@ -165,3 +166,45 @@ def padding_free_batch(batch: dict, multiple: int = 16) -> dict:
     cut["loss_mask"][:, -1] = 0.0
     return cut
 
+
+
+def select_samples(batch: dict, indices, *, image_token_id: int = ReceiptSpec.image_token_id,
+                   spatial_merge_size: int = ReceiptSpec.spatial_merge_size) -> dict:
+    """The micro-batch of samples ``indices`` of ``batch`` (a :func:`synthetic_receipt_batch`), as a
+    collate would give them: right-padded to the longest selected sample, with their images' patch
+    grids and pixel rows. A sample's images are the next grids in order whose merged token counts
+    add up to its image tokens.
+
+    Returns:
+        the same keys as ``batch``, ``(len(indices), T')``.
+    """
+    keep, grids = batch["attention_mask"].bool(), batch["visual_inputs"].image_grid_thw
+    per_grid_tokens = (grids.prod(-1) // spatial_merge_size**2).tolist()
+    per_grid_rows = grids.prod(-1).tolist()
+    owner, starts, grid, row = [], [], 0, 0
+    for i in range(keep.shape[0]):
+        need = int(((batch["tokens"][i] == image_token_id) & keep[i]).sum())
+        mine = []
+        while need > 0:
+            mine.append((grid, row))
+            need -= per_grid_tokens[grid]
+            row += per_grid_rows[grid]
+            grid += 1
+        owner.append(mine)
+    indices = list(indices)
+    lengths = [int(keep[i].sum()) for i in indices]
+    width = max(lengths)
+    out = {}
+    for key in ("tokens", "labels", "loss_mask", "attention_mask"):
+        fill = -100 if key == "labels" else 0
+        rows = torch.full((len(indices), width), fill, dtype=batch[key].dtype)
+        for k, i in enumerate(indices):
+            rows[k, : lengths[k]] = batch[key][i][keep[i]]
+        out[key] = rows
+    out["position_ids"] = torch.arange(width).expand(len(indices), -1).clone()
+    chosen = [g for i in indices for g in owner[i]]
+    pixel_rows = [batch["visual_inputs"].pixel_values[r: r + per_grid_rows[g]] for g, r in chosen]
+    out["visual_inputs"] = VisualInputs(
+        pixel_values=torch.cat(pixel_rows) if pixel_rows else None,
+        image_grid_thw=grids[[g for g, _ in chosen]] if chosen else None)
+    return out

@@ -34,7 +34,8 @@ def global_parameter_name(name: str, layer_offset: int) -> str:
 
 
 def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, variable_seq_lengths: bool, *,
-                  num_layers: int = 4, micro_batch_size: int = 2, seq_length: int = 2048) -> dict:
+                  num_layers: int = 4, micro_batch_size: int = 2, seq_length: int = 2048,
+                  global_batch_packing=None) -> dict:
     """One step of ``len(batches)`` micro-batches on this rank's pipeline stage (and CP rank).
 
     Args:
@@ -42,6 +43,8 @@ def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, varia
             num_layers=...))``).
         batches: Megatron-Bridge VLM micro-batches, each of ``micro_batch_size`` samples.
         layout, variable_seq_lengths: ``dataset.packing_layout`` and ``model.variable_seq_lengths``.
+        global_batch_packing: ``dataset.global_batch_packing`` (its ``row_length`` fixes a
+            ``thd_static`` row; micro-batches may then hold any number of samples).
 
     Returns:
         ``losses``: what the schedule returns (per micro-batch ``{"lm loss": (sum, tokens)}`` on
@@ -60,7 +63,7 @@ def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, varia
     offset = rank * num_layers // size
     model.load_state_dict({name: full_state_dict[global_parameter_name(name, offset)] for name in model.state_dict()})
     state = minimal_state(seq_length=seq_length, micro_batch_size=micro_batch_size, packing_layout=layout,
-                          variable_seq_lengths=variable_seq_lengths)
+                          variable_seq_lengths=variable_seq_lengths, global_batch_packing=global_batch_packing)
     losses = forward_backward_pipelining_without_interleaving(
         forward_step_func=partial(forward_step, state), data_iterator=iter(batches), model=[model],
         num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,

@@ -49,6 +49,7 @@ def minimal_state(
     packing_layout: str | None = None,
     skip_getting_attention_mask_from_dataset: bool = False,
     tokenizer=None,
+    global_batch_packing=None,
     **model_settings,
 ) -> SimpleNamespace:
     """The parts of Megatron-Bridge's ``GlobalState`` the step reads.
@@ -58,6 +59,8 @@ def minimal_state(
         micro_batch_size: ``train.micro_batch_size``.
         packing: ``dataset.pack_sequences_in_batch``.
         packing_layout: ``dataset.packing_layout`` (None = the default, ``"thd"``).
+        global_batch_packing: ``dataset.global_batch_packing`` (a ``batching.bridge.GlobalBatchPacking``;
+            the step reads its ``row_length``).
         model_settings: extra ``cfg.model`` attributes (``variable_seq_lengths``, ``fp8``,
             ``sequence_parallel``).
 
@@ -70,6 +73,7 @@ def minimal_state(
         skip_getting_attention_mask_from_dataset=skip_getting_attention_mask_from_dataset,
         packing_layout=packing_layout,
         seq_length=seq_length,
+        global_batch_packing=global_batch_packing,
     )
     model = SimpleNamespace(seq_length=seq_length, **model_settings)
     cfg = SimpleNamespace(
