@@ -1,0 +1,615 @@
+#!/usr/bin/env python
+"""Global-batch packing (issue 19) against Megatron-Bridge's in-batch placement and VERL's balancer, on the CPU.
+
+No model runs: every figure comes from per-sample lengths, Megatron-Bridge's FLOPs terms
+(``batching.sample_cost``) and the placements themselves. Deterministic (fixed seeds) except the
+wall times of table (d).
+
+Setting: MBS 4, DP 8, global batch sizes 64 and 512 (2 and 16 micro-batches per rank); the steps are
+consecutive global batches of each distribution (the remainder dropped); THD alignment 1 (TP = CP = 1);
+models Qwen3-VL 8B and Qwen3-VL 30B-A3B (their cost coefficients; 30B-A3B with EP8 for the planner's
+step time).
+
+Distributions:
+
+* ``receipts``: the planner's synthetic receipts, ``plan.samples.receipt_lengths(4096, 0)`` (one image
+  each), seq_length 2048.
+* ``long-tailed``: 4096 samples, ``random.Random(19)``: text tokens lognormal (median 400, sigma
+  1.2: mean ~820, 1% above ~6,500), 0..6 images per sample (uniform), each image a ``(1, h, w)`` patch
+  grid with h, w even in [12, 40] (36..400 LLM tokens), the images after an 8-token prompt; the text
+  capped so that every sample fits seq_length 4096 (the cap is the heavy tail's end).
+* ``doc-chart file``: ``benchmarks/data/global_batch_lengths.json`` (this script writes it, deterministic,
+  ``random.Random(1919)``, in ``plan.samples.load_lengths`` format, loaded back through it): 2048
+  samples, 60% document pages (1..8 page images of (1, 28..48, 20..36) patches, question + answer
+  text lognormal median 180, sigma 0.8), 40% charts (1 image, 2 with probability 0.3, of (1, 24..48,
+  32..56) patches, text lognormal median 120, sigma 0.7); image resolution lowered until the sample
+  fits seq_length 2048.
+
+Tables:
+
+(a) ``thd_static`` static-row padding: in-batch placement (row ``micro_batch_size * seq_length``) vs
+    global-batch packing (row chosen from the data by ``batching.sampler.choose_row_length``, as the
+    runtime chooses it). Goal <= 5%.
+(b) Per-rank cost max / mean (cost = ``sample_cost(model)``), mean over the steps (and the worst
+    step): in-batch placement; ``batching.assign`` into ``thd`` rows (``micro_batch_size *
+    seq_length``) and into the chosen static row; VERL 0.9.1: its DP balance (``_balance_batch``:
+    ``get_seqlen_balanced_partitions(calculate_workload(s), dp, equal_size=True)``, Karmarkar-Karp on
+    ``24576 * s + s^2`` of the tokens) then its micro-batches per rank (``rearrange_micro_batches``,
+    real function, token cap ``micro_batch_size * seq_length``, the DP all-reduces of the micro-batch
+    count emulated: every rank runs the same count, the smallest at which every rank fits). Goal <= 1.03.
+(c) Vision-aware vs text-only balancing: ``assign`` with the full cost vs with ``cost.text_only()``
+    (no ViT terms), both measured with the full cost.
+(d) ``assign``'s wall time for one 4096-sample global batch (DP 8 x 128 micro-batches of 4), thd row and
+    static row, and VERL's ``get_seqlen_balanced_partitions`` on the same lengths: median of repeats
+    (this CPU, one process).
+(e) The planner's predicted step time (``plan.balance.balance_plan``, 8 x H100 SXM roofline, MFU 40%):
+    the slowest DP rank's time, with and without global-batch packing, per layout.
+
+VERL's ``verl/utils/seqlen_balancing.py`` is loaded by file path as ``testbed.verl_support`` loads its
+``util.py``: from the cached verl 0.9.1 wheel (``pip download --no-deps verl==0.9.1`` into
+``~/.cache/bridge_thd/verl-0.9.1/wheel`` if absent; only that file is extracted; nothing is installed).
+The three ``verl`` names it imports at module level (``verl.protocol.DataProto``,
+``verl.utils.tensordict_utils``, ``verl.utils.device.get_device_name``) get stand-ins for the load:
+``DataProto`` is only used by ``prepare_dynamic_batch`` (not called), ``get_device_name`` only under an
+initialised process group (none here), and ``tensordict_utils.index_select_tensor_dict`` is given a
+stand-in that selects the rows of a dict of tensors.
+
+Writes ``benchmarks/results/global_batch_packing.{json,md,png}`` (``--quick``: a smoke run, 256
+samples, GBS 64, one model; writes nothing unless ``--out`` is given).
+
+Usage:
+    .venv/bin/python benchmarks/global_batch_packing.py [--quick] [--out DIR] [--repeats N] [--no-verl] [--write-data] [--render]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import types
+import warnings
+import zipfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tables import markdown  # noqa: E402
+
+warnings.filterwarnings("ignore", category=UserWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+import torch  # noqa: E402
+
+from megatron.bridge_thd.batching import assign, in_batch_assignment, placement_stats, sample_cost  # noqa: E402
+from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, balance_plan, get_preset  # noqa: E402
+from megatron.bridge_thd.plan.balance import plan_steps, static_row_for_steps  # noqa: E402
+from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DATA_FILE = HERE / "data" / "global_batch_lengths.json"
+MODELS = ("qwen3-vl-8b", "qwen3-vl-30b-a3b")
+MICRO_BATCH_SIZE, DP, ALIGN, SEED = 4, 8, 1, 0
+GLOBAL_BATCH_SIZES = (64, 512)
+VERL_VERSION = "0.9.1"
+VERL_FILE = "verl/utils/seqlen_balancing.py"
+PADDING_GOAL, IMBALANCE_GOAL = 0.05, 1.03
+
+
+# --------------------------------------------------------------------------------------------
+# Distributions
+# --------------------------------------------------------------------------------------------
+
+
+def long_tailed(n: int = 4096, seq_length: int = 4096, seed: int = 19) -> SampleLengths:
+    """Lognormal text (median 400, sigma 1.2), 0..6 images of (1, 12..40, 12..40) patches after an
+    8-token prompt, every sample capped at ``seq_length`` tokens (module docstring)."""
+    rng = random.Random(seed)
+    tokens, grids, ends = [], [], []
+    for _ in range(n):
+        images = tuple((1, 2 * rng.randint(6, 20), 2 * rng.randint(6, 20)) for _ in range(rng.randint(0, 6)))
+        image_tokens = sum(h * w // 4 for _, h, w in images)
+        prompt = 8
+        text = max(prompt + 1, round(rng.lognormvariate(math.log(400), 1.2)))
+        text = min(text, seq_length - image_tokens)
+        tokens.append(text + image_tokens)
+        grids.append(images)
+        ends.append(prompt + image_tokens if images else 0)
+    return SampleLengths(tuple(tokens), tuple(grids), source=f"long-tailed (n={n}, seed={seed})", image_ends=tuple(ends))
+
+
+def doc_chart_samples(n: int = 2048, seq_length: int = 2048, seed: int = 1919) -> list[dict]:
+    """Document / chart samples in ``load_lengths`` JSON form (module docstring)."""
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(n):
+        if rng.random() < 0.6:
+            text = max(16, round(rng.lognormvariate(math.log(180), 0.8)))
+            images = [[1, 2 * rng.randint(14, 24), 2 * rng.randint(10, 18)] for _ in range(rng.randint(1, 8))]
+        else:
+            text = max(16, round(rng.lognormvariate(math.log(120), 0.7)))
+            images = [[1, 2 * rng.randint(12, 24), 2 * rng.randint(16, 28)] for _ in range(1 if rng.random() < 0.7 else 2)]
+        text = min(text, seq_length // 2)
+        # lower the resolution (the largest image's height, by 2 patches) until the sample fits seq_length
+        while text + sum(h * w // 4 for _, h, w in images) > seq_length:
+            largest = max(images, key=lambda g: g[1] * g[2])
+            largest[1] -= 2
+        samples.append({"text_tokens": text, "images": images})
+    return samples
+
+
+def write_data_file(path: Path = DATA_FILE) -> Path:
+    """Write the doc / chart lengths file (one sample per line, deterministic)."""
+    samples = doc_chart_samples()
+    lines = ",\n".join("  " + json.dumps(s, separators=(", ", ": ")) for s in samples)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        '{"description": "benchmarks/global_batch_packing.py: 2048 document (60%, 1-8 page images) and chart (40%, '
+        '1-2 images) samples, random.Random(1919), every sample <= 2048 tokens (Qwen3-VL merge 2)",\n'
+        f' "samples": [\n{lines}\n]}}\n')
+    return path
+
+
+def distributions(quick: bool):
+    """``[(name, SampleLengths, seq_length, description)]``."""
+    n = 256 if quick else 4096
+    if not DATA_FILE.is_file():
+        write_data_file()
+    file_samples = load_lengths(DATA_FILE, 2)
+    if quick:
+        file_samples = SampleLengths(file_samples.tokens[:n], file_samples.grids[:n], file_samples.source)
+    return [
+        ("receipts", receipt_lengths(n, 0), 2048, f"plan.samples.receipt_lengths({n}, 0): synthetic receipts, one image each"),
+        ("long-tailed", long_tailed(n), 4096, "lognormal text (median 400, sigma 1.2) + 0..6 images of 36..400 "
+         "tokens, capped at 4096 tokens, random.Random(19)"),
+        ("doc-chart file", file_samples, 2048, f"{DATA_FILE.relative_to(HERE.parent)}: documents (1-8 pages) and "
+         "charts (1-2 images), random.Random(1919)"),
+    ]
+
+
+def summary(samples: SampleLengths) -> dict:
+    tokens = sorted(samples.tokens)
+    images = [len(g) for g in samples.grids]
+    return {"samples": len(tokens), "mean_tokens": sum(tokens) / len(tokens), "median_tokens": tokens[len(tokens) // 2],
+            "p99_tokens": tokens[int(0.99 * (len(tokens) - 1))], "max_tokens": tokens[-1],
+            "images_per_sample": [min(images), max(images)], "mean_images": sum(images) / len(images)}
+
+
+# --------------------------------------------------------------------------------------------
+# VERL 0.9.1's seqlen_balancing.py, by file path
+# --------------------------------------------------------------------------------------------
+
+
+def _verl_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "bridge_thd" / f"verl-{VERL_VERSION}"
+
+
+def find_verl_balancing() -> tuple[Path | None, str]:
+    """VERL's ``seqlen_balancing.py`` (extracted from the cached or downloaded wheel) and how it was found."""
+    cached = _verl_cache() / "seqlen_balancing.py"
+    if cached.is_file():
+        return cached, "cache"
+    spec = importlib.util.find_spec("verl")
+    if spec is not None and spec.origin and (Path(spec.origin).parent / "utils" / "seqlen_balancing.py").is_file():
+        return Path(spec.origin).parent / "utils" / "seqlen_balancing.py", "installed verl"
+    wheels = _verl_cache() / "wheel"
+    how = "cached wheel"
+    if not list(wheels.glob("verl-*.whl")):
+        how = "downloaded wheel"
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--timeout", "10",
+                            f"verl=={VERL_VERSION}", "-d", str(wheels)], check=True, timeout=120, capture_output=True)
+        except (subprocess.SubprocessError, OSError) as error:
+            return None, f"verl {VERL_VERSION} could not be downloaded ({type(error).__name__})"
+    try:
+        wheel = next(wheels.glob("verl-*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            cached.write_bytes(archive.read(VERL_FILE))
+    except (StopIteration, KeyError, OSError) as error:
+        return None, f"{VERL_FILE} not found in the verl {VERL_VERSION} wheel ({type(error).__name__})"
+    return cached, how
+
+
+def load_verl_balancing(path: Path):
+    """Execute VERL's file as a stand-alone module, its three ``verl`` imports stubbed for the load
+    (module docstring); ``sys.modules`` restored afterwards."""
+    names = ("verl", "verl.protocol", "verl.utils", "verl.utils.tensordict_utils", "verl.utils.device")
+    saved = {name: sys.modules.get(name) for name in names}
+    for name in names:
+        sys.modules[name] = types.ModuleType(name)
+        sys.modules[name].__path__ = []
+    sys.modules["verl.protocol"].DataProto = object
+    sys.modules["verl.utils"].tensordict_utils = sys.modules["verl.utils.tensordict_utils"]
+    sys.modules["verl.utils.tensordict_utils"].index_select_tensor_dict = (
+        lambda batch, index: {k: v[torch.as_tensor(index, dtype=torch.long)] for k, v in batch.items()})
+
+    def no_device():
+        raise RuntimeError("stand-in: get_device_name is only called under an initialised process group")
+
+    sys.modules["verl.utils.device"].get_device_name = no_device
+    try:
+        spec = importlib.util.spec_from_file_location("verl_seqlen_balancing", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        for name, before in saved.items():
+            if before is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = before
+    return module
+
+
+def verl_placement(verl, lengths: list[int], *, dp: int, max_token_len: int):
+    """VERL's placement of one step: ``_balance_batch`` (Karmarkar-Karp, equal sizes, on
+    ``calculate_workload``), then each rank's ``rearrange_micro_batches`` with every rank at the same
+    micro-batch count (VERL all-reduces MAX of the count and MIN of "every micro-batch within the
+    token cap"; here the same search runs the real partition function for every rank).
+
+    Returns ``([rank][micro_batch] -> positions in the step, micro-batches per rank)``."""
+    seqlens = torch.tensor(lengths, dtype=torch.int64)
+    workload = verl.calculate_workload(seqlens).tolist()
+    ranks = verl.get_seqlen_balanced_partitions(workload, k_partitions=dp, equal_size=True)
+    # The DP all-reduces of rearrange_micro_batches, done once over all ranks.
+    per_rank = [[lengths[i] for i in rank] for rank in ranks]
+    count = max(min(len(p), verl.ceildiv(sum(p), max_token_len)) for p in per_rank)
+
+    def fits(p, k):
+        parts = verl.get_seqlen_balanced_partitions(verl.calculate_workload(torch.tensor(p)).tolist(), k, equal_size=False)
+        return all(sum(p[i] for i in part) <= max_token_len for part in parts)
+
+    while not all(fits(p, count) for p in per_rank):
+        count += 1
+    placement = []
+    for rank, p in zip(ranks, per_rank):
+        width = max(p)
+        mask = torch.arange(width)[None, :] < torch.tensor(p)[:, None]
+        batch = {"input_ids": torch.zeros(len(p), width, dtype=torch.long), "attention_mask": mask}
+        _, micro = verl.rearrange_micro_batches(batch, max_token_len, min_num_micro_batch=count)
+        placement.append([[rank[i] for i in part] for part in micro])
+    return placement, count
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------------------------
+
+
+def _mean(values):
+    return sum(values) / len(values)
+
+
+def measure(name, samples, seq_length, model, gbs, verl) -> dict:
+    """Tables (a), (b), (c) and (e) for one distribution, model and global batch size."""
+    cost = sample_cost(model)
+    text_only = cost.text_only()
+    n_mb = gbs // (MICRO_BATCH_SIZE * DP)
+    steps = plan_steps(samples, gbs, seq_length)
+    capacity = MICRO_BATCH_SIZE * seq_length
+    row = static_row_for_steps(steps, dp=DP, micro_batch_size=MICRO_BATCH_SIZE, num_micro_batches=n_mb, align=ALIGN,
+                               cost=cost, seed=SEED)
+    real = sum(sum(s.lengths) for s in steps)
+    rows_total = len(steps) * DP * n_mb
+    # No fixed row can be shorter than this: the fullest step's tokens over its rows (or its longest sample).
+    bound = max(max(max(s.lengths), -(-sum(s.lengths) // (DP * n_mb))) for s in steps)
+    ratios = {k: [] for k in ("in_batch", "assign_thd", "assign_static", "verl", "assign_text_only")}
+    micro_ratios = {k: [] for k in ("in_batch", "assign_thd", "assign_static", "verl")}
+    verl_counts, verl_max_tokens = [], []
+    for step in steps:
+        lengths = list(step.lengths)
+        patches, squared = list(step.patches), list(step.patches_squared)
+        costs = cost(lengths, patches, squared)
+
+        def place(row_length, c=cost):
+            return assign(lengths, dp_size=DP, num_micro_batches=n_mb, row_length=row_length, vision_patches=patches,
+                          vision_patches_squared=squared, align_to=ALIGN, seed=SEED, cost=c)
+
+        placements = {"in_batch": in_batch_assignment(gbs, dp_size=DP, micro_batch_size=MICRO_BATCH_SIZE),
+                      "assign_thd": place(capacity), "assign_static": place(row),
+                      "assign_text_only": place(capacity, text_only)}
+        if verl is not None:
+            placements["verl"], count = verl_placement(verl, lengths, dp=DP, max_token_len=capacity)
+            verl_counts.append(count)
+            verl_max_tokens.append(max(sum(lengths[i] for i in mb) for rank in placements["verl"] for mb in rank))
+        for key, placement in placements.items():
+            stats = placement_stats(placement, lengths, costs=costs)
+            ratios[key].append(stats.rank_imbalance)
+            if key in micro_ratios:
+                micro_ratios[key].append(stats.micro_batch_imbalance)
+    parallel = Parallel(gpus=8, ep=8) if get_preset(model).is_moe else Parallel(gpus=8)
+    bp = balance_plan(get_preset(model), samples, PlanSettings(seq_length, MICRO_BATCH_SIZE, parallel, n_mb), gbs,
+                      seed=SEED)
+    static = bp.layouts["thd_static"]
+    # the planner computes the same static row and padding (one rule, two callers)
+    assert bp.static_row == row and abs(static["packed"].padding - (1 - real / (rows_total * row))) < 1e-12
+    planner = {f"{layout}/{placement}": (None if e.refused else {"step_ms": e.step_s * 1e3, "samples_per_s": e.samples_per_s,
+                                                                  "rank_time_imbalance": e.rank_time_imbalance})
+               for layout, placements in bp.layouts.items() for placement, e in placements.items()}
+    return {
+        "distribution": name, "model": model, "seq_length": seq_length, "global_batch_size": gbs,
+        "micro_batches_per_rank": n_mb, "steps": len(steps),
+        "static_row": {"in_batch": capacity, "packed": row, "lower_bound": bound},
+        "static_padding": {"in_batch": 1 - real / (rows_total * capacity), "packed": 1 - real / (rows_total * row),
+                           "lower_bound": 1 - real / (rows_total * bound)},
+        "rank_cost_imbalance": {k: ({"mean": _mean(v), "worst": max(v)} if v else None) for k, v in ratios.items()},
+        "micro_batch_cost_imbalance": {k: ({"mean": _mean(v), "worst": max(v)} if v else None)
+                                       for k, v in micro_ratios.items()},
+        "verl_micro_batches_per_rank": (min(verl_counts), max(verl_counts)) if verl_counts else None,
+        "verl_max_micro_batch_tokens": max(verl_max_tokens) if verl_max_tokens else None,
+        "planner_8xh100": planner,
+    }
+
+
+def time_assign(samples, seq_length, model, repeats: int, verl) -> dict:
+    """Table (d): one global batch of all ``samples`` (4096 in the full run) on DP 8."""
+    gbs = len(samples) // (MICRO_BATCH_SIZE * DP) * (MICRO_BATCH_SIZE * DP)
+    n_mb = gbs // (MICRO_BATCH_SIZE * DP)
+    step = plan_steps(samples, gbs, seq_length)[0]
+    cost = sample_cost(model)
+    row = static_row_for_steps([step], dp=DP, micro_batch_size=MICRO_BATCH_SIZE, num_micro_batches=n_mb, align=ALIGN,
+                               cost=cost, seed=SEED)
+    lengths = torch.tensor(step.lengths, dtype=torch.int64)
+    patches = torch.tensor(step.patches, dtype=torch.int64)
+    squared = torch.tensor(step.patches_squared, dtype=torch.float64)
+
+    def median_ms(fn):
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    def run(row_length):
+        return lambda: assign(lengths, dp_size=DP, num_micro_batches=n_mb, row_length=row_length,
+                              vision_patches=patches, vision_patches_squared=squared, align_to=ALIGN, seed=SEED,
+                              cost=cost)
+
+    out = {"samples": gbs, "micro_batches_per_rank": n_mb, "repeats": repeats, "load_average_1min": os.getloadavg()[0],
+           "assign_thd_ms": median_ms(run(MICRO_BATCH_SIZE * seq_length)), "static_row": row,
+           "assign_static_ms": median_ms(run(row))}
+    if verl is not None:
+        workload = verl.calculate_workload(lengths).tolist()
+        out["verl_kk_ms"] = median_ms(lambda: verl.get_seqlen_balanced_partitions(workload, DP, equal_size=True))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+_MODEL_NAMES = {"qwen3-vl-8b": "Qwen3-VL 8B", "qwen3-vl-30b-a3b": "Qwen3-VL 30B-A3B"}
+
+
+def _pct(x):
+    return f"{100 * x:.1f}%"
+
+
+def render(results: dict) -> str:
+    """The Markdown report from the results JSON."""
+    p = results["parameters"]
+    rows = results["rows"]
+    out = [
+        "# Global-batch packing vs in-batch placement and VERL's balancer",
+        "",
+        f"`benchmarks/global_batch_packing.py`{' --quick' if p['quick'] else ''}: MBS {p['micro_batch_size']}, "
+        f"DP {p['dp']}, THD alignment {p['align']}, steps = consecutive global batches; cost per sample = "
+        "`batching.sample_cost(model)` (Megatron-Bridge's FLOPs terms). CPU only, no model. "
+        f"VERL: {results['verl']['status']}.",
+        "",
+        "Distributions:",
+        "",
+    ]
+    for name, d in results["distributions"].items():
+        out.append(f"- **{name}** (seq_length {d['seq_length']}): {d['description']}; {d['samples']} samples, mean "
+                   f"{d['mean_tokens']:.0f} / median {d['median_tokens']} / p99 {d['p99_tokens']} / max {d['max_tokens']} "
+                   f"tokens, {d['images_per_sample'][0]}-{d['images_per_sample'][1]} images per sample "
+                   f"(mean {d['mean_images']:.2f})")
+    out += ["", f"## (a) `thd_static` static-row padding (goal <= {PADDING_GOAL:.0%})", ""]
+    out.append(markdown(
+        ["distribution", "model", "GBS", "steps", "row in-batch", "padding in-batch", "row packed", "padding packed",
+         "fixed-row floor: row", "floor: padding"],
+        [[r["distribution"], _MODEL_NAMES[r["model"]], str(r["global_batch_size"]), str(r["steps"]),
+          f"{r['static_row']['in_batch']:,}", _pct(r["static_padding"]["in_batch"]), f"{r['static_row']['packed']:,}",
+          _pct(r["static_padding"]["packed"]) + ("" if r["static_padding"]["packed"] <= PADDING_GOAL else " (over)"),
+          f"{r['static_row']['lower_bound']:,}", _pct(r["static_padding"]["lower_bound"])]
+         for r in rows]))
+    out += ["", "Floor: the padding of the shortest row any placement could use for the whole run, "
+            "max over steps of max(longest sample, ceil(step tokens / rows)): the row is fixed for the run and every "
+            "rank runs the same number of micro-batches, so the step-to-step spread of tokens is padding for every "
+            "step but the fullest one. `choose_row_length` starts there and grows by ~0.5% until every step fits."]
+    out += ["", f"## (b) Per-rank cost max/mean, mean over steps (worst step) (goal <= {IMBALANCE_GOAL})", ""]
+
+    def ratio(r, key, field="rank_cost_imbalance"):
+        v = r[field][key]
+        return "—" if v is None else f"{v['mean']:.3f} ({v['worst']:.3f})"
+
+    out.append(markdown(
+        ["distribution", "model", "GBS", "in-batch", "assign (thd row)", "assign (static row)", "VERL KK + rearrange",
+         "VERL µb/rank"],
+        [[r["distribution"], _MODEL_NAMES[r["model"]], str(r["global_batch_size"]), ratio(r, "in_batch"),
+          ratio(r, "assign_thd"), ratio(r, "assign_static"), ratio(r, "verl"),
+          "—" if r["verl_micro_batches_per_rank"] is None else
+          "-".join(str(x) for x in sorted(set(r["verl_micro_batches_per_rank"])))]
+         for r in rows]))
+    out += ["", "Per-micro-batch cost max/mean (all ranks), mean over steps (worst step); VERL's micro-batches are "
+            "fewer and larger (token cap = MBS x seq_length), so its figure is over a different count:", ""]
+    out.append(markdown(
+        ["distribution", "model", "GBS", "in-batch", "assign (thd row)", "assign (static row)", "VERL"],
+        [[r["distribution"], _MODEL_NAMES[r["model"]], str(r["global_batch_size"]),
+          ratio(r, "in_batch", "micro_batch_cost_imbalance"), ratio(r, "assign_thd", "micro_batch_cost_imbalance"),
+          ratio(r, "assign_static", "micro_batch_cost_imbalance"), ratio(r, "verl", "micro_batch_cost_imbalance")]
+         for r in rows]))
+    out += ["", "## (c) Vision-aware vs text-only balancing (both measured with the full cost; per-rank max/mean)", ""]
+    out.append(markdown(
+        ["distribution", "model", "GBS", "in-batch", "assign, full cost", "assign, text-only cost"],
+        [[r["distribution"], _MODEL_NAMES[r["model"]], str(r["global_batch_size"]), ratio(r, "in_batch"),
+          ratio(r, "assign_thd"), ratio(r, "assign_text_only")] for r in rows]))
+    t = results["timing"]
+    out += ["", f"## (d) Wall time of one global batch's placement ({t['cpu']})", ""]
+    out.append(markdown(
+        ["distribution", "model", "samples", "µb/rank", "assign, thd row (ms)", "assign, static row (ms)",
+         "VERL KK, DP only (ms)", "repeats"],
+        [[d["distribution"], _MODEL_NAMES[d["model"]], str(d["samples"]), str(d["micro_batches_per_rank"]),
+          f"{d['assign_thd_ms']:.1f}", f"{d['assign_static_ms']:.1f}",
+          "—" if "verl_kk_ms" not in d else f"{d['verl_kk_ms']:.1f}", str(d["repeats"])] for d in t["runs"]]))
+    loads = ", ".join(f"{d['load_average_1min']:.1f}" for d in t["runs"] if "load_average_1min" in d)
+    out += ["", "Median of the repeats after one warm-up call; wall time of one process on this CPU"
+            + (f" (1-minute load average when timed: {loads}; other processes shared the machine)" if loads else "")
+            + ".", "",
+            "## (e) The planner's step time, 8 x H100 SXM (roofline, MFU 40%; slowest DP rank, mean over steps)", "",
+            "8B: TP1 DP8; 30B-A3B: EP8 DP8 (bshd forced to seq_length). ms per step; bshd has no packed figure "
+            "(configure refuses global-batch packing with it).", ""]
+
+    def ms(r, key):
+        v = r["planner_8xh100"][key]
+        return "—" if v is None else f"{v['step_ms']:.0f}"
+
+    out.append(markdown(
+        ["distribution", "model", "GBS", "bshd", "thd", "thd packed", "thd_static", "thd_static packed",
+         "thd_static speed-up"],
+        [[r["distribution"], _MODEL_NAMES[r["model"]], str(r["global_batch_size"]), ms(r, "bshd/in-batch"),
+          ms(r, "thd/in-batch"), ms(r, "thd/packed"), ms(r, "thd_static/in-batch"), ms(r, "thd_static/packed"),
+          f"{r['planner_8xh100']['thd_static/in-batch']['step_ms'] / r['planner_8xh100']['thd_static/packed']['step_ms']:.2f}x"]
+         for r in rows]))
+    return "\n".join(out) + "\n"
+
+
+def write_plot(results: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+        return None
+    rows = results["rows"]
+    gbs_values = sorted({r["global_batch_size"] for r in rows})
+    fig, axes = plt.subplots(len(gbs_values), 2, figsize=(15, 4.2 * len(gbs_values)), squeeze=False)
+    methods = [("in_batch", "in-batch", "tab:gray"), ("verl", "VERL KK", "tab:orange"),
+               ("assign_text_only", "assign, text-only cost", "tab:olive"), ("assign_thd", "assign (thd row)", "tab:green"),
+               ("assign_static", "assign (static row)", "tab:blue")]
+    for line, gbs in enumerate(gbs_values):
+        group = [r for r in rows if r["global_batch_size"] == gbs]
+        labels = [f"{r['distribution']}\n{_MODEL_NAMES[r['model']]}" for r in group]
+        ax = axes[line][0]
+        width = 0.8 / len(methods)
+        for k, (key, name, color) in enumerate(methods):
+            values = [r["rank_cost_imbalance"][key]["mean"] if r["rank_cost_imbalance"][key] else 0 for r in group]
+            ax.bar([i + (k - len(methods) / 2 + 0.5) * width for i in range(len(group))], values, width, label=name,
+                   color=color)
+        ax.axhline(IMBALANCE_GOAL, color="tab:red", linestyle="--", linewidth=1, label=f"goal {IMBALANCE_GOAL}")
+        ax.set_ylim(0.98, max(1.1, max(r["rank_cost_imbalance"]["in_batch"]["mean"] for r in group) * 1.03))
+        ax.set_xticks(range(len(group)), labels, fontsize=7)
+        ax.set(title=f"per-rank cost max/mean (mean over steps), GBS {gbs}", ylabel="max / mean")
+        ax.legend(fontsize=7, ncol=2)
+        ax = axes[line][1]
+        for k, (key, name, color) in enumerate((("in_batch", "in-batch (MBS x seq_length)", "tab:gray"),
+                                                ("packed", "global-batch packing (row from data)", "tab:blue"))):
+            values = [100 * r["static_padding"][key] for r in group]
+            xs = [i + (k - 0.5) * 0.4 for i in range(len(group))]
+            ax.bar(xs, values, 0.4, label=name, color=color)
+            for x, v in zip(xs, values):
+                ax.text(x, v, f"{v:.1f}", ha="center", va="bottom", fontsize=6)
+        floors = [100 * r["static_padding"]["lower_bound"] for r in group]
+        ax.hlines(floors, [i + 0.0 for i in range(len(group))], [i + 0.4 for i in range(len(group))], colors="black",
+                  linewidth=2, label="fixed-row floor")
+        ax.axhline(100 * PADDING_GOAL, color="tab:red", linestyle="--", linewidth=1, label=f"goal {PADDING_GOAL:.0%}")
+        ax.set_xticks(range(len(group)), labels, fontsize=7)
+        ax.set(title=f"thd_static static-row padding (%), GBS {gbs}", ylabel="% of slots")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Global-batch packing: MBS {MICRO_BATCH_SIZE}, DP {DP}; benchmarks/global_batch_packing.py")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical CPUs"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 256 samples, GBS 64, one model, 1 repeat; "
+                        "writes nothing unless --out is given")
+    parser.add_argument("--out", type=Path, default=None, help="directory for global_batch_packing.{json,md,png} "
+                        "(default benchmarks/results; none with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="timing repeats (default 7; --quick 1)")
+    parser.add_argument("--write-data", action="store_true", help="rewrite benchmarks/data/global_batch_lengths.json")
+    parser.add_argument("--no-verl", action="store_true", help="leave VERL's balancer out (no cache look-up, no download)")
+    parser.add_argument("--render", action="store_true", help="only re-render the .md and .png from the results JSON")
+    args = parser.parse_args(argv)
+    if args.render:
+        out = args.out or RESULTS
+        results = json.loads((out / "global_batch_packing.json").read_text())
+        (out / "global_batch_packing.md").write_text(render(results))
+        write_plot(results, out / "global_batch_packing.png")
+        print(render(results))
+        return 0
+    if args.write_data or not DATA_FILE.is_file():
+        print(f"wrote {write_data_file()}", file=sys.stderr)
+    repeats = args.repeats or (1 if args.quick else 7)
+    models = MODELS[:1] if args.quick else MODELS
+    gbs_values = GLOBAL_BATCH_SIZES[:1] if args.quick else GLOBAL_BATCH_SIZES
+    path, how = (None, "left out (--no-verl)") if args.no_verl else find_verl_balancing()
+    verl, status = None, how
+    if path is not None:
+        try:
+            verl = load_verl_balancing(path)
+            status = (f"verl {VERL_VERSION}'s own {VERL_FILE} ({how}), loaded by file path with stand-ins for "
+                      "verl.protocol.DataProto, verl.utils.tensordict_utils and verl.utils.device")
+        except Exception as error:  # noqa: BLE001 - report, run without VERL
+            status = f"{VERL_FILE} did not load ({type(error).__name__}: {error})"
+    print(f"VERL: {status}", file=sys.stderr)
+    dists = distributions(args.quick)
+    results = {
+        "parameters": {"micro_batch_size": MICRO_BATCH_SIZE, "dp": DP, "align": ALIGN, "seed": SEED,
+                       "global_batch_sizes": list(gbs_values), "models": list(models), "quick": args.quick,
+                       "padding_goal": PADDING_GOAL, "imbalance_goal": IMBALANCE_GOAL,
+                       "verl_max_token_len": "micro_batch_size * seq_length",
+                       "planner": "plan.balance.balance_plan, h100-sxm, MFU 0.40, no overhead; 8B TP1 DP8, 30B-A3B EP8 DP8"},
+        "verl": {"version": VERL_VERSION, "file": VERL_FILE, "status": status},
+        "distributions": {}, "rows": [], "timing": {"cpu": cpu_name(), "runs": []},
+    }
+    for name, samples, seq_length, description in dists:
+        results["distributions"][name] = {"seq_length": seq_length, "description": description, **summary(samples)}
+        for model in models:
+            for gbs in gbs_values:
+                start = time.perf_counter()
+                results["rows"].append(measure(name, samples, seq_length, model, gbs, verl))
+                print(f"{name} {model} GBS {gbs}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    for name, samples, seq_length, _ in dists:
+        if len(samples) >= (256 if args.quick else 4096):
+            run = time_assign(samples, seq_length, models[0], repeats, verl)
+            results["timing"]["runs"].append({"distribution": name, "model": models[0], **run})
+    report = render(results)
+    print(report)
+    out = args.out if args.out is not None else (None if args.quick else RESULTS)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "global_batch_packing.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out / "global_batch_packing.md").write_text(report)
+        png = write_plot(results, out / "global_batch_packing.png")
+        print(f"wrote {out / 'global_batch_packing.json'}, .md{', .png' if png else ''}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
