@@ -174,3 +174,27 @@ def test_real_preset_packing_never_slows_thd_static_and_fills_its_row():
     assert static["packed"].padding < static["in-batch"].padding
     assert static["packed"].step_s < static["in-batch"].step_s
     assert b.layouts["thd"]["packed"].rank_cost_imbalance <= b.layouts["thd"]["in-batch"].rank_cost_imbalance
+
+
+def test_the_benchmark_smoke_run_writes_its_three_files(tmp_path):
+    """benchmarks/global_batch_packing.py --quick (256 samples, GBS 64, one model, VERL left out)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "global_batch_packing.py"
+    spec = importlib.util.spec_from_file_location("global_batch_packing_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--no-verl", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "global_batch_packing.json").read_text())
+    assert set(results["distributions"]) == {"receipts", "long-tailed", "doc-chart file"}
+    for row in results["rows"]:
+        padding, bound = row["static_padding"], row["static_row"]
+        assert bound["lower_bound"] <= bound["packed"] < bound["in_batch"]
+        assert padding["lower_bound"] <= padding["packed"] < padding["in_batch"]
+        assert row["rank_cost_imbalance"]["verl"] is None
+        assert row["rank_cost_imbalance"]["assign_thd"]["mean"] <= row["rank_cost_imbalance"]["in_batch"]["mean"]
+    assert "(a) `thd_static` static-row padding" in (tmp_path / "global_batch_packing.md").read_text()
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "global_batch_packing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
