@@ -5,11 +5,14 @@ checkpoint save and resume, at DP=2 over gloo; only model size and device differ
 (``testbed.training.cpu_run_config``; docs/megatron-bridge-on-cpu.md).
 
 Three steps drive the same recipe on the same data order: Megatron-Bridge's own
-``qwen3_vl_step`` (the padded baseline), ours with ``thd`` and with ``thd_static``.
+``qwen3_vl_step`` (the padded baseline), ours with ``thd`` and with ``thd_static``; and ``thd_static``
+with global-batch packing (``configure(..., global_batch_packing=...)``), which places the same
+steps' samples differently across the two ranks and their micro-batches.
 """
 
 from __future__ import annotations
 
+import re
 
 import pytest
 
@@ -21,6 +24,7 @@ RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
 ITERATIONS, RESUME_AT = 20, 10
 MICRO_BATCH, GLOBAL_BATCH, SEQ_LENGTH = 2, 8, 512
 SHORT = 5  # iterations of the PP=2 and CP=2 runs
+GLOBAL = 10  # iterations of the two per-token-loss runs: Megatron-Bridge's placement and global-batch packing
 RELATIVE = 1e-5
 
 
@@ -28,7 +32,7 @@ RELATIVE = 1e-5
 def ranks(tmp_path_factory):
     return run_on_cpu(training_loop_runs(RECIPE, iterations=ITERATIONS, resume_at=RESUME_AT, short=SHORT,
                                          micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
-                                         seq_length=SEQ_LENGTH), workdir=tmp_path_factory.mktemp("cord_v2_run"), world_size=2, timeout=540)
+                                         seq_length=SEQ_LENGTH, global_iterations=GLOBAL), workdir=tmp_path_factory.mktemp("cord_v2_run"), world_size=2, timeout=540)
 
 
 def _losses(rank_result, name):
@@ -131,3 +135,53 @@ def test_pipeline_and_context_parallel_thd_agree(ranks):
         assert abs(a - b) <= 1e-4 * abs(b), f"iteration {iteration}: PP=2 {a} vs CP=2 {b}"
     assert [row["loss"] for row in ranks[1]["cp2"]["iterations"]] == cp2  # both CP ranks report the reduced loss
     assert cp2[-1] < cp2[0]
+
+
+def _placement_log(rank_result):
+    """(row length, [(step, real tokens, slots)]) from global-batch packing's log lines (global rank 0)."""
+    lines = rank_result["thd_static_global"]["placements"]
+    row = [int(m.group(1)) for m in map(re.compile(r"row fixed at (\d+) slots").search, lines) if m]
+    steps = [tuple(int(g) for g in m.groups()) for m in
+             map(re.compile(r"step (\d+): real tokens (\d+) in (\d+) slots").search, lines) if m]
+    return row, steps
+
+
+def test_global_batch_packing_trains_the_same_steps(ranks):
+    """Same steps, same samples: per iteration the two ranks' real and supervised tokens add up to
+    those of Megatron-Bridge's placement (both runs with per-token loss normalisation, which
+    configure sets for global-batch packing); the placement differs (the ranks' shares change); the
+    losses follow (iteration 1 to 1e-5, loss and gradient norm; later ones within 1e-4, the gradient
+    sums' order differing as in the PP / CP comparison)."""
+    for rank in ranks:
+        for name in ("thd_static_per_token", "thd_static_global"):
+            assert [row["iteration"] for row in rank[name]["iterations"]] == list(range(1, GLOBAL + 1))
+    moved = False
+    per_rank = {name: [_micro_batches_per_iteration(rank[name]) for rank in ranks]
+                for name in ("thd_static_per_token", "thd_static_global")}
+    for iteration in range(GLOBAL):
+        for key in ("real_tokens", "supervised_tokens"):
+            totals = {name: sum(b[key] for rank in per_rank[name] for b in rank[iteration]) for name in per_rank}
+            assert totals["thd_static_global"] == totals["thd_static_per_token"] > 0, (iteration + 1, key)
+        shares = {name: [sum(b["real_tokens"] for b in rank[iteration]) for rank in per_rank[name]] for name in per_rank}
+        moved |= shares["thd_static_global"] != shares["thd_static_per_token"]
+    assert moved, "the placement never differed from Megatron-Bridge's: the comparison would prove nothing"
+    ours = ranks[0]["thd_static_global"]["iterations"]
+    theirs = ranks[0]["thd_static_per_token"]["iterations"]
+    assert _close(ours[0]["loss"], theirs[0]["loss"]) and _close(ours[0]["grad_norm"], theirs[0]["grad_norm"])
+    for iteration, (a, b) in enumerate(zip(ours, theirs, strict=True), start=1):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), f"iteration {iteration}: {a['loss']} vs {b['loss']}"
+
+
+def test_global_batch_packing_logs_real_tokens_padding_and_the_fixed_row(ranks):
+    """Rank 0 logs the run's row once and, per step, the real tokens of both ranks in the slots of
+    their rows (micro-batches x ranks x row); the trainer's own token count is the slots of this rank."""
+    row, steps = _placement_log(ranks[0])
+    assert len(row) == 1 and 0 < row[0] <= MICRO_BATCH * SEQ_LENGTH
+    assert [step for step, _, _ in steps] == list(range(1, GLOBAL + 1))
+    per_iteration = GLOBAL_BATCH // (MICRO_BATCH * 2)
+    batches = [_micro_batches_per_iteration(rank["thd_static_global"]) for rank in ranks]
+    for (step, real, slots), record in zip(steps, ranks[0]["thd_static_global"]["iterations"], strict=True):
+        assert real == sum(b["real_tokens"] for rank in batches for b in rank[step - 1])
+        assert slots == per_iteration * 2 * row[0]
+        assert record["flops_tokens"] == per_iteration * row[0]
+    assert not ranks[1]["thd_static_global"]["placements"]  # one log, on global rank 0

@@ -75,6 +75,12 @@ FLAG_RULES: tuple[FlagRule, ...] = (
              "`model.moe_hybridep_pad_uneven_dispatch_inputs` (Megatron-Core 0.19.2)",
              "`moe_hybridep_pad_variable_tokens` in Core versions that name it so (Bridge lists both)",
              "`True` for HybridEP without CUDA graphs (what Bridge's validate sets itself)"),
+    FlagRule("global-batch packing setting", "`dataset.global_batch_packing` * (ours)", "(ours)",
+             "the `global_batch_packing` argument, when given ([batching.md](batching.md))"),
+    FlagRule("loss normalised per token over the whole step", "`model.calculate_per_token_loss`", "same",
+             "`True` with global-batch packing"),
+    FlagRule("DDP sums gradients (required with per-token loss)", "`ddp.average_in_collective`", "same",
+             "`False` with global-batch packing"),
 )
 FLAG_RULES_NOTE = (
     "`*` not a field of Megatron-Bridge's dataset config dataclasses: set as a plain attribute, so it is lost "
@@ -257,6 +263,7 @@ class _Settings:
     pre_wrap_hooks: tuple = ()  # the model provider's registered pre-wrap hooks
     built_model: Any = None  # the model class the provider's provide() declares it builds, if it can be told
     global_batch: Any = None  # a batching.bridge.GlobalBatchPacking, or None
+    ddp: Any = None  # cfg.ddp, if any
 
     @property
     def pipeline_graphs(self) -> bool:
@@ -334,6 +341,7 @@ def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None, global_batch
         pre_wrap_hooks=tuple(getattr(model_root, "_pre_wrap_hooks", None) or ()),
         built_model=_built_model_class(model_root),
         global_batch=global_batch,
+        ddp=getattr(cfg, "ddp", None),
     )
 
 
@@ -659,7 +667,8 @@ class _Override:
 def _plan_changes(s: _Settings) -> tuple[list[_Change], list[str]]:
     """The attributes to set, in the order they are set, and the notes that explain them."""
     notes: list[str] = []
-    changes = [*_dataset_changes(s), *_pipeline_changes(s, notes), *_hybridep_changes(s, notes)]
+    changes = [*_dataset_changes(s), *_pipeline_changes(s, notes), *_hybridep_changes(s, notes),
+               *_global_batch_changes(s)]
     return changes, notes
 
 
@@ -703,6 +712,26 @@ def _dataset_changes(s: _Settings) -> list[_Change]:
         reasons.append("CUDA graphs replay fixed shapes, so the collate must pad every micro-batch to seq_length")
     if reasons:
         changes.append(_Change(dataset, "dataset", "pad_to_max_length", True, why="; and ".join(reasons)))
+    return changes
+
+
+def _global_batch_changes(s: _Settings) -> list[_Change]:
+    """Per-token loss normalisation, which makes the gradient independent of the placement."""
+    if s.global_batch is None:
+        return []
+    why = ("global-batch packing gives micro-batches and DP ranks different token counts; Megatron-Core divides "
+           "each micro-batch's loss by its own tokens and the number of micro-batches unless "
+           "calculate_per_token_loss is set (pipeline_parallel/schedules.py forward_step), which would weigh a "
+           "token by where it was placed; per-token normalisation over the whole step keeps loss and gradients "
+           "those of Megatron-Bridge's own placement")
+    changes = [_Change(s.model, "model", "calculate_per_token_loss", True, why=why,
+                       alternative=", or turn global-batch packing off")]
+    if s.ddp is not None and hasattr(s.ddp, "average_in_collective"):
+        changes.append(_Change(
+            s.ddp, "ddp", "average_in_collective", False,
+            why="Megatron-Core's DistributedDataParallel refuses average_in_collective with calculate_per_token_loss "
+                "(distributed/distributed_data_parallel.py)",
+            alternative=", or turn global-batch packing off"))
     return changes
 
 

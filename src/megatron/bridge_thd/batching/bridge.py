@@ -69,7 +69,7 @@ def global_batch_loader(loader, *, settings: GlobalBatchPacking, cfg, dp_rank: i
     from torch.utils.data import DataLoader
 
     from megatron.bridge_thd.batching.cost import sample_cost
-    from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, choose_row_length, rank_samplers
+    from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, choose_row_length, is_global_rank_zero, rank_samplers
     from megatron.bridge_thd.batching.sizes import dataset_sizes
     from megatron.bridge_thd.packing import round_up
 
@@ -90,8 +90,9 @@ def global_batch_loader(loader, *, settings: GlobalBatchPacking, cfg, dp_rank: i
         settings.row_length = choose_row_length(rank_samplers(inner, dp_size), num_micro_batches=num_micro_batches,
                                                 sizes=sizes, steps=steps, align_to=align, upper=capacity,
                                                 cost=cost, seed=settings.seed)
-        logger.info("bridge_thd.batching: thd_static row fixed at %d slots for the run (micro_batch_size * seq_length "
-                    "= %d; lengths from %s)", settings.row_length, capacity, sizes.source)
+        if is_global_rank_zero():
+            logger.info("bridge_thd.batching: thd_static row fixed at %d slots for the run (micro_batch_size * seq_length "
+                        "= %d; lengths from %s)", settings.row_length, capacity, sizes.source)
     row_length = settings.row_length if settings.row_length is not None else capacity
     sampler = GlobalBatchSampler(rank_samplers(inner, dp_size), dp_rank=dp_rank, num_micro_batches=num_micro_batches,
                                  row_length=row_length, sizes=sizes, static_row=static, align_to=align,

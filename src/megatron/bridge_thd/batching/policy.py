@@ -44,7 +44,8 @@ def aligned_lengths(lengths, align_to: int) -> torch.Tensor:
     return (s + align_to - 1) // align_to * align_to
 
 
-def _check_inputs(lengths: torch.Tensor, dp_size, num_micro_batches, row_length, align_to, vision_patches):
+def _check_inputs(lengths: torch.Tensor, dp_size, num_micro_batches, row_length, align_to, vision_patches,
+                  vision_patches_squared):
     for name, value in (("dp_size", dp_size), ("num_micro_batches", num_micro_batches), ("row_length", row_length),
                         ("align_to", align_to)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -59,8 +60,9 @@ def _check_inputs(lengths: torch.Tensor, dp_size, num_micro_batches, row_length,
         raise ValueError(
             f"lengths: {lengths.numel()} samples cannot fill dp_size * num_micro_batches = {rows} micro-batches (each "
             "needs at least one sample); draw at least that many samples per step (global_batch_size)")
-    if vision_patches is not None and len(vision_patches) != lengths.numel():
-        raise ValueError(f"vision_patches: {len(vision_patches)} entries for {lengths.numel()} samples")
+    for name, values in (("vision_patches", vision_patches), ("vision_patches_squared", vision_patches_squared)):
+        if values is not None and len(values) != lengths.numel():
+            raise ValueError(f"{name}: {len(values)} entries for {lengths.numel()} samples")
 
 
 def _too_long(slots: torch.Tensor, lengths: torch.Tensor, row_length: int, align_to: int) -> None:
@@ -77,19 +79,21 @@ def _too_long(slots: torch.Tensor, lengths: torch.Tensor, row_length: int, align
 def _longest_processing_time(order: list[int], cost: list[float], slots: list[int], rows: int,
                              row_length: int) -> list[list[int]] | None:
     """Each sample (in ``order``) into the cheapest row with room; None when one finds none."""
-    heap = [(0.0, r) for r in range(rows)]  # (cost so far, row), cheapest first
+    # (cost so far, samples so far, row): cheapest first, then the emptiest, so that samples of zero
+    # cost (a vision-only cost on text samples) still spread over the rows and none is left empty.
+    heap = [(0.0, 0, r) for r in range(rows)]
     room = [row_length] * rows
     members: list[list[int]] = [[] for _ in range(rows)]
     for i in order:
         skipped = []
-        while heap and room[heap[0][1]] < slots[i]:
+        while heap and room[heap[0][2]] < slots[i]:
             skipped.append(heapq.heappop(heap))
         if not heap:
             return None
-        load, r = heapq.heappop(heap)
+        load, count, r = heapq.heappop(heap)
         members[r].append(i)
         room[r] -= slots[i]
-        heapq.heappush(heap, (load + cost[i], r))
+        heapq.heappush(heap, (load + cost[i], count + 1, r))
         for entry in skipped:
             heapq.heappush(heap, entry)
     return members
@@ -168,7 +172,7 @@ def assign(lengths, *, dp_size: int, num_micro_batches: int, row_length: int, vi
             or samples that together do not fit ``dp_size * num_micro_batches`` rows.
     """
     lengths = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1) if not torch.is_tensor(lengths) else lengths
-    _check_inputs(lengths, dp_size, num_micro_batches, row_length, align_to, vision_patches)
+    _check_inputs(lengths, dp_size, num_micro_batches, row_length, align_to, vision_patches, vision_patches_squared)
     slots = aligned_lengths(lengths, align_to)
     _too_long(slots, lengths, row_length, align_to)
     rows = dp_size * num_micro_batches

@@ -21,9 +21,10 @@ import torch
 
 from megatron.bridge_thd.batching.cost import SampleCost
 from megatron.bridge_thd.batching.policy import aligned_lengths, assign, placement_stats
-from megatron.bridge_thd.batching.sizes import SampleSizes
+from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
 
-__all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "choose_row_length"]
+__all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "choose_row_length",
+           "is_global_rank_zero"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class GlobalBatchSampler:
         record = StepPlacement(len(self.history) + 1, stats.real_tokens, stats.slots, stats.padding,
                                stats.rank_imbalance, stats.micro_batch_imbalance, in_batch.rank_imbalance)
         self.history.append(record)
-        if self.log and _is_global_rank_zero():
+        if self.log and is_global_rank_zero():
             logger.info(
                 "bridge_thd global-batch packing: step %d: real tokens %d in %d slots (padding %.1f%%); per-rank cost "
                 "max/mean %.3f (in-batch placement of the same samples: %.3f); per-micro-batch max/mean %.3f",
@@ -134,10 +135,6 @@ class GlobalBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         for drawn in step_draws(self.samplers, self.num_micro_batches):
             yield from self.place(drawn)[self.dp_rank]
-
-
-def _is_global_rank_zero() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def choose_row_length(samplers: Sequence, *, num_micro_batches: int, sizes: SampleSizes, steps: int,

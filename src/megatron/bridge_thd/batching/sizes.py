@@ -25,7 +25,7 @@ import torch
 
 from megatron.bridge_thd.batching.cost import image_patches
 
-__all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir"]
+__all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,11 @@ class SampleSizes:
 
     def __len__(self) -> int:
         return int(self.lengths.numel())
+
+
+def is_global_rank_zero() -> bool:
+    """True outside a process group and on its global rank 0 (where the package logs per-run lines)."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def default_cache_dir() -> Path:
@@ -134,7 +139,8 @@ def dataset_sizes(dataset, collate_fn=None, *, seq_length: int | None = None,
     if path.is_file():
         saved = torch.load(path)
         return SampleSizes(saved["lengths"], saved["patches"], saved["patches_squared"], f"cache {path}")
-    logger.info("bridge_thd.batching: scanning %d samples for their lengths (once; cached at %s)", len(dataset), path)
+    if is_global_rank_zero():
+        logger.info("bridge_thd.batching: scanning %d samples for their lengths (once; cached at %s)", len(dataset), path)
     sizes = scan_sizes(dataset, collate_fn, seq_length=seq_length)
     cache.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")

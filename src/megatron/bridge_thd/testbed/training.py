@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import logging
 import os
+
 
 import torch
 
@@ -443,15 +445,22 @@ def counting_step(step, counts: list):
 def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int, global_batch_size: int = 8,
                       micro_batch_size: int = 2, seq_length: int = 512, tp: int = 1, pp: int = 1, cp: int = 1,
                       save_interval: int | None = None, exit_interval: int | None = None,
-                      run_name: str | None = None, count_tokens: bool = True) -> dict:
+                      run_name: str | None = None, count_tokens: bool = True,
+                      global_batch_packing: dict | None = None, per_token_loss: bool = False) -> dict:
     """Run Megatron-Bridge's ``finetune()`` on this rank for a recipe in its CPU mode
     (:func:`cpu_run_config`), with ``layout``'s step (:func:`step_for`; ours after
     ``configure(cfg, layout)``). Call on every rank of a world started with
     ``run_on_gloo(..., whole_bridge=True, initialize=False)`` inside ``hf_hub.offline_hub()``; a run
     whose checkpoint folder already holds a checkpoint resumes from it.
 
+    ``global_batch_packing``: the keywords of a ``batching.bridge.GlobalBatchPacking`` to turn it on
+    (``sizes_cache`` defaults to ``workdir/sizes``); its per-step log lines are recorded.
+    ``per_token_loss``: ``model.calculate_per_token_loss`` (and ``ddp.average_in_collective=False``,
+    which Megatron-Core's DDP requires with it), as global-batch packing sets them.
+
     Returns:
-        ``{"iterations": [recorded rows], "micro_batches": [real / supervised token counts]}``.
+        ``{"iterations": [recorded rows], "micro_batches": [real / supervised token counts],
+        "placements": [global-batch packing log lines, global rank 0]}``.
     """
     from megatron.bridge.training.finetune import finetune
 
@@ -462,13 +471,25 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                          micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp, pp=pp, cp=cp,
                          save_interval=save_interval, exit_interval=exit_interval,
                          run_name=run_name or f"{recipe}-{layout}")
+    if per_token_loss or global_batch_packing is not None:
+        # The recipes set ddp.average_in_collective=True explicitly; configure refuses to overwrite an
+        # explicit setting, so a user turning global-batch packing on sets it, as here.
+        cfg.ddp.average_in_collective = False
+    if per_token_loss:
+        cfg.model.calculate_per_token_loss = True
+    placement = None
+    if global_batch_packing is not None:
+        from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+
+        placement = GlobalBatchPacking(**{"sizes_cache": os.path.join(paths["workdir"], "sizes"),
+                                          **global_batch_packing})
     if layout != "megatron_bridge":
-        cfg = configure(cfg, layout=layout)
+        cfg = configure(cfg, layout=layout, global_batch_packing=placement)
     counts: list = []
     step = counting_step(step_for(layout), counts) if count_tokens else step_for(layout)
 
     recorder = iteration_recorder()
-    with cpu_training():
+    with cpu_training(), _log_lines("megatron.bridge_thd.batching") as placements:
         try:
             finetune(cfg, forward_step_func=step, callbacks=[recorder])
         except SystemExit as stop:
@@ -481,7 +502,27 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
             destroy_global_state()
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
-    return {"iterations": recorder.rows, "micro_batches": counts}
+    return {"iterations": recorder.rows, "micro_batches": counts, "placements": placements}
+
+
+@contextlib.contextmanager
+def _log_lines(name: str):
+    """The INFO lines the ``name`` logger tree emits inside the block, as strings."""
+    lines: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler, target = _Keep(logging.INFO), logging.getLogger(name)
+    level = target.level
+    target.addHandler(handler)
+    target.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        target.removeHandler(handler)
+        target.setLevel(level)
 
 
 def _run_in_order(paths: dict, runs: list) -> dict:
@@ -517,7 +558,7 @@ def run_on_cpu(runs: list, *, workdir, world_size: int = 2, timeout: float = 600
 
 def training_loop_runs(recipe: str = "qwen3_vl_8b_sft_2gpu_h100_bf16_config", *, iterations: int = 20,
                        resume_at: int = 10, short: int = 5, micro_batch_size: int = 2, global_batch_size: int = 8,
-                       seq_length: int = 512) -> list:
+                       seq_length: int = 512, global_iterations: int = 10) -> list:
     """The runs that check Megatron-Bridge's training loop with our step, for :func:`run_on_cpu` on two
     ranks (``tests/test_bridge_training.py``, ``benchmarks/training_loop_report.py``):
 
@@ -525,7 +566,11 @@ def training_loop_runs(recipe: str = "qwen3_vl_8b_sft_2gpu_h100_bf16_config", *,
     * ``thd_first`` / ``thd_resumed``: ``thd`` stopped at ``resume_at`` (``exit_interval``: a checkpoint
       is saved), then resumed from that checkpoint to the end; ``train_iters`` is kept, so the data
       order and the schedule are the uninterrupted runs';
-    * ``pp2``, ``cp2``: ``thd`` at PP=2 and at CP=2 on the same two ranks, ``short`` iterations.
+    * ``pp2``, ``cp2``: ``thd`` at PP=2 and at CP=2 on the same two ranks, ``short`` iterations;
+    * ``thd_static_per_token``, ``thd_static_global``: ``thd_static`` with per-token loss
+      normalisation, in Megatron-Bridge's placement and with global-batch packing (Qwen3-VL 8B's
+      cost, the row chosen from the scanned lengths, which turns per-token normalisation on),
+      ``global_iterations`` at DP=2.
     """
     common = dict(train_iters=iterations, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                   seq_length=seq_length)
@@ -536,4 +581,9 @@ def training_loop_runs(recipe: str = "qwen3_vl_8b_sft_2gpu_h100_bf16_config", *,
         ("thd_resumed", recipe, "thd", dict(common, run_name="thd-resume")),
         ("pp2", recipe, "thd", dict(common, pp=2, exit_interval=short, count_tokens=False, run_name="pp2")),
         ("cp2", recipe, "thd", dict(common, cp=2, exit_interval=short, count_tokens=False, run_name="cp2")),
+        ("thd_static_per_token", recipe, "thd_static",
+         dict(common, train_iters=global_iterations, per_token_loss=True, run_name="thd-static-per-token")),
+        ("thd_static_global", recipe, "thd_static",
+         dict(common, train_iters=global_iterations, global_batch_packing=dict(cost_model="qwen3-vl-8b"),
+              run_name="thd-static-global")),
     ]
