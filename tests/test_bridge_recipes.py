@@ -113,7 +113,19 @@ def _summary(cfg) -> dict:
         "model_seq_length": model.seq_length,
         "dataset_type": type(cfg.dataset).__name__,
         "data_parallel_size": cfg.data_parallel_size,
+        "global_batch_packing": getattr(cfg.dataset, "global_batch_packing", None) is not None,
+        "per_token_loss": getattr(model, "calculate_per_token_loss", None),
+        "average_in_collective": cfg.ddp.average_in_collective,
+        "loaders_wrapped": _loaders_wrapped(),
     }
+
+
+def _loaders_wrapped() -> bool:
+    """Whether Megatron-Bridge's loader builder is the global-batch packing wrapper (batching.bridge)."""
+    import sys
+
+    loaders = sys.modules.get("megatron.bridge.data.loaders")
+    return loaders is not None and hasattr(loaders.build_train_valid_test_data_loaders, "__wrapped__")
 
 
 def run_case(recipe: str, variant: dict, layout: str | None, extra=None, cpu_edits: bool = True,
@@ -213,6 +225,17 @@ def cp_ready_odd_seq_length(cfg):
     cfg.dataset.seq_length = cfg.model.seq_length = 4094  # even, but not a multiple of 2 * CP = 4
 
 
+def sum_in_collective(cfg):
+    """What a user sets for global-batch packing: the recipes average in the collective explicitly."""
+    cfg.ddp.average_in_collective = False
+
+
+def batch_loader(cfg):
+    sum_in_collective(cfg)
+    cfg.dataset.dataloader_type = "batch"
+
+
+GLOBAL = {"global_batch_packing": True}
 CP2 = {"context_parallel_size": 2}
 PP2 = {"pipeline_model_parallel_size": 2}
 
@@ -237,6 +260,9 @@ CONTRADICTIONS = {
     "expert_capacity_thd_static": ("qwen35_vl_35b_a3b", {}, "thd_static", expert_capacity, {}),
     "hybridep_graphs_thd_static": ("qwen3_vl_30b_a3b", {}, "thd_static", hybridep_graphs, {}),
     "unknown_layout": ("qwen3_vl_8b", {}, "sbhd", None, {}),
+    "global_batch_recipe_as_is": ("qwen3_vl_8b", {}, "thd_static", None, GLOBAL),
+    "global_batch_bshd": ("qwen3_vl_8b", {}, "bshd", sum_in_collective, GLOBAL),
+    "global_batch_batch_loader": ("qwen3_vl_8b", {}, "thd", batch_loader, GLOBAL),
 }
 # The same edits where the layout allows them (what configure must not refuse).
 ALLOWED = {
@@ -248,6 +274,9 @@ ALLOWED = {
     "graphs_te_pp1_bshd": ("qwen3_vl_8b", {}, "bshd", graphs_te, {}),
     "allgather_ep8_thd_static": ("qwen3_vl_30b_a3b", {}, "thd_static", allgather_dispatcher, {}),
     "seq_aux_loss_bshd": ("qwen3_vl_30b_a3b", {}, "bshd", seq_aux_loss, {}),
+    "global_batch_thd_static": ("qwen3_vl_8b", {}, "thd_static", sum_in_collective, GLOBAL),
+    "global_batch_thd_pp2": ("qwen3_vl_8b", PP2, "thd", sum_in_collective, GLOBAL),
+    "global_batch_qwen35_moe_thd_static": ("qwen35_vl_35b_a3b", {}, "thd_static", sum_in_collective, GLOBAL),
 }
 
 
@@ -368,6 +397,9 @@ REFUSALS = {
                                    None),
     "hybridep_graphs_thd_static": ("configure", "layout: 'thd_static' with HybridEP", "Found no NVIDIA driver"),
     "unknown_layout": ("configure", "layout: 'sbhd' is not one of ('thd', 'thd_static', 'bshd')", None),
+    "global_batch_recipe_as_is": ("configure", "ddp.average_in_collective=True was set explicitly", None),
+    "global_batch_bshd": ("configure", "global_batch_packing: layout 'bshd' lays out exactly", None),
+    "global_batch_batch_loader": ("configure", "dataset.dataloader_type: 'batch'; global-batch packing draws", None),
 }
 
 
@@ -397,6 +429,19 @@ def test_the_same_settings_pass_where_the_layout_allows_them(outcomes, name):
     assert outcome["ok"], _fail_text(outcome)
     assert outcome["packing_layout"] == ALLOWED[name][2]
     assert outcome["defer"] is True
+
+
+@pytest.mark.parametrize("name", [name for name in ALLOWED if name.startswith("global_batch")])
+def test_global_batch_packing_passes_validate_with_per_token_loss(outcomes, name):
+    """configure(global_batch_packing=True) on the real recipes: validate() passes, the loss is normalised
+    per token over the step (Megatron-Core's DDP then sums in the collective), the setting is on the
+    dataset, and Megatron-Bridge's loader builder is wrapped (its name exists in 0.6.2)."""
+    outcome = outcomes[("case", name)]
+    assert outcome["ok"], _fail_text(outcome)
+    assert outcome["global_batch_packing"] and outcome["per_token_loss"] is True
+    assert outcome["average_in_collective"] is False and outcome["loaders_wrapped"]
+    # Without configure the recipes normalise per micro-batch (Megatron-Bridge's own setting at CP=1).
+    assert outcomes[("bridge_alone", name)]["per_token_loss"] is False
 
 
 def test_without_the_cpu_only_edit_validate_refuses_only_for_the_missing_transformer_engine(outcomes):

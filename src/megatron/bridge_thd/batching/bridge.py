@@ -141,14 +141,28 @@ def _wrap(original):
     return build_train_valid_test_data_loaders
 
 
+_LOADER_PATCH: Patch | None = None
+
+
 def loader_patch() -> Patch:
     """The one patch global-batch packing needs: Megatron-Bridge's ``data/loaders.py``
     ``build_train_valid_test_data_loaders``, as ``build_train_valid_test_data_iterators`` (same
-    module) calls it, wrapped by :func:`_wrap`."""
-    from megatron.bridge.data import loaders
+    module) calls it, wrapped by :func:`_wrap`. One record per process, so that applying it again
+    (``patches.apply_permanently``) changes nothing.
 
-    current = loaders.build_train_valid_test_data_loaders
-    original = getattr(current, "__wrapped__", current)
-    return Patch(loaders, "build_train_valid_test_data_loaders", _wrap(original),
-                 "global-batch packing rebuilds Megatron-Bridge's data loaders around a batch sampler that places "
-                 "each step's draws (megatron.bridge_thd.batching.bridge)")
+    Raises:
+        ValueError: Megatron-Bridge cannot be imported here.
+    """
+    global _LOADER_PATCH
+    if _LOADER_PATCH is None:
+        try:
+            from megatron.bridge.data import loaders
+        except ImportError as error:
+            raise ValueError(
+                f"global_batch_packing: Megatron-Bridge's data loaders cannot be imported here ({error}); global-batch "
+                "packing wraps megatron.bridge.data.loaders.build_train_valid_test_data_loaders") from error
+        _LOADER_PATCH = Patch(
+            loaders, "build_train_valid_test_data_loaders", _wrap(loaders.build_train_valid_test_data_loaders),
+            "global-batch packing rebuilds Megatron-Bridge's data loaders around a batch sampler that places each "
+            "step's draws (megatron.bridge_thd.batching.bridge)")
+    return _LOADER_PATCH
