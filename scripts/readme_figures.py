@@ -428,6 +428,18 @@ class Block:
     source: str = ""
 
 
+def _benchmark(module: str, function: str, results: str) -> Callable[[], str]:
+    """``function(results)`` of ``benchmarks/<module>.py`` on ``benchmarks/results/<results>.json``."""
+
+    def render() -> str:
+        import importlib
+
+        return getattr(importlib.import_module(module), function)(load_results(results))
+
+    render.__doc__ = f"benchmarks/{module}.py's {function}() of benchmarks/results/{results}.json"
+    return render
+
+
 BLOCKS: dict[str, Block] = {
     "packer-ops": Block(packer_ops, "computed", inline=True, source="opcount.count_ops on pack_bshd_to_thd"),
     "packer-ops-short": Block(packer_ops_short, "computed", inline=True, source="opcount.count_ops on pack_bshd_to_thd"),
@@ -446,6 +458,10 @@ BLOCKS: dict[str, Block] = {
     "configure-flags": Block(configure_flags, "computed", source="configure.FLAG_RULES"),
     "edge-cases-pp": Block(_edge_cases("pp"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),
     "edge-cases-moe": Block(_edge_cases("moe"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),
+    "global-batch-headline": Block(_benchmark("global_batch_packing", "headline", "global_batch_packing"), "results",
+                                   source="benchmarks/global_batch_packing.py -> results/global_batch_packing.json"),
+    "global-batch-notes": Block(_benchmark("global_batch_packing", "headline_notes", "global_batch_packing"), "results",
+                                source="benchmarks/global_batch_packing.py -> results/global_batch_packing.json"),
 }
 
 

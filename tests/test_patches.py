@@ -68,6 +68,12 @@ def _every_record() -> list[Patch]:
     records = cpu_patches() + upstream._flop_utils_placeholders() + [moe_padding._token_dropping_patch()]
     # qwen25_vl_import_patches() is empty where omegaconf is installed; its one record by name:
     records.append(Patch(sys.modules, "omegaconf", None, "qwen25_vl_import_patches"))
+    # batching.bridge.loader_patch() needs Megatron-Bridge imported whole (tests/test_bridge_recipes.py
+    # applies it there); its one record by name:
+    import types
+
+    records.append(Patch(types.ModuleType("megatron.bridge.data.loaders"), "build_train_valid_test_data_loaders", None,
+                         "batching.bridge.loader_patch"))
     return records
 
 

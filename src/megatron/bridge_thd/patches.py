@@ -35,6 +35,10 @@ The patches (targets, where they are built and applied, why; one line each in do
   ``with_padding_mask`` model has expert capacity:
   ``megatron.core.transformer.moe.router.apply_router_token_dropping`` (sees the padding mask;
   defers to the original whenever no mask is in flight).
+* Permanent (:func:`apply_permanently`): ``batching/bridge.py`` ``loader_patch()``, applied by
+  ``configure(..., global_batch_packing=...)``: ``megatron.bridge.data.loaders``
+  ``build_train_valid_test_data_loaders`` (rebuilds the loaders around global-batch packing's batch
+  sampler when ``cfg.dataset.global_batch_packing`` is set; the original's result otherwise).
 
 Not a patch of a name, listed so that nothing that changes upstream objects is hidden:
 ``testbed/bridge_package.py`` ``bridge_package()`` serves import-time stand-ins for

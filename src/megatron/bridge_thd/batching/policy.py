@@ -13,6 +13,8 @@ The placement, in two steps:
    the placement restarts first-fit-decreasing on tokens (each sample into the first row with room),
    which fills rows to within a few percent of the mean; if that fails too, the step does not fit
    and the error says by how much. Cost then balances only across ranks (step 2).
+   Then the costliest row swaps (or gives) one sample with one of the eight cheapest rows while
+   that lowers the pair's maximum within ``row_length`` (at most ``2 * rows`` swaps).
 2. **Ranks**: the rows in decreasing cost, each to the cheapest rank that has fewer than
    ``num_micro_batches`` rows, so every rank has the same number of micro-batches and per-rank
    cost is balanced as well as per-row cost.
@@ -129,6 +131,40 @@ def _first_fit_decreasing(order: list[int], slots: list[int], rows: int, row_len
     return members
 
 
+def _refine(members: list[list[int]], cost: list[float], slots: list[int], row_length: int,
+            rounds: int, partners: int = 8) -> None:
+    """Lower the costliest row by the best single swap (or move) with one of the ``partners``
+    cheapest rows that keeps both within ``row_length``; stop when none lowers the pair's maximum.
+    In place; no row is left empty."""
+    row_cost = [sum(cost[i] for i in row) for row in members]
+    row_slots = [sum(slots[i] for i in row) for row in members]
+    for _ in range(rounds):
+        high = max(range(len(members)), key=row_cost.__getitem__)
+        best, best_peak = None, row_cost[high] * (1 - 1e-12)
+        for low in heapq.nsmallest(partners, range(len(members)), key=row_cost.__getitem__):
+            if low == high:
+                continue
+            for a in members[high]:
+                # b None: move a alone (only if high keeps a sample).
+                for b in ([None] if len(members[high]) > 1 else []) + members[low]:
+                    cb, sb = (0.0, 0) if b is None else (cost[b], slots[b])
+                    if row_slots[low] - sb + slots[a] > row_length or row_slots[high] - slots[a] + sb > row_length:
+                        continue
+                    peak = max(row_cost[high] - cost[a] + cb, row_cost[low] - cb + cost[a])
+                    if peak < best_peak:
+                        best, best_peak = (a, b, low), peak
+        if best is None:
+            return
+        a, b, low = best
+        for sample, source, target in [(a, high, low)] + ([] if b is None else [(b, low, high)]):
+            members[source].remove(sample)
+            members[target].append(sample)
+            row_cost[source] -= cost[sample]
+            row_cost[target] += cost[sample]
+            row_slots[source] -= slots[sample]
+            row_slots[target] += slots[sample]
+
+
 def _rows_to_ranks(members: list[list[int]], row_cost: list[float], dp_size: int,
                    num_micro_batches: int) -> Assignment:
     """Rows in decreasing cost, each to the cheapest rank with a free micro-batch place; within a
@@ -197,6 +233,7 @@ def assign(lengths, *, dp_size: int, num_micro_batches: int, row_length: int, vi
             f"row_length: this step's samples ({int(slots.sum())} aligned slots, longest {int(slots.max())}) do not "
             f"fit {rows} rows of {row_length} slots with any placement tried (longest-processing-time on cost, then "
             f"first-fit-decreasing on tokens); raise row_length (e.g. to {int(row_length * 1.1) + align_to})")
+    _refine(members, cost_list, slot_list, row_length, rounds=2 * rows)
     row_cost = [sum(cost_list[i] for i in row) for row in members]
     ranks = _rows_to_ranks(members, row_cost, dp_size, num_micro_batches)
     return [sorted(rank, key=lambda row: -sum(cost_list[i] for i in row)) for rank in ranks]
