@@ -220,31 +220,20 @@ def find_verl_balancing() -> tuple[Path | None, str]:
 def load_verl_balancing(path: Path):
     """Execute VERL's file as a stand-alone module, its three ``verl`` imports stubbed for the load
     (module docstring); ``sys.modules`` restored afterwards."""
-    names = ("verl", "verl.protocol", "verl.utils", "verl.utils.tensordict_utils", "verl.utils.device")
-    saved = {name: sys.modules.get(name) for name in names}
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-        sys.modules[name].__path__ = []
-    sys.modules["verl.protocol"].DataProto = object
-    sys.modules["verl.utils"].tensordict_utils = sys.modules["verl.utils.tensordict_utils"]
-    sys.modules["verl.utils.tensordict_utils"].index_select_tensor_dict = (
-        lambda batch, index: {k: v[torch.as_tensor(index, dtype=torch.long)] for k, v in batch.items()})
+    from megatron.bridge_thd.testbed.verl_support import load_with_stand_ins
 
     def no_device():
         raise RuntimeError("stand-in: get_device_name is only called under an initialised process group")
 
-    sys.modules["verl.utils.device"].get_device_name = no_device
-    try:
-        spec = importlib.util.spec_from_file_location("verl_seqlen_balancing", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        for name, before in saved.items():
-            if before is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = before
-    return module
+    def index_select_tensor_dict(batch, index):
+        return {k: v[torch.as_tensor(index, dtype=torch.long)] for k, v in batch.items()}
+
+    tensordict_utils = {"index_select_tensor_dict": index_select_tensor_dict}
+    return load_with_stand_ins(path, "verl_seqlen_balancing", {
+        "verl": {}, "verl.protocol": {"DataProto": object},
+        "verl.utils.tensordict_utils": tensordict_utils,
+        "verl.utils": {"tensordict_utils": types.SimpleNamespace(**tensordict_utils)},
+        "verl.utils.device": {"get_device_name": no_device}})
 
 
 def verl_placement(verl, lengths: list[int], *, dp: int, max_token_len: int):

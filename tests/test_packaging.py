@@ -51,6 +51,11 @@ def test_bridge_helpers_load_without_transformer_engine():
     assert result.stdout.strip().endswith("megatron/bridge/training/losses.py")
 
 
+def _run_in_a_fresh_interpreter(code: str) -> None:
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 RUNTIME_ENTRY_POINTS = (
     "megatron.bridge_thd.qwen3_vl_step",
     "megatron.bridge_thd.qwen25_vl_step",
@@ -71,8 +76,7 @@ def test_the_runtime_never_imports_the_test_bed_the_planner_interop_or_batching(
         "loaded = sorted(m for m in sys.modules if m.startswith(roles))\n"
         "assert not loaded, loaded\n"
     )
-    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    _run_in_a_fresh_interpreter(code)
 
 
 def test_the_public_names_users_import_keep_working():
@@ -88,8 +92,7 @@ def test_the_public_names_users_import_keep_working():
         "assert preprocess_packed_seqs is interop_verl.preprocess_packed_seqs\n"
         "assert postprocess_packed_seqs is interop_verl.postprocess_packed_seqs\n"
     )
-    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    _run_in_a_fresh_interpreter(code)
 
 
 def test_batching_never_imports_the_test_bed_or_interop():
@@ -102,5 +105,4 @@ def test_batching_never_imports_the_test_bed_or_interop():
         "loaded = sorted(m for m in sys.modules if m.startswith(('megatron.bridge_thd.testbed', 'megatron.bridge_thd.interop')))\n"
         "assert not loaded, loaded\n"
     )
-    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    _run_in_a_fresh_interpreter(code)

@@ -45,6 +45,7 @@ __all__ = [
     "verl_cache_dir",
     "find_verl_util",
     "load_verl_util",
+    "load_with_stand_ins",
     "verl_vlm_batch",
     "response_logp",
     "per_sample_response_logp",
@@ -106,18 +107,18 @@ def find_verl_util(download: bool = True) -> tuple[str | None, str]:
         return None, f"verl {VERL_VERSION} is not installed and could not be downloaded ({type(error).__name__})"
 
 
-def load_verl_util(path: str):
-    """Execute VERL's util.py as a stand-alone module; the two ``verl.utils`` names it imports are
-    stubbed for the duration of the load (``sys.modules`` restored afterwards)."""
-    names = ("verl", "verl.utils", "verl.utils.device", "verl.utils.model")
-    saved = {name: sys.modules.get(name) for name in names}
-    for name in names:
+def load_with_stand_ins(path, module_name: str, stand_ins: dict[str, dict]):
+    """Execute one of VERL's files as a stand-alone module ``module_name``: each ``verl.*`` package it
+    imports is an empty module with the given attributes for the duration of the load (``sys.modules``
+    restored afterwards, so no ``verl`` package is left behind)."""
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    for name, attributes in stand_ins.items():
         sys.modules[name] = types.ModuleType(name)
         sys.modules[name].__path__ = []
-    sys.modules["verl.utils.device"].is_npu_available = False
-    sys.modules["verl.utils.model"].CausalLMOutputForPPO = object
+        for attribute, value in attributes.items():
+            setattr(sys.modules[name], attribute, value)
     try:
-        spec = importlib.util.spec_from_file_location("verl_mcore_util", path)
+        spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
@@ -127,6 +128,14 @@ def load_verl_util(path: str):
             else:
                 sys.modules[name] = module_before
     return module
+
+
+def load_verl_util(path: str):
+    """Execute VERL's util.py as a stand-alone module; the two ``verl.utils`` names it imports are
+    stubbed for the duration of the load (``sys.modules`` restored afterwards)."""
+    return load_with_stand_ins(path, "verl_mcore_util", {
+        "verl": {}, "verl.utils": {}, "verl.utils.device": {"is_npu_available": False},
+        "verl.utils.model": {"CausalLMOutputForPPO": object}})
 
 
 # ---------------------------------------------------------------------------------------------
