@@ -65,7 +65,10 @@ def _every_record() -> list[Patch]:
     from megatron.bridge_thd.testbed.qwen25_vl import _OmegaConfPlaceholder  # noqa: F401 - the module loads
     from megatron.bridge_thd.testbed.stack import cpu_patches
 
-    records = cpu_patches() + upstream._flop_utils_placeholders() + [moe_padding._token_dropping_patch()]
+    from megatron.bridge_thd.testbed.launcher import without_modelopt
+
+    records = cpu_patches() + upstream._flop_utils_placeholders() + [moe_padding._token_dropping_patch(),
+                                                                      without_modelopt()]
     # qwen25_vl_import_patches() is empty where omegaconf is installed; its one record by name:
     records.append(Patch(sys.modules, "omegaconf", None, "qwen25_vl_import_patches"))
     # batching.bridge.loader_patch() needs Megatron-Bridge imported whole (tests/test_bridge_recipes.py

@@ -25,6 +25,9 @@ The patches (targets, where they are built and applied, why; one line each in do
   ``helpers_cpp`` prebuilt, no Makefile); ``torch`` as the trainer modules of ``TRAINER_MODULES``
   see it; ``torch.Tensor.cuda``; ``tensor_parallel.random`` ``_set_cuda_rng_state`` /
   ``_get_cuda_rng_state`` (the CPU generator).
+* Scoped, test bed only: ``testbed/launcher.py`` ``without_modelopt()``, applied in each gloo rank that
+  does not import Megatron-Bridge whole: ``sys.modules['modelopt']`` as missing (Megatron's training
+  package imports NVIDIA ModelOpt optionally; ~5 s of a rank's start-up).
 * Scoped, test bed only: ``testbed/qwen25_vl.py`` ``qwen25_vl_import_patches()``:
   ``sys.modules['omegaconf']``, a placeholder while the Qwen2.5-VL provider is imported (only
   when omegaconf is absent).

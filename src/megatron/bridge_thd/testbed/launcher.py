@@ -4,7 +4,8 @@ Parallelism on the CPU is tested with real process groups: :func:`run_on_gloo` s
 ``world_size`` processes (``torch.multiprocessing``, spawn), each initialises
 ``torch.distributed`` with the gloo backend and Megatron-Core's ``parallel_state`` with the
 requested TP / CP / PP / EP sizes, calls ``fn(*args)`` inside :func:`~megatron.bridge_thd.testbed.stack.cpu_stack`,
-and hands its return value back (``torch.save`` through a temporary folder). A rank that fails
+and hands its return value back (``torch.save`` through a temporary folder). Ranks that do not import
+Megatron-Bridge whole start without NVIDIA ModelOpt (:func:`without_modelopt`). A rank that fails
 raises in the caller with its traceback; a rank that hangs is killed after ``timeout`` seconds.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -19,12 +22,24 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from megatron.bridge_thd.patches import Patch, applied
 from megatron.bridge_thd.testbed.standalone import free_port
 
-__all__ = ["run_on_gloo"]
+__all__ = ["run_on_gloo", "without_modelopt"]
 
 
-def _worker(rank, world_size, port, sizes, fn, args, folder, whole_bridge, initialize):
+def without_modelopt() -> Patch:
+    """``sys.modules['modelopt']`` as missing, in a test-bed process that does not import Megatron-Bridge
+    whole: Megatron's training package imports NVIDIA ModelOpt optionally (``megatron/training/
+    checkpointing.py`` guards it with ``try / except ImportError``), and ModelOpt's plugins import
+    transformers, diffusers and peft plugins, about 5 s of a rank's start-up that nothing in these
+    processes uses."""
+    return Patch(sys.modules, "modelopt", None,
+                 "test-bed ranks without Megatron-Bridge whole: Megatron's optional ModelOpt import is skipped "
+                 "(megatron.training.checkpointing guards it), ~5 s of imports per process nothing there uses")
+
+
+def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize):
     path = os.path.join(folder, f"rank{rank}.pt")
     try:
         # torchrun's variables, for code that initialises the process group itself (Megatron-Bridge).
@@ -32,6 +47,11 @@ def _worker(rank, world_size, port, sizes, fn, args, folder, whole_bridge, initi
                           LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
         torch.set_num_threads(1)
         with contextlib.ExitStack() as stack:
+            if not whole_bridge:
+                stack.enter_context(applied([without_modelopt()]))
+            # Unpickled here, not by multiprocessing: the function's module (and what it imports) loads
+            # after the patch above.
+            fn, args = pickle.loads(payload)
             if whole_bridge:
                 from megatron.bridge_thd.testbed.bridge_package import bridge_package
 
@@ -92,11 +112,12 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
     world_size = tp * cp * pp * dp
     sizes = dict(tp=tp, cp=cp, pp=pp, ep=ep)
     context = mp.get_context("spawn")
+    payload = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="bridge_thd_gloo_") as folder:
         port = free_port()
         processes = [
             context.Process(target=_worker, daemon=False,
-                            args=(rank, world_size, port, sizes, fn, args, folder, whole_bridge, initialize))
+                            args=(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize))
             for rank in range(world_size)
         ]
         for process in processes:
