@@ -228,6 +228,23 @@ def summarise(results: dict) -> list[dict]:
     return rows
 
 
+def headline(results: dict) -> str:
+    """The short table for docs/batching.md (rendered by scripts/readme_figures.py)."""
+    rows = []
+    for r in results["summary"]:
+        before, after = r["in_batch"], r["global"]
+        rows.append([r["distribution"], r["layout"],
+                     f"{before['median_step_ms']:.0f} → {after['median_step_ms']:.0f}", f"{r['ratio_of_medians']:.2f}x",
+                     f"{r['cpu_ratio_of_medians']:.2f}x", f"{r['cost_predicted_ratio']:.2f}x",
+                     f"{before['mean_rank_cost_imbalance']:.3f} → {after['mean_rank_cost_imbalance']:.3f}"])
+    m = results["machine"]
+    table = markdown(["distribution", "layout", "step ms (max over ranks): in-batch → global", "ratio (wall)",
+                      "ratio (CPU)", "ratio if time ∝ cost", "rank cost max/mean"], rows)
+    return (table + f"\n\nMedians of {results['summary'][0]['measured_steps']} steps per placement, alternating, one run; "
+            f"1-minute load average {m.get('load_average_start', float('nan')):.1f} at the start and "
+            f"{m.get('load_average_end', float('nan')):.1f} at the end.")
+
+
 def render(results: dict) -> str:
     p, m = results["parameters"], results["machine"]
     rows = results["summary"]

@@ -460,6 +460,9 @@ BLOCKS: dict[str, Block] = {
     "edge-cases-moe": Block(_edge_cases("moe"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),
     "global-batch-headline": Block(_benchmark("global_batch_packing", "headline", "global_batch_packing"), "results",
                                    source="benchmarks/global_batch_packing.py -> results/global_batch_packing.json"),
+    "global-batch-step-time": Block(_benchmark("global_batch_step_time", "headline", "global_batch_step_time"),
+                                    "results",
+                                    source="benchmarks/global_batch_step_time.py -> results/global_batch_step_time.json"),
     "global-batch-notes": Block(_benchmark("global_batch_packing", "headline_notes", "global_batch_packing"), "results",
                                 source="benchmarks/global_batch_packing.py -> results/global_batch_packing.json"),
 }
