@@ -63,7 +63,8 @@ def _alignment(cfg) -> int:
 
 
 def global_batch_loader(loader, *, settings: GlobalBatchPacking, cfg, dp_rank: int, dp_size: int,
-                        global_batch_size: int, micro_batch_size: int, steps: int, choose_row: bool):
+                        global_batch_size: int, micro_batch_size: int, steps: int, choose_row: bool,
+                        label: str = "train"):
     """Megatron-Bridge's ``loader`` rebuilt around a :class:`.sampler.GlobalBatchSampler` (same dataset,
     collate, workers); ``choose_row``: pick ``settings.row_length`` from this loader's draws."""
     from torch.utils.data import DataLoader
@@ -96,7 +97,7 @@ def global_batch_loader(loader, *, settings: GlobalBatchPacking, cfg, dp_rank: i
     row_length = settings.row_length if settings.row_length is not None else capacity
     sampler = GlobalBatchSampler(rank_samplers(inner, dp_size), dp_rank=dp_rank, num_micro_batches=num_micro_batches,
                                  row_length=row_length, sizes=sizes, static_row=static, align_to=align,
-                                 seed=settings.seed, cost=cost, log=settings.log)
+                                 seed=settings.seed, cost=cost, log=settings.log, label=label)
     return DataLoader(loader.dataset, batch_sampler=sampler, num_workers=loader.num_workers,
                       pin_memory=loader.pin_memory, collate_fn=loader.collate_fn,
                       persistent_workers=loader.persistent_workers, worker_init_fn=loader.worker_init_fn)
@@ -129,11 +130,11 @@ def _wrap(original):
         if valid is not None:
             valid = global_batch_loader(valid, settings=settings, cfg=cfg, dp_rank=erank, dp_size=esize,
                                         global_batch_size=eval_gbs, micro_batch_size=eval_mbs, steps=eval_iters,
-                                        choose_row=train is None)
+                                        choose_row=train is None, label="valid")
         if test is not None:
             test = global_batch_loader(test, settings=settings, cfg=cfg, dp_rank=erank, dp_size=esize,
                                        global_batch_size=eval_gbs, micro_batch_size=eval_mbs, steps=eval_iters,
-                                       choose_row=train is None and valid is None)
+                                       choose_row=train is None and valid is None, label="test")
         return train, valid, test
 
     build_train_valid_test_data_loaders.__wrapped__ = original

@@ -222,9 +222,9 @@ def assign(lengths, *, dp_size: int, num_micro_batches: int, row_length: int, vi
     else:
         costs = cost(lengths, vision_patches, vision_patches_squared)
     # Ties broken by a seeded permutation: decreasing cost, then the permutation's rank.
-    tiebreak = torch.randperm(lengths.numel(), generator=torch.Generator().manual_seed(seed))
-    order = sorted(range(lengths.numel()), key=lambda i: (-float(costs[i]), int(tiebreak[i])))
+    tiebreak = torch.randperm(lengths.numel(), generator=torch.Generator().manual_seed(seed)).tolist()
     cost_list, slot_list = costs.tolist(), slots.tolist()
+    order = sorted(range(lengths.numel()), key=lambda i: (-cost_list[i], tiebreak[i]))
     members = _longest_processing_time(order, cost_list, slot_list, rows, row_length)
     if members is None:
         members = _first_fit_decreasing(order, slot_list, rows, row_length)

@@ -86,14 +86,15 @@ class GlobalBatchSampler:
         static_row: True for ``thd_static`` (padding measured against ``row_length``).
         align_to, seed, cost: as :func:`.policy.assign`.
         log: log one line per step on global rank 0 (``logging``, INFO).
+        label: which loader, in the log line (``"train"``, ``"valid"``, ``"test"``).
     """
 
     def __init__(self, samplers: Sequence, *, dp_rank: int, num_micro_batches: int, row_length: int,
                  sizes: SampleSizes, static_row: bool, align_to: int = 1, seed: int = 0,
-                 cost: SampleCost | None = None, log: bool = True):
+                 cost: SampleCost | None = None, log: bool = True, label: str = "train"):
         self.samplers, self.dp_rank, self.num_micro_batches = list(samplers), dp_rank, num_micro_batches
         self.row_length, self.sizes, self.static_row = row_length, sizes, static_row
-        self.align_to, self.seed, self.cost, self.log = align_to, seed, cost, log
+        self.align_to, self.seed, self.cost, self.log, self.label = align_to, seed, cost, log, label
         self.history: list[StepPlacement] = []
 
     def __len__(self) -> int:
@@ -127,9 +128,9 @@ class GlobalBatchSampler:
         self.history.append(record)
         if self.log and is_global_rank_zero():
             logger.info(
-                "bridge_thd global-batch packing: step %d: real tokens %d in %d slots (padding %.1f%%); per-rank cost "
+                "bridge_thd global-batch packing (%s): step %d: real tokens %d in %d slots (padding %.1f%%); per-rank cost "
                 "max/mean %.3f (in-batch placement of the same samples: %.3f); per-micro-batch max/mean %.3f",
-                record.step, record.real_tokens, record.slots, 100 * record.padding, record.rank_imbalance,
+                self.label, record.step, record.real_tokens, record.slots, 100 * record.padding, record.rank_imbalance,
                 record.in_batch_rank_imbalance, record.micro_batch_imbalance)
 
     def __iter__(self) -> Iterator[list[int]]:
