@@ -10,3 +10,19 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``) and the logical CPU count, for the benchmarks' tables."""
+    import os
+    import platform
+    from pathlib import Path
+
+    count = os.cpu_count()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {count} logical CPUs"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {count} logical CPUs"

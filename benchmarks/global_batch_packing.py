@@ -68,7 +68,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -80,7 +79,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tables import markdown  # noqa: E402
+from _tables import cpu_name, markdown  # noqa: E402
 
 warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -589,16 +588,6 @@ def write_plot(results: dict, path: Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} logical CPUs"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs"
 
 
 def main(argv: list[str] | None = None) -> int:

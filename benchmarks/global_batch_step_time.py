@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -85,7 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _global_batch_step import (  # noqa: E402
     DISTRIBUTIONS, DP, GLOBAL_BATCH_SIZE, LAYOUTS, MICRO_BATCH_SIZE, NUM_LAYERS, PLACEMENTS, SEQ_LENGTH, sample_sizes,
     step_batch, step_time_worker, tiny_model_spec)
-from _tables import markdown  # noqa: E402
+from _tables import cpu_name, markdown  # noqa: E402
 
 warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -332,17 +331,6 @@ def render(results: dict) -> str:
         "that model's cost, not this table's.",
     ]
     return "\n".join(out) + "\n"
-
-
-def cpu_name() -> str:
-    count = os.cpu_count()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {count} logical CPUs"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()}, {count} logical CPUs"
 
 
 # --------------------------------------------------------------------------------------------
