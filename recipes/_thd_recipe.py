@@ -10,7 +10,9 @@ Any machine, no GPU (tiny Qwen3-VL, a local cord_v2-shaped dataset and processor
     python recipes/qwen3_vl_8b_cord_v2_thd.py --cpu-tiny --layout thd --train-iters 4
 
 ``--layout megatron_bridge`` runs Megatron-Bridge's own ``qwen3_vl_step`` on the recipe as shipped
-(the padded baseline, no ``configure``). ``--report`` writes the per-iteration records (loss,
+(the padded baseline, no ``configure``). ``--global-batch-packing MODEL`` turns global-batch packing on
+with MODEL's cost (a planner preset, a ``config.json``, or ``tokens`` for VERL's proxy; docs/batching.md);
+it sets ``ddp.average_in_collective=False``, which per-token loss needs and the recipes set True. ``--report`` writes the per-iteration records (loss,
 FLOPs, tokens, seconds, peak memory) as JSON; docs/megatron-bridge-on-cpu.md.
 """
 
@@ -30,13 +32,28 @@ def parse(argv=None):
     parser.add_argument("--train-iters", type=int, default=None, help="default: the recipe's (CPU mode: 4)")
     parser.add_argument("--report", default=None,
                         help="write the per-iteration records here (JSON; on GPUs one file per rank, PATH.rank<r>.json)")
+    parser.add_argument("--global-batch-packing", default=None, metavar="MODEL",
+                        help="place each step's samples across DP ranks and micro-batches, balanced on MODEL's cost "
+                        "(planner preset such as qwen3-vl-8b, a config.json, or 'tokens'); not with "
+                        "--layout bshd / megatron_bridge")
     parser.add_argument("--cpu-tiny", action="store_true", help="run on this CPU: tiny model, local data, gloo")
     parser.add_argument("--nproc", type=int, default=2, help="CPU mode: data-parallel gloo ranks")
     parser.add_argument("--workdir", default=None, help="CPU mode: where data, processor and checkpoints go")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.global_batch_packing is not None and args.layout in ("bshd", "megatron_bridge"):
+        parser.error(f"--global-batch-packing: needs --layout thd or thd_static, not {args.layout!r}")
+    return args
 
 
-def config(base_config, layout: str, micro_batch_size=None, seq_length=None, train_iters=None):
+def global_batch_setting(model):
+    """``GlobalBatchPacking``'s keywords for ``--global-batch-packing MODEL`` (None: off)."""
+    if model is None:
+        return None
+    return {"cost_model": None if model == "tokens" else model}
+
+
+def config(base_config, layout: str, micro_batch_size=None, seq_length=None, train_iters=None,
+           global_batch_packing=None):
     """``base_config()`` with the given sizes; for our layouts, packing set by ``configure`` (in-batch
     packing deferred to our step, the dataset's 2D mask, variable_seq_lengths under PP, HybridEP
     padding; contradictions refused)."""
@@ -49,7 +66,14 @@ def config(base_config, layout: str, micro_batch_size=None, seq_length=None, tra
         cfg.train.micro_batch_size = micro_batch_size
     if train_iters is not None:
         cfg.train.train_iters = train_iters
-    return cfg if layout == "megatron_bridge" else configure(cfg, layout=layout)
+    if layout == "megatron_bridge":
+        return cfg
+    if global_batch_packing is None:
+        return configure(cfg, layout=layout)
+    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+
+    cfg.ddp.average_in_collective = False  # per-token loss (configure sets it) needs DDP to sum
+    return configure(cfg, layout=layout, global_batch_packing=GlobalBatchPacking(**global_batch_packing))
 
 
 def _write(report, path):
@@ -66,9 +90,12 @@ def run_cpu_tiny(recipe_name: str, args) -> dict:
     settings = dict(train_iters=args.train_iters or 4, micro_batch_size=args.micro_batch_size or 2,
                     seq_length=args.seq_length or 512)
     settings["global_batch_size"] = settings["micro_batch_size"] * args.nproc * 2
+    if args.global_batch_packing is not None:
+        settings["global_batch_packing"] = global_batch_setting(args.global_batch_packing)
     workdir = args.workdir or tempfile.mkdtemp(prefix="bridge_thd_cpu_tiny_")
     ranks = run_on_cpu([(args.layout, recipe_name, args.layout, settings)], workdir=workdir, world_size=args.nproc)
     report = {"recipe": recipe_name, "layout": args.layout, "cpu_tiny": True, "settings": settings,
+              "global_batch_packing": args.global_batch_packing,
               "ranks": [rank[args.layout] for rank in ranks]}
     _write(report, args.report)
     for row in ranks[-1][args.layout]["iterations"]:
@@ -87,9 +114,11 @@ def main(recipe_module: str, recipe_name: str, argv=None):
     from megatron.bridge_thd.testbed.training import counting_step, iteration_recorder, step_for
 
     base_config = getattr(importlib.import_module(recipe_module), recipe_name)
-    cfg = config(base_config, args.layout, args.micro_batch_size, args.seq_length, args.train_iters)
+    cfg = config(base_config, args.layout, args.micro_batch_size, args.seq_length, args.train_iters,
+                 global_batch_setting(args.global_batch_packing))
     recorder = iteration_recorder()
     report = {"recipe": recipe_name, "layout": args.layout, "cpu_tiny": False, "oom": False,
+              "global_batch_packing": args.global_batch_packing,
               "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
               "seq_length": cfg.model.seq_length, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
     counts = []

@@ -36,6 +36,32 @@ def test_recipe_script_runs_in_its_cpu_mode(tmp_path):
     assert "iteration   3 | lm loss" in done.stdout
 
 
+def test_recipe_script_turns_global_batch_packing_on(tmp_path):
+    """``--global-batch-packing qwen3-vl-8b`` through the same script: configure's setting reaches
+    Megatron-Bridge's loop (rank 0 logs the fixed thd_static row and one placement per iteration)."""
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-W", "ignore", str(ROOT / "recipes" / "qwen3_vl_8b_cord_v2_thd.py"), "--cpu-tiny",
+               "--layout", "thd_static", "--global-batch-packing", "qwen3-vl-8b", "--train-iters", "2",
+               "--workdir", str(tmp_path / "run"), "--report", str(report)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert result["global_batch_packing"] == "qwen3-vl-8b"
+    placements = result["ranks"][0]["placements"]
+    assert sum("thd_static row fixed at" in line for line in placements) == 1
+    assert [line.split(": step ")[1].split(":")[0] for line in placements if ": step " in line] == ["1", "2"]
+    for rank in result["ranks"]:
+        assert [row["iteration"] for row in rank["iterations"]] == [1, 2]
+
+
+def test_global_batch_packing_flag_needs_a_packed_layout():
+    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "qwen3_vl_8b_cord_v2_thd.py"), "--layout", "bshd",
+                           "--global-batch-packing", "qwen3-vl-8b"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert done.returncode != 0 and "--global-batch-packing: needs --layout thd or thd_static" in done.stderr
+
+
 def test_qwen35_recipe_refuses_the_cpu_mode_it_does_not_have():
     done = subprocess.run([sys.executable, str(ROOT / "recipes" / "qwen35_vl_2b_cord_v2_thd.py"), "--cpu-tiny"],
                           capture_output=True, text=True, timeout=60)
