@@ -87,6 +87,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 import torch  # noqa: E402
 
 from megatron.bridge_thd.batching import assign, in_batch_assignment, placement_stats, sample_cost  # noqa: E402
+from megatron.bridge_thd.batching.sampler import row_lower_bound  # noqa: E402
 from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, balance_plan, get_preset  # noqa: E402
 from megatron.bridge_thd.plan.balance import plan_steps, static_row_for_steps  # noqa: E402
 from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths  # noqa: E402
@@ -286,7 +287,7 @@ def measure(name, samples, seq_length, model, gbs, verl) -> dict:
     real = sum(sum(s.lengths) for s in steps)
     rows_total = len(steps) * DP * n_mb
     # No fixed row can be shorter than this: the fullest step's tokens over its rows (or its longest sample).
-    bound = max(max(max(s.lengths), -(-sum(s.lengths) // (DP * n_mb))) for s in steps)
+    bound = row_lower_bound([torch.tensor(s.lengths) for s in steps], rows=DP * n_mb, align_to=ALIGN)
     ratios = {k: [] for k in ("in_batch", "assign_thd", "assign_static", "verl", "assign_text_only")}
     micro_ratios = {k: [] for k in ("in_batch", "assign_thd", "assign_static", "verl")}
     verl_counts, verl_max_tokens = [], []

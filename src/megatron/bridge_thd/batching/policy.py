@@ -33,7 +33,8 @@ import torch
 
 from megatron.bridge_thd.batching.cost import SampleCost
 
-__all__ = ["Assignment", "assign", "in_batch_assignment", "PlacementStats", "placement_stats", "aligned_lengths"]
+__all__ = ["Assignment", "assign", "in_batch_assignment", "PlacementStats", "placement_stats", "aligned_lengths",
+           "sample_costs"]
 
 # [rank][micro_batch] -> sample indices (positions in the step's ``lengths``).
 Assignment = list[list[list[int]]]
@@ -44,6 +45,15 @@ def aligned_lengths(lengths, align_to: int) -> torch.Tensor:
     (``layouts.thd_slots``)."""
     s = torch.as_tensor(lengths, dtype=torch.int64)
     return (s + align_to - 1) // align_to * align_to
+
+
+def sample_costs(lengths, vision_patches=None, vision_patches_squared=None, cost: SampleCost | None = None):
+    """``(N,)`` float64 cost per sample: ``cost(...)``, or without one VERL's tokens-and-attention
+    proxy ``s + s^2 / 24576`` (its ``24576 * s + s^2`` scaled to tokens; no vision term)."""
+    if cost is not None:
+        return cost(lengths, vision_patches, vision_patches_squared)
+    s = torch.as_tensor(lengths, dtype=torch.float64)
+    return s + s * s / 24576.0
 
 
 def _check_inputs(lengths: torch.Tensor, dp_size, num_micro_batches, row_length, align_to, vision_patches,
@@ -217,10 +227,7 @@ def assign(lengths, *, dp_size: int, num_micro_batches: int, row_length: int, vi
             f"row_length: this step's {lengths.numel()} samples take {int(slots.sum())} aligned slots, more than "
             f"dp_size * num_micro_batches * row_length = {rows} x {row_length} = {rows * row_length}; raise row_length "
             f"to at least {-(-int(slots.sum()) // rows)} (or the micro-batches per step)")
-    if cost is None:
-        costs = lengths.to(torch.float64) + lengths.to(torch.float64) ** 2 / 24576.0
-    else:
-        costs = cost(lengths, vision_patches, vision_patches_squared)
+    costs = sample_costs(lengths, vision_patches, vision_patches_squared, cost)
     # Ties broken by a seeded permutation: decreasing cost, then the permutation's rank.
     tiebreak = torch.randperm(lengths.numel(), generator=torch.Generator().manual_seed(seed)).tolist()
     cost_list, slot_list = costs.tolist(), slots.tolist()

@@ -6,8 +6,9 @@ micro-batches from every rank's copy, exactly the samples Megatron-Bridge would 
 the same order of steps, and yields this rank's micro-batches of the placement. Every rank computes
 the same placement from the same draws, so no communication is needed.
 
-:func:`choose_row_length` picks a static row for the run from the same draws: the smallest
-multiple of the alignment at which every step of the run fits.
+:func:`choose_row_length` picks a static row for the run from the same draws
+(:func:`row_length_for_steps`): the smallest multiple of the alignment, from :func:`row_lower_bound`
+up, at which every step of the run fits.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from typing import Iterator, Sequence
 import torch
 
 from megatron.bridge_thd.batching.cost import SampleCost
-from megatron.bridge_thd.batching.policy import aligned_lengths, assign, placement_stats
+from megatron.bridge_thd.batching.policy import aligned_lengths, assign, in_batch_assignment, placement_stats, sample_costs
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
+from megatron.bridge_thd.packing import round_up
 
 __all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "choose_row_length",
-           "is_global_rank_zero"]
+           "row_length_for_steps", "row_lower_bound", "is_global_rank_zero"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,14 @@ def step_draws(samplers: Sequence, num_micro_batches: int) -> Iterator[list[int]
                                "(as with Megatron-Bridge's own samplers, whose loop ends there)", len(drawn))
             return
         yield drawn
+
+
+def _assign_step(sizes: SampleSizes, index: torch.Tensor, *, dp_size: int, num_micro_batches: int, row_length: int,
+                 align_to: int, seed: int, cost: SampleCost | None):
+    """:func:`.policy.assign` on the samples ``index`` of ``sizes`` (one step's draws)."""
+    return assign(sizes.lengths[index], dp_size=dp_size, num_micro_batches=num_micro_batches, row_length=row_length,
+                  vision_patches=sizes.patches[index], vision_patches_squared=sizes.patches_squared[index],
+                  align_to=align_to, seed=seed, cost=cost)
 
 
 @dataclass(frozen=True)
@@ -103,25 +113,19 @@ class GlobalBatchSampler:
     def place(self, drawn: list[int]):
         """``[rank][micro_batch] -> dataset indices`` for one step's draws."""
         index = torch.tensor(drawn, dtype=torch.int64)
-        sizes = self.sizes
-        placement = assign(sizes.lengths[index], dp_size=len(self.samplers), num_micro_batches=self.num_micro_batches,
-                           row_length=self.row_length, vision_patches=sizes.patches[index],
-                           vision_patches_squared=sizes.patches_squared[index], align_to=self.align_to,
-                           seed=self.seed, cost=self.cost)
+        placement = _assign_step(self.sizes, index, dp_size=len(self.samplers), num_micro_batches=self.num_micro_batches,
+                                 row_length=self.row_length, align_to=self.align_to, seed=self.seed, cost=self.cost)
         self._record(index, placement)
         return [[[drawn[i] for i in row] for row in rank] for rank in placement]
 
     def _record(self, index: torch.Tensor, placement) -> None:
         sizes, dp = self.sizes, len(self.samplers)
         lengths = sizes.lengths[index]
-        costs = (self.cost(lengths, sizes.patches[index], sizes.patches_squared[index]) if self.cost is not None
-                 else lengths.to(torch.float64) + lengths.to(torch.float64) ** 2 / 24576.0)
+        costs = sample_costs(lengths, sizes.patches[index], sizes.patches_squared[index], self.cost)
         row_length = self.row_length if self.static_row else None
         stats = placement_stats(placement, lengths, costs=costs, row_length=row_length, align_to=self.align_to)
-        per_micro = len(index) // (dp * self.num_micro_batches)
-        # Megatron-Bridge's own placement of the same draws: rank r's j-th micro-batch is block j * dp + r.
-        own = [[list(range((j * dp + r) * per_micro, (j * dp + r + 1) * per_micro))
-                for j in range(self.num_micro_batches)] for r in range(dp)]
+        # Megatron-Bridge's own placement of the same draws (they come in its order: step_draws).
+        own = in_batch_assignment(len(index), dp_size=dp, micro_batch_size=len(index) // (dp * self.num_micro_batches))
         in_batch = placement_stats(own, lengths, costs=costs, align_to=self.align_to)
         record = StepPlacement(len(self.history) + 1, stats.real_tokens, stats.slots, stats.padding,
                                stats.rank_imbalance, stats.micro_batch_imbalance, in_batch.rank_imbalance)
@@ -138,21 +142,67 @@ class GlobalBatchSampler:
             yield from self.place(drawn)[self.dp_rank]
 
 
+def row_lower_bound(step_lengths, *, rows: int, align_to: int = 1) -> int:
+    """No fixed row for these steps can be shorter: per step ``max(longest aligned sample,
+    ceil(aligned tokens / rows))``, the largest over the steps, rounded up to ``align_to``.
+
+    Args:
+        step_lengths: per step, ``(N,)`` its samples' LLM tokens.
+        rows: micro-batches per step over all ranks (``dp_size * num_micro_batches``).
+    """
+    bound = 0
+    for lengths in step_lengths:
+        slots = aligned_lengths(lengths, align_to)
+        bound = max(bound, int(slots.max()), -(-int(slots.sum()) // rows))
+    return round_up(bound, align_to)
+
+
+def row_length_for_steps(steps: Sequence[torch.Tensor], *, sizes: SampleSizes, dp_size: int, num_micro_batches: int,
+                         align_to: int = 1, upper: int | None = None, cost: SampleCost | None = None,
+                         seed: int = 0) -> int:
+    """The smallest row (a multiple of ``align_to``) at which :func:`.policy.assign` places every step:
+    start at :func:`row_lower_bound` and grow by ~0.5% while a step does not fit.
+
+    Args:
+        steps: per step, the ``(N,)`` indices into ``sizes`` of its samples, in the sampler's order.
+        upper: refuse a row above it (e.g. ``micro_batch_size * seq_length``, what the recipe's memory
+            was planned for); None: no ceiling.
+
+    Raises:
+        ValueError: the row would exceed ``upper``.
+    """
+    row = row_lower_bound([sizes.lengths[index] for index in steps], rows=dp_size * num_micro_batches,
+                          align_to=align_to)
+
+    def fits(index: torch.Tensor) -> bool:
+        try:
+            _assign_step(sizes, index, dp_size=dp_size, num_micro_batches=num_micro_batches, row_length=row,
+                         align_to=align_to, seed=seed, cost=cost)
+        except ValueError:
+            return False
+        return True
+
+    # Every step is checked again at each new row: a greedy placement is not monotone in the row.
+    while upper is None or row <= upper:
+        if all(fits(index) for index in steps):
+            return row
+        grown = round_up(int(row * 1.005 + 1), align_to)
+        # The last try is the ceiling itself (the in-batch row always fits when no sample exceeds seq_length).
+        row = grown if upper is None or row == upper else min(grown, upper)
+    raise ValueError(
+        f"row_length: the run's steps need a row longer than {upper} slots (micro_batch_size * seq_length); "
+        "set dataset.global_batch_packing.row_length, or raise train.micro_batch_size")
+
+
 def choose_row_length(samplers: Sequence, *, num_micro_batches: int, sizes: SampleSizes, steps: int,
                       align_to: int = 1, upper: int | None = None, cost: SampleCost | None = None,
                       seed: int = 0) -> int:
-    """The smallest row (a multiple of ``align_to``) at which every one of the run's first ``steps``
-    steps fits :func:`.policy.assign`: start at the largest per-step lower bound
-    (``max(longest sample, ceil(aligned tokens / rows))``) and grow by ~0.5% while a step does not fit.
-
-    ``samplers`` are fresh per-rank copies (they are iterated here). ``upper``: refuse a row above it
-    (e.g. ``micro_batch_size * seq_length``, what the recipe's memory was planned for).
+    """:func:`row_length_for_steps` of the run's first ``steps`` steps as ``samplers`` (fresh per-rank
+    copies, iterated here) draw them.
 
     Raises:
         ValueError: no step drawn, or the row would exceed ``upper``.
     """
-    dp = len(samplers)
-    rows = dp * num_micro_batches
     draws = []
     for drawn in step_draws(samplers, num_micro_batches):
         draws.append(torch.tensor(drawn, dtype=torch.int64))
@@ -160,28 +210,5 @@ def choose_row_length(samplers: Sequence, *, num_micro_batches: int, sizes: Samp
             break
     if not draws:
         raise ValueError("choose_row_length: the samplers drew no complete step; check global_batch_size and the data")
-    bound = 0
-    for index in draws:
-        slots = aligned_lengths(sizes.lengths[index], align_to)
-        bound = max(bound, int(slots.max()), -(-int(slots.sum()) // rows))
-    row = -(-bound // align_to) * align_to
-
-    def fits(index: torch.Tensor) -> bool:
-        try:
-            assign(sizes.lengths[index], dp_size=dp, num_micro_batches=num_micro_batches, row_length=row,
-                   vision_patches=sizes.patches[index], vision_patches_squared=sizes.patches_squared[index],
-                   align_to=align_to, seed=seed, cost=cost)
-        except ValueError:
-            return False
-        return True
-
-    # Every step is checked again at each new row: a greedy placement is not monotone in the row.
-    while upper is None or row <= upper:
-        if all(fits(index) for index in draws):
-            return row
-        grown = -(-int(row * 1.005 + 1) // align_to) * align_to
-        # The last try is the ceiling itself (the in-batch row always fits when no sample exceeds seq_length).
-        row = grown if upper is None or row == upper else min(grown, upper)
-    raise ValueError(
-        f"row_length: the run's steps need a row longer than {upper} slots (micro_batch_size * seq_length); "
-        "set dataset.global_batch_packing.row_length, or raise train.micro_batch_size")
+    return row_length_for_steps(draws, sizes=sizes, dp_size=len(samplers), num_micro_batches=num_micro_batches,
+                                align_to=align_to, upper=upper, cost=cost, seed=seed)

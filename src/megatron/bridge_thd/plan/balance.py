@@ -14,7 +14,7 @@ is dropped). Each sample is truncated to ``seq_length`` as the step truncates it
   :func:`~megatron.bridge_thd.batching.sample_cost`, Megatron-Bridge's own FLOPs terms): ``thd``
   into rows of ``micro_batch_size * round_up(seq_length, align)`` slots (the runtime's default
   bound); ``thd_static`` into the run's fixed row, chosen from these steps by the runtime's own
-  :func:`~megatron.bridge_thd.batching.sampler.choose_row_length` (smallest multiple of the
+  :func:`~megatron.bridge_thd.batching.sampler.row_length_for_steps` (smallest multiple of the
   alignment, grown by ~0.5%, at which every step fits), so its slots and padding drop. ``bshd`` has
   no packed figures: it lays out exactly ``micro_batch_size`` samples per micro-batch and
   ``configure`` refuses global-batch packing with it.
@@ -150,27 +150,20 @@ def _sizes(steps: list[Step]):
                        torch.tensor([q for s in steps for q in s.patches_squared], dtype=torch.float64), "planner")
 
 
-def _in_batch_samplers(steps: list[Step], dp: int, micro_batch_size: int, num_micro_batches: int) -> list[list]:
-    """Per DP rank, the micro-batches Megatron-Bridge's sampler gives it over the steps (global
-    sample positions), in the form :func:`~megatron.bridge_thd.batching.sampler.step_draws` reads."""
-    from megatron.bridge_thd.batching.policy import in_batch_assignment
-
-    gbs = dp * micro_batch_size * num_micro_batches
-    own = in_batch_assignment(gbs, dp_size=dp, micro_batch_size=micro_batch_size)
-    return [[[k * gbs + i for i in own[r][j]] for k in range(len(steps)) for j in range(num_micro_batches)]
-            for r in range(dp)]
-
-
 def static_row_for_steps(steps: list[Step], *, dp: int, micro_batch_size: int, num_micro_batches: int, align: int,
                          cost=None, seed: int = 0) -> int:
     """``thd_static``'s row under global-batch packing: the runtime's own
-    :func:`~megatron.bridge_thd.batching.sampler.choose_row_length` on these steps (no upper bound:
-    a row above ``micro_batch_size * seq_length`` is reported, not refused)."""
-    from megatron.bridge_thd.batching.sampler import choose_row_length
+    :func:`~megatron.bridge_thd.batching.sampler.row_length_for_steps` on these steps, each in
+    Megatron-Bridge's draw order (no upper bound: a row above ``micro_batch_size * seq_length`` is
+    reported, not refused)."""
+    import torch
 
-    return choose_row_length(_in_batch_samplers(steps, dp, micro_batch_size, num_micro_batches),
-                             num_micro_batches=num_micro_batches, sizes=_sizes(steps), steps=len(steps),
-                             align_to=align, upper=None, cost=cost, seed=seed)
+    from megatron.bridge_thd.batching.sampler import row_length_for_steps
+
+    gbs = dp * micro_batch_size * num_micro_batches
+    draws = [torch.arange(k * gbs, (k + 1) * gbs) for k in range(len(steps))]
+    return row_length_for_steps(draws, sizes=_sizes(steps), dp_size=dp, num_micro_batches=num_micro_batches,
+                                align_to=align, upper=None, cost=cost, seed=seed)
 
 
 def step_assignments(step: Step, placement: str, *, dp: int, micro_batch_size: int, num_micro_batches: int,
