@@ -373,20 +373,19 @@ def test_sizes_by_scan_are_cached(tmp_path):
     assert first.lengths.tolist() == lengths
     assert first.patches.tolist() == patches
     assert first.patches_squared.tolist() == squared
-    assert "scan" in first.source and collate.calls >= len(ITEMS)
+    assert first.source.startswith(f"scan of {len(ITEMS)} distinct samples")
+    # The collate (a tokenizer, in a real run) ran in worker processes only, never in this one.
+    assert collate.calls == 0
     assert len(list(cache.glob("*.pt"))) == 1
 
-    collate.calls = 0
     second = dataset_sizes(dataset, collate, seq_length=SCAN_SEQ, cache_dir=cache)
-    assert second.source.startswith("cache")
-    assert collate.calls < len(ITEMS), "the scan ran again"
+    assert second.source.startswith("cache"), "the scan ran again"
     assert (second.lengths.tolist(), second.patches.tolist(), second.patches_squared.tolist()) == (
         lengths, patches, squared)
 
     # Another seq_length is another scan (its lengths are capped differently).
-    collate.calls = 0
     other = dataset_sizes(dataset, collate, seq_length=None, cache_dir=cache)
-    assert collate.calls >= len(ITEMS) and "scan" in other.source
+    assert other.source.startswith("scan")
     assert other.lengths.tolist() == [item["real"] for item in ITEMS]
     assert len(list(cache.glob("*.pt"))) == 2
 

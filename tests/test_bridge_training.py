@@ -1,13 +1,15 @@
 """Megatron-Bridge 0.6.2's own training loop on the CPU: its Qwen3-VL 8B recipe (``AutoBridge``
 provider, ``ConfigContainer``), its cord_v2 data path with the Qwen3-VL collate, ``finetune()`` ->
 ``pretrain`` -> ``setup`` / ``train`` / ``train_step`` with Megatron-Core's DDP and optimizer,
-checkpoint save and resume, at DP=2 over gloo; only model size and device differ
+checkpoint save and resume, at DP=2 over gloo, with the recipe's data loader workers (forked, as
+under torchrun) and pinned memory, and its evaluation; only model size and device differ
 (``testbed.training.cpu_run_config``; docs/megatron-bridge-on-cpu.md).
 
 Three steps drive the same recipe on the same data order: Megatron-Bridge's own
 ``qwen3_vl_step`` (the padded baseline), ours with ``thd`` and with ``thd_static``; and ``thd_static``
 with global-batch packing (``configure(..., global_batch_packing=...)``), which places the same
-steps' samples differently across the two ranks and their micro-batches.
+steps' samples differently across the two ranks and their micro-batches, evaluated every
+``EVAL_INTERVAL`` iterations, stopped at ``GLOBAL_RESUME_AT`` and resumed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ ITERATIONS, RESUME_AT = 20, 10
 MICRO_BATCH, GLOBAL_BATCH, SEQ_LENGTH = 2, 8, 512
 SHORT = 5  # iterations of the PP=2 and CP=2 runs
 GLOBAL = 10  # iterations of the two per-token-loss runs: Megatron-Bridge's placement and global-batch packing
+GLOBAL_RESUME_AT, EVAL_INTERVAL, EVAL_ITERS = 4, 3, 2
 RELATIVE = 1e-5
 
 
@@ -32,7 +35,10 @@ RELATIVE = 1e-5
 def ranks(tmp_path_factory):
     return run_on_cpu(training_loop_runs(RECIPE, iterations=ITERATIONS, resume_at=RESUME_AT, short=SHORT,
                                          micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
-                                         seq_length=SEQ_LENGTH, global_iterations=GLOBAL), workdir=tmp_path_factory.mktemp("cord_v2_run"), world_size=2, timeout=540)
+                                         seq_length=SEQ_LENGTH, global_iterations=GLOBAL,
+                                         global_resume_at=GLOBAL_RESUME_AT, eval_interval=EVAL_INTERVAL,
+                                         eval_iters=EVAL_ITERS),
+                      workdir=tmp_path_factory.mktemp("cord_v2_run"), world_size=2, timeout=540)
 
 
 def _losses(rank_result, name):
@@ -137,27 +143,37 @@ def test_pipeline_and_context_parallel_thd_agree(ranks):
     assert cp2[-1] < cp2[0]
 
 
-def _placement_log(rank_result):
-    """(row length, [(step, real tokens, slots)]) from global-batch packing's log lines (global rank 0)."""
-    lines = rank_result["thd_static_global"]["placements"]
-    row = [int(m.group(1)) for m in map(re.compile(r"row fixed at (\d+) slots").search, lines) if m]
-    steps = [tuple(int(g) for g in m.groups()) for m in
-             map(re.compile(r"step (\d+): real tokens (\d+) in (\d+) slots").search, lines) if m]
-    return row, steps
+def _global(rank, part="iterations"):
+    """The global-batch packing run, its stopped and resumed halves joined."""
+    first, resumed = rank["thd_static_global_first"], rank["thd_static_global_resumed"]
+    if part == "batches":
+        return _micro_batches_per_iteration(first) + _micro_batches_per_iteration(resumed)
+    return first[part] + resumed[part]
+
+
+def _placement_log(lines, label="train"):
+    """(rows fixed, {step: (real tokens, slots)}) from global-batch packing's log lines (global rank 0);
+    steps past the run (the loader workers' prefetch) included."""
+    rows = [int(m.group(1)) for m in map(re.compile(r"row fixed at (\d+) slots").search, lines) if m]
+    steps = {}
+    for m in map(re.compile(rf"\({label}\): step (\d+): real tokens (\d+) in (\d+) slots").search, lines):
+        if m:
+            steps.setdefault(int(m.group(1)), (int(m.group(2)), int(m.group(3))))
+    return rows, steps
 
 
 def test_global_batch_packing_trains_the_same_steps(ranks):
-    """Same steps, same samples: per iteration the two ranks' real and supervised tokens add up to
-    those of Megatron-Bridge's placement (both runs with per-token loss normalisation, which
-    configure sets for global-batch packing); the placement differs (the ranks' shares change); the
-    losses follow (iteration 1 to 1e-5, loss and gradient norm; later ones within 1e-4, the gradient
-    sums' order differing as in the PP / CP comparison)."""
+    """Same steps, same samples, across a stop at iteration 4 and its resume: per iteration the two
+    ranks' real and supervised tokens add up to those of Megatron-Bridge's placement (both runs with
+    per-token loss normalisation, which configure sets for global-batch packing); the placement differs
+    (the ranks' shares change); the losses follow (iteration 1 to 1e-5, loss and gradient norm; later
+    ones within 1e-4, the gradient sums' order differing as in the PP / CP comparison)."""
     for rank in ranks:
-        for name in ("thd_static_per_token", "thd_static_global"):
-            assert [row["iteration"] for row in rank[name]["iterations"]] == list(range(1, GLOBAL + 1))
+        assert [row["iteration"] for row in rank["thd_static_per_token"]["iterations"]] == list(range(1, GLOBAL + 1))
+        assert [row["iteration"] for row in _global(rank)] == list(range(1, GLOBAL + 1))
     moved = False
-    per_rank = {name: [_micro_batches_per_iteration(rank[name]) for rank in ranks]
-                for name in ("thd_static_per_token", "thd_static_global")}
+    per_rank = {"thd_static_per_token": [_micro_batches_per_iteration(rank["thd_static_per_token"]) for rank in ranks],
+                "thd_static_global": [_global(rank, "batches") for rank in ranks]}
     for iteration in range(GLOBAL):
         for key in ("real_tokens", "supervised_tokens"):
             totals = {name: sum(b[key] for rank in per_rank[name] for b in rank[iteration]) for name in per_rank}
@@ -165,23 +181,44 @@ def test_global_batch_packing_trains_the_same_steps(ranks):
         shares = {name: [sum(b["real_tokens"] for b in rank[iteration]) for rank in per_rank[name]] for name in per_rank}
         moved |= shares["thd_static_global"] != shares["thd_static_per_token"]
     assert moved, "the placement never differed from Megatron-Bridge's: the comparison would prove nothing"
-    ours = ranks[0]["thd_static_global"]["iterations"]
+    ours = _global(ranks[0])
     theirs = ranks[0]["thd_static_per_token"]["iterations"]
     assert _close(ours[0]["loss"], theirs[0]["loss"]) and _close(ours[0]["grad_norm"], theirs[0]["grad_norm"])
     for iteration, (a, b) in enumerate(zip(ours, theirs, strict=True), start=1):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), f"iteration {iteration}: {a['loss']} vs {b['loss']}"
 
 
-def test_global_batch_packing_logs_real_tokens_padding_and_the_fixed_row(ranks):
-    """Rank 0 logs the run's row once and, per step, the real tokens of both ranks in the slots of
-    their rows (micro-batches x ranks x row); the trainer's own token count is the slots of this rank."""
-    row, steps = _placement_log(ranks[0])
-    assert len(row) == 1 and 0 < row[0] <= MICRO_BATCH * SEQ_LENGTH
-    assert [step for step, _, _ in steps] == list(range(1, GLOBAL + 1))
+def test_global_batch_packing_evaluates_with_the_recipes_loader_workers(ranks):
+    """Validation every 3 iterations (2 steps each), the final validation and the test set, through the
+    loader workers with global-batch packing: every evaluation runs (none refused mid-run) and gives
+    the loss of Megatron-Bridge's placement of the same samples (per-token, so placement-free)."""
+    ours = _global(ranks[0], "evaluations")
+    theirs = ranks[0]["thd_static_per_token"]["evaluations"]
+    expected = [(False, i) for i in range(EVAL_INTERVAL, GLOBAL + 1, EVAL_INTERVAL)] + [(False, GLOBAL), (True, GLOBAL)]
+    assert [(e["test"], e["iteration"]) for e in theirs] == expected
+    assert [(e["test"], e["iteration"]) for e in ours] == expected
+    for a, b in zip(ours, theirs, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
+    _, valid = _placement_log(_global(ranks[0], "placements"), "valid")
+    assert set(range(1, (GLOBAL // EVAL_INTERVAL + 1) * EVAL_ITERS + 1)) <= set(valid)
+
+
+def test_global_batch_packing_keeps_its_row_and_step_count_across_a_resume(ranks):
+    """The row is chosen from the whole run's draws (training and evaluation) when the loaders are
+    built: the resumed run fixes the same row as the uninterrupted start, its log continues at step 5,
+    and every micro-batch's real tokens per iteration match the log of the step it came from."""
+    first_rows, first_steps = _placement_log(ranks[0]["thd_static_global_first"]["placements"])
+    resumed_rows, resumed_steps = _placement_log(ranks[0]["thd_static_global_resumed"]["placements"])
+    assert len(first_rows) == len(resumed_rows) == 1 and first_rows == resumed_rows
+    row = first_rows[0]
+    assert 0 < row <= MICRO_BATCH * SEQ_LENGTH
+    assert min(first_steps) == 1 and min(resumed_steps) == GLOBAL_RESUME_AT + 1
     per_iteration = GLOBAL_BATCH // (MICRO_BATCH * 2)
-    batches = [_micro_batches_per_iteration(rank["thd_static_global"]) for rank in ranks]
-    for (step, real, slots), record in zip(steps, ranks[0]["thd_static_global"]["iterations"], strict=True):
-        assert real == sum(b["real_tokens"] for rank in batches for b in rank[step - 1])
-        assert slots == per_iteration * 2 * row[0]
-        assert record["flops_tokens"] == per_iteration * row[0]
-    assert not ranks[1]["thd_static_global"]["placements"]  # one log, on global rank 0
+    batches = [_global(rank, "batches") for rank in ranks]
+    steps = {**first_steps, **{k: v for k, v in resumed_steps.items() if k > GLOBAL_RESUME_AT}}
+    for iteration, record in enumerate(_global(ranks[0]), start=1):
+        real, slots = steps[iteration]
+        assert real == sum(b["real_tokens"] for rank in batches for b in rank[iteration - 1])
+        assert slots == per_iteration * 2 * row
+        assert record["flops_tokens"] == per_iteration * row
+    assert not ranks[1]["thd_static_global_first"]["placements"]  # one log, on global rank 0

@@ -18,13 +18,15 @@ no-op for a config without the setting).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.patches import Patch
 
-__all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader"]
+__all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "plan_loader", "run_row_length",
+           "shared_sizes", "check_ranks_agree", "LoaderPlan"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,45 +64,211 @@ def _alignment(cfg) -> int:
                          fp8=bool(getattr(model, "fp8", None)))
 
 
-def global_batch_loader(loader, *, settings: GlobalBatchPacking, cfg, dp_rank: int, dp_size: int,
-                        global_batch_size: int, micro_batch_size: int, steps: int, choose_row: bool,
-                        label: str = "train"):
-    """Megatron-Bridge's ``loader`` rebuilt around a :class:`.sampler.GlobalBatchSampler` (same dataset,
-    collate, workers); ``choose_row``: pick ``settings.row_length`` from this loader's draws."""
-    from torch.utils.data import DataLoader
+def _distributed() -> bool:
+    import torch
 
-    from megatron.bridge_thd.batching.cost import sample_cost
-    from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, choose_row_length, is_global_rank_zero, rank_samplers
-    from megatron.bridge_thd.batching.sizes import dataset_sizes
-    from megatron.bridge_thd.packing import round_up
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _node_scanner() -> bool:
+    """The rank that scans for its node: ``LOCAL_RANK`` 0 (torchrun sets it); without it every rank
+    counts as its own node's."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+def _any_rank(flag: bool) -> bool:
+    import torch
+
+    flags = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(flags, bool(flag))
+    return any(flags)
+
+
+def shared_sizes(loader, *, seq_length: int, cache_dir: str | None, label: str):
+    """Every sample's sizes for ``loader``'s dataset, the same on every rank: metadata when the dataset
+    has it; otherwise the cache, scanned once (global rank 0 first, then the first rank of each node
+    that still cannot see the file, e.g. a node-local cache) in loader worker processes. Every rank
+    calls it, in the same order of loaders."""
+    from megatron.bridge_thd.batching import sizes as sizes_module
+
+    context = getattr(loader, "multiprocessing_context", None)
+    workers = getattr(loader, "num_workers", 0) or 0
+    where = f" ({label} loader)"
+    if not _distributed():
+        return sizes_module.dataset_sizes(loader.dataset, loader.collate_fn, seq_length=seq_length,
+                                          cache_dir=cache_dir, num_workers=workers, context=context, label=where)
+    import torch
+
+    metadata = sizes_module._from_metadata(loader.dataset)
+    if metadata is not None:
+        return metadata
+    if loader.collate_fn is None:
+        raise ValueError("dataset: it has no sample_lengths metadata and no collate_fn to scan it with; give one")
+    path = sizes_module.sizes_cache_path(loader.dataset, loader.collate_fn, seq_length=seq_length, cache_dir=cache_dir,
+                                         context=context)
+    scan = lambda: sizes_module.scan_and_cache(loader.dataset, loader.collate_fn, path, seq_length=seq_length,  # noqa: E731
+                                               num_workers=workers, context=context, label=where)
+    if torch.distributed.get_rank() == 0 and not path.is_file():
+        scan()
+    torch.distributed.barrier()
+    if _any_rank(not path.is_file()):
+        if not path.is_file() and _node_scanner():
+            scan()
+        torch.distributed.barrier()
+    sizes = sizes_module.read_cached_sizes(path)
+    if sizes is None:
+        raise ValueError(f"global_batch_packing.sizes_cache: {path} is missing on this rank after its node's scan; "
+                         "set dataset.global_batch_packing.sizes_cache to a directory every rank of a node shares")
+    return sizes
+
+
+def check_ranks_agree(sizes, *, label: str) -> None:
+    """Refuse to train when the ranks' sizes differ (each rank places every step from its own, so they
+    would train different samples): one digest all-gathered; on a mismatch the sizes themselves, to
+    name the first sample that differs and each rank's value."""
+    if not _distributed():
+        return
+    import torch
+
+    world = torch.distributed.get_world_size()
+    digests = [None] * world
+    torch.distributed.all_gather_object(digests, sizes.digest())
+    if len(set(digests)) == 1:
+        return
+    tables = [None] * world
+    torch.distributed.all_gather_object(tables, (sizes.lengths.tolist(), sizes.patches.tolist(), len(sizes)))
+    reference = tables[0]
+    for rank, table in enumerate(tables):
+        if table == reference:
+            continue
+        if table[2] != reference[2] or len(table[0]) != len(reference[0]):
+            detail = f"rank 0 has {reference[2]} samples, rank {rank} {table[2]}"
+        else:
+            sample = next(i for i in range(len(table[0]))
+                          if (table[0][i], table[1][i]) != (reference[0][i], reference[1][i]))
+            detail = (f"dataset sample {sample}: rank 0 has {reference[0][sample]} tokens / {reference[1][sample]} "
+                      f"patches, rank {rank} {table[0][sample]} / {table[1][sample]}")
+        raise ValueError(
+            f"global_batch_packing ({label} loader): the ranks disagree on the samples' sizes ({detail}); every rank "
+            "places every step from its own sizes, so they would train other samples than Megatron-Bridge draws. "
+            "Give every rank the same data and processor, or clear dataset.global_batch_packing.sizes_cache")
+    raise ValueError(f"global_batch_packing ({label} loader): the ranks' size digests differ ({digests}); clear "
+                     "dataset.global_batch_packing.sizes_cache")
+
+
+@dataclass
+class LoaderPlan:
+    """One loader of the run, as global-batch packing builds it: Megatron-Bridge's ``loader``, its
+    sampler, the sizes, and the whole run's draws (``(S, N)``, from sample 0, whatever the resume
+    point)."""
+
+    label: str
+    loader: Any
+    sampler: Any
+    dp_rank: int
+    dp_size: int
+    micro_batch_size: int
+    num_micro_batches: int
+    sizes: Any
+    draws: Any
+
+
+def plan_loader(loader, *, label: str, cfg, settings: GlobalBatchPacking, dp_rank: int, dp_size: int,
+                global_batch_size: int, micro_batch_size: int, steps: int) -> LoaderPlan:
+    """Sizes (shared, checked across ranks) and the run's first ``steps`` draws of one loader."""
+    from megatron.bridge_thd.batching.sampler import cycles, rank_samplers, run_draws
 
     inner = loader.batch_sampler
     if type(inner).__name__ not in ("MegatronPretrainingSampler", "MegatronPretrainingRandomSampler"):
         raise ValueError(
             f"dataset.dataloader_type: global-batch packing draws from Megatron-Bridge's 'single' / 'cyclic' samplers, "
-            f"but this loader's sampler is {type(inner).__name__}")
+            f"but the {label} loader's sampler is {type(inner).__name__}")
     num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
-    seq_length = cfg.model.seq_length
-    align = _alignment(cfg)
-    static = getattr(cfg.dataset, "packing_layout", "thd") == "thd_static"
-    sizes = dataset_sizes(loader.dataset, loader.collate_fn, seq_length=seq_length,
-                          cache_dir=Path(settings.sizes_cache) if settings.sizes_cache else None)
-    cost = sample_cost(settings.cost_model) if settings.cost_model is not None else None
-    capacity = micro_batch_size * round_up(seq_length, align)
-    if static and settings.row_length is None and choose_row:
-        settings.row_length = choose_row_length(rank_samplers(inner, dp_size), num_micro_batches=num_micro_batches,
-                                                sizes=sizes, steps=steps, align_to=align, upper=capacity,
-                                                cost=cost, seed=settings.seed)
+    sizes = shared_sizes(loader, seq_length=cfg.model.seq_length, cache_dir=settings.sizes_cache, label=label)
+    check_ranks_agree(sizes, label=label)
+    draws = run_draws(rank_samplers(inner, dp_size, from_start=True), num_micro_batches, max(steps, 1),
+                      cycle=cycles(inner))
+    return LoaderPlan(label, loader, inner, dp_rank, dp_size, micro_batch_size, num_micro_batches, sizes, draws)
+
+
+def run_row_length(plans: list[LoaderPlan], *, settings: GlobalBatchPacking, align: int, capacity: int,
+                   cost, static: bool) -> int:
+    """The run's row: every loader's whole-run steps fit it.
+
+    ``thd_static``: ``settings.row_length`` if set (refused, naming the loader and its step, when a step
+    does not fit), else the smallest row at which every loader's steps fit (one static shape for
+    training and evaluation alike). ``thd``: ``micro_batch_size * seq_length`` (``capacity``), checked.
+    """
+    from megatron.bridge_thd.batching.sampler import first_unfit_step, row_length_for_steps
+
+    def unfit(plan: LoaderPlan, row: int):
+        if not len(plan.draws):
+            return None
+        return first_unfit_step(plan.draws, sizes=plan.sizes, dp_size=plan.dp_size,
+                                num_micro_batches=plan.num_micro_batches, row_length=row, align_to=align, cost=cost,
+                                seed=settings.seed)
+
+    fixed = settings.row_length if static else None
+    if static and fixed is None:
+        rows = {plan.label: row_length_for_steps(plan.draws, sizes=plan.sizes, dp_size=plan.dp_size,
+                                                 num_micro_batches=plan.num_micro_batches, align_to=align,
+                                                 upper=capacity, cost=cost, seed=settings.seed, label=plan.label)
+                for plan in plans if len(plan.draws)}
+        row = max(rows.values())
+        # One row for every loader: grow it until each loader's steps fit (placement is not monotone).
+        while any(unfit(plan, row) is not None for plan in plans):
+            row = round_up(int(row * 1.005 + 1), align)
+        from megatron.bridge_thd.batching.sampler import is_global_rank_zero
+
         if is_global_rank_zero():
+            needs = ", ".join(f"{label} {value}" for label, value in rows.items())
             logger.info("bridge_thd.batching: thd_static row fixed at %d slots for the run (micro_batch_size * seq_length "
-                        "= %d; lengths from %s)", settings.row_length, capacity, sizes.source)
-    row_length = settings.row_length if settings.row_length is not None else capacity
-    sampler = GlobalBatchSampler(rank_samplers(inner, dp_size), dp_rank=dp_rank, num_micro_batches=num_micro_batches,
-                                 row_length=row_length, sizes=sizes, static_row=static, align_to=align,
-                                 seed=settings.seed, cost=cost, log=settings.log, label=label)
+                        "= %d; each loader's whole run needs: %s; lengths from %s)", row, capacity, needs,
+                        plans[0].sizes.source)
+        return row
+    row = fixed if fixed is not None else capacity
+    for plan in plans:
+        step = unfit(plan, row)
+        if step is not None:
+            setting = "dataset.global_batch_packing.row_length" if fixed is not None else "train.micro_batch_size"
+            raise ValueError(
+                f"global_batch_packing: step {step + 1} of the {plan.label} loader (dataset samples "
+                f"{plan.draws[step].tolist()[:16]}...) does not fit {plan.dp_size * plan.num_micro_batches} rows of {row} "
+                f"slots; raise {setting} (or leave row_length unset to choose it from the run's draws)")
+    return row
+
+
+def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_length: int, static: bool, align: int,
+                        cost, global_batch_size: int):
+    """Megatron-Bridge's loader rebuilt around a :class:`.sampler.GlobalBatchSampler` (same dataset,
+    collate, workers, pinned memory, prefetch)."""
+    from torch.utils.data import DataLoader
+
+    from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, cycles, rank_samplers
+
+    loader, inner = plan.loader, plan.sampler
+    sampler = GlobalBatchSampler(rank_samplers(inner, plan.dp_size), dp_rank=plan.dp_rank,
+                                 num_micro_batches=plan.num_micro_batches, row_length=row_length, sizes=plan.sizes,
+                                 static_row=static, align_to=align, seed=settings.seed, cost=cost, log=settings.log,
+                                 label=plan.label, cycle=cycles(inner),
+                                 first_step=inner.consumed_samples // global_batch_size + 1,
+                                 planned_steps=len(plan.draws))
+    extra = {} if not loader.num_workers else dict(prefetch_factor=loader.prefetch_factor)
     return DataLoader(loader.dataset, batch_sampler=sampler, num_workers=loader.num_workers,
                       pin_memory=loader.pin_memory, collate_fn=loader.collate_fn,
-                      persistent_workers=loader.persistent_workers, worker_init_fn=loader.worker_init_fn)
+                      persistent_workers=loader.persistent_workers, worker_init_fn=loader.worker_init_fn,
+                      multiprocessing_context=loader.multiprocessing_context, timeout=loader.timeout, **extra)
+
+
+def _run_steps(cfg) -> dict:
+    """Steps each loader gives over the whole run: training ``train_iters``; validation one
+    ``eval_iters`` per ``eval_interval`` plus the final one (Megatron-Bridge sizes its validation set
+    the same way, ``loaders.get_train_valid_test_num_samples``); test ``eval_iters``."""
+    train_iters = cfg.train.train_iters or 0
+    eval_iters = getattr(cfg.validation, "eval_iters", 0) or 0
+    interval = getattr(cfg.validation, "eval_interval", None)
+    valid = (train_iters // interval + 1) * eval_iters if interval else eval_iters
+    return {"train": train_iters, "valid": valid, "test": eval_iters}
 
 
 def _wrap(original):
@@ -114,28 +282,38 @@ def _wrap(original):
             return loaders
         import torch
 
+        from megatron.bridge_thd.batching.cost import sample_cost
+
         dp_group = kwargs.get("dp_group", args[1] if len(args) > 1 else None)
         eval_group = kwargs.get("eval_dp_group") or dp_group
-        train, valid, test = loaders
         mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
         eval_mbs = getattr(cfg.validation, "eval_micro_batch_size", None) or mbs
         eval_gbs = getattr(cfg.validation, "eval_global_batch_size", None) or gbs
-        eval_iters = getattr(cfg.validation, "eval_iters", 0) or 0
-        rank, size = torch.distributed.get_rank(group=dp_group), torch.distributed.get_world_size(group=dp_group)
-        erank, esize = torch.distributed.get_rank(group=eval_group), torch.distributed.get_world_size(group=eval_group)
-        steps = max(cfg.train.train_iters - train_state.step, 1)
-        if train is not None:
-            train = global_batch_loader(train, settings=settings, cfg=cfg, dp_rank=rank, dp_size=size,
-                                        global_batch_size=gbs, micro_batch_size=mbs, steps=steps, choose_row=True)
-        if valid is not None:
-            valid = global_batch_loader(valid, settings=settings, cfg=cfg, dp_rank=erank, dp_size=esize,
-                                        global_batch_size=eval_gbs, micro_batch_size=eval_mbs, steps=eval_iters,
-                                        choose_row=train is None, label="valid")
-        if test is not None:
-            test = global_batch_loader(test, settings=settings, cfg=cfg, dp_rank=erank, dp_size=esize,
-                                       global_batch_size=eval_gbs, micro_batch_size=eval_mbs, steps=eval_iters,
-                                       choose_row=train is None and valid is None, label="test")
-        return train, valid, test
+        groups = {"train": (dp_group, gbs, mbs), "valid": (eval_group, eval_gbs, eval_mbs),
+                  "test": (eval_group, eval_gbs, eval_mbs)}
+        steps = _run_steps(cfg)
+        plans = []
+        for label, loader in zip(("train", "valid", "test"), loaders):
+            if loader is None:
+                continue
+            group, global_batch, micro_batch = groups[label]
+            plans.append(plan_loader(loader, label=label, cfg=cfg, settings=settings,
+                                     dp_rank=torch.distributed.get_rank(group=group),
+                                     dp_size=torch.distributed.get_world_size(group=group),
+                                     global_batch_size=global_batch, micro_batch_size=micro_batch,
+                                     steps=steps[label]))
+        if not plans:
+            return loaders
+        align = _alignment(cfg)
+        static = getattr(cfg.dataset, "packing_layout", "thd") == "thd_static"
+        cost = sample_cost(settings.cost_model) if settings.cost_model is not None else None
+        capacity = mbs * round_up(cfg.model.seq_length, align)
+        row = run_row_length(plans, settings=settings, align=align, capacity=capacity, cost=cost, static=static)
+        if static:
+            settings.row_length = row  # where the step reads the run's fixed row
+        built = {plan.label: global_batch_loader(plan, settings=settings, row_length=row, static=static, align=align,
+                                                 cost=cost, global_batch_size=groups[plan.label][1]) for plan in plans}
+        return built.get("train"), built.get("valid"), built.get("test")
 
     build_train_valid_test_data_loaders.__wrapped__ = original
     build_train_valid_test_data_loaders.__doc__ = _wrap.__doc__

@@ -34,10 +34,16 @@ import torch
 from megatron.bridge_thd.batching.cost import SampleCost
 
 __all__ = ["Assignment", "assign", "in_batch_assignment", "PlacementStats", "placement_stats", "aligned_lengths",
-           "sample_costs"]
+           "sample_costs", "DoesNotFit"]
 
 # [rank][micro_batch] -> sample indices (positions in the step's ``lengths``).
 Assignment = list[list[list[int]]]
+
+
+class DoesNotFit(ValueError):
+    """The step's samples do not fit its rows (a sample longer than ``row_length``, or all of them
+    together). Its own class, so that a row search catches this and nothing else: a bad argument or a
+    sample of zero tokens stays a plain ``ValueError`` with its own message."""
 
 
 def aligned_lengths(lengths, align_to: int) -> torch.Tensor:
@@ -57,7 +63,7 @@ def sample_costs(lengths, vision_patches=None, vision_patches_squared=None, cost
 
 
 def _check_inputs(lengths: torch.Tensor, dp_size, num_micro_batches, row_length, align_to, vision_patches,
-                  vision_patches_squared):
+                  vision_patches_squared, names):
     for name, value in (("dp_size", dp_size), ("num_micro_batches", num_micro_batches), ("row_length", row_length),
                         ("align_to", align_to)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -66,7 +72,8 @@ def _check_inputs(lengths: torch.Tensor, dp_size, num_micro_batches, row_length,
         raise ValueError(f"lengths: expected a 1-D sequence of per-sample token counts, got shape {tuple(lengths.shape)}")
     if lengths.numel() and int(lengths.min()) < 1:
         bad = int(torch.argmin(lengths))
-        raise ValueError(f"lengths: sample {bad} has {int(lengths[bad])} tokens; every sample needs at least one")
+        raise ValueError(f"lengths: sample {names[bad]} has {int(lengths[bad])} tokens; every sample needs at least one "
+                         "(an empty sample has nothing to train: remove it from the data)")
     rows = dp_size * num_micro_batches
     if lengths.numel() < rows:
         raise ValueError(
@@ -77,14 +84,15 @@ def _check_inputs(lengths: torch.Tensor, dp_size, num_micro_batches, row_length,
             raise ValueError(f"{name}: {len(values)} entries for {lengths.numel()} samples")
 
 
-def _too_long(slots: torch.Tensor, lengths: torch.Tensor, row_length: int, align_to: int) -> None:
+def _too_long(slots: torch.Tensor, lengths: torch.Tensor, row_length: int, align_to: int, names) -> None:
     over = torch.nonzero(slots > row_length).flatten().tolist()
     if over:
         worst = max(over, key=lambda i: int(lengths[i]))
-        raise ValueError(
-            f"lengths: {len(over)} sample(s) cannot fit a row of row_length={row_length} slots: sample {worst} has "
-            f"{int(lengths[worst])} tokens ({int(slots[worst])} slots aligned to {align_to}); samples "
-            f"{over[:8]}{' ...' if len(over) > 8 else ''}. Raise row_length to at least {int(slots.max())}; nothing is "
+        listed = [names[i] for i in over[:8]]
+        raise DoesNotFit(
+            f"lengths: {len(over)} sample(s) cannot fit a row of row_length={row_length} slots: sample {names[worst]} "
+            f"has {int(lengths[worst])} tokens ({int(slots[worst])} slots aligned to {align_to}); samples "
+            f"{listed}{' ...' if len(over) > 8 else ''}. Raise row_length to at least {int(slots.max())}; nothing is "
             "dropped or truncated")
 
 
@@ -141,28 +149,85 @@ def _first_fit_decreasing(order: list[int], slots: list[int], rows: int, row_len
     return members
 
 
+# A pair of rows with more candidate swaps than this is searched by cost order (:func:`_nearest_swap`)
+# instead of exhaustively: a few samples per row (the usual micro-batch) stay exact, hundreds per row
+# (a large global batch on few ranks) stay fast.
+_EXHAUSTIVE_PAIRS = 256
+_SWAP_WINDOW = 4
+
+
+def _exhaustive_swap(members, high, lows, cost, slots, row_cost, row_slots, row_length):
+    """Best ``(a, b, low)`` (``b`` None: move ``a`` alone) between row ``high`` and each of ``lows`` (in
+    that order) by trying every pair; None if none lowers the pair's maximum below ``row_cost[high]``."""
+    best, best_peak = None, row_cost[high] * (1 - 1e-12)
+    for low in lows:
+        for a in members[high]:
+            for b in ([None] if len(members[high]) > 1 else []) + members[low]:
+                cb, sb = (0.0, 0) if b is None else (cost[b], slots[b])
+                if row_slots[low] - sb + slots[a] > row_length or row_slots[high] - slots[a] + sb > row_length:
+                    continue
+                peak = max(row_cost[high] - cost[a] + cb, row_cost[low] - cb + cost[a])
+                if peak < best_peak:
+                    best, best_peak = (a, b, low), peak
+    return best
+
+
+def _nearest_swap(members, high, lows, cost_t, slots_t, row_cost, row_slots, row_length):
+    """:func:`_exhaustive_swap` for large rows, vectorised over ``lows``: for each ``a`` only the
+    ``2 * _SWAP_WINDOW`` samples of each other row whose cost is nearest to the ideal ``cost[a] -
+    (row_cost[high] - row_cost[low]) / 2`` (one batched sorted search), and the move of ``a`` alone."""
+    a_index = torch.tensor(members[high], dtype=torch.int64)
+    width = max(len(members[low]) for low in lows)
+    # (P, width) each low row's samples in increasing cost; padding costs +inf and never fits.
+    b_index = torch.zeros(len(lows), width, dtype=torch.int64)
+    b_cost = torch.full((len(lows), width), torch.inf, dtype=torch.float64)
+    for p, low in enumerate(lows):
+        index = torch.tensor(members[low], dtype=torch.int64)
+        order = torch.argsort(cost_t[index], stable=True)
+        b_index[p, :len(index)], b_cost[p, :len(index)] = index[order], cost_t[index[order]]
+    b_slots = torch.where(torch.isinf(b_cost), row_length + 1, slots_t[b_index])
+    high_cost, high_slots = row_cost[high], row_slots[high]
+    low_cost = torch.tensor([row_cost[low] for low in lows], dtype=torch.float64)[:, None, None]
+    low_slots = torch.tensor([row_slots[low] for low in lows], dtype=torch.int64)[:, None, None]
+    ca, sa = cost_t[a_index][None, :, None], slots_t[a_index][None, :, None]
+    ideal = ca[..., 0] - (high_cost - low_cost[..., 0]) / 2  # (P, ka)
+    position = torch.searchsorted(b_cost, ideal.contiguous())
+    near = (position[..., None] + torch.arange(-_SWAP_WINDOW, _SWAP_WINDOW)).clamp(0, width - 1)  # (P, ka, 2w)
+    cb = torch.gather(b_cost[:, None, :].expand(-1, len(a_index), -1), 2, near)
+    sb = torch.gather(b_slots[:, None, :].expand(-1, len(a_index), -1), 2, near)
+    fits = (low_slots - sb + sa <= row_length) & (high_slots - sa + sb <= row_length) & torch.isfinite(cb)
+    swap = torch.where(fits, torch.maximum(high_cost - ca + cb, low_cost - cb + ca), torch.inf)
+    move_fits = (low_slots[..., 0] + sa[..., 0] <= row_length) & (len(a_index) > 1)
+    move = torch.where(move_fits, torch.maximum(high_cost - ca[..., 0], low_cost[..., 0] + ca[..., 0]), torch.inf)
+    # Per low row, the move first then the swaps (the exhaustive search's order); the first minimum wins.
+    peaks = torch.cat([move[..., None], swap], dim=2).flatten()
+    best = int(torch.argmin(peaks))
+    if not float(peaks[best]) < high_cost * (1 - 1e-12):
+        return None
+    p, rest = divmod(best, len(a_index) * (2 * _SWAP_WINDOW + 1))
+    a_row, column = divmod(rest, 2 * _SWAP_WINDOW + 1)
+    b = None if column == 0 else int(b_index[p, near[p, a_row, column - 1]])
+    return members[high][a_row], b, lows[p]
+
+
 def _refine(members: list[list[int]], cost: list[float], slots: list[int], row_length: int,
             rounds: int, partners: int = 8) -> None:
     """Lower the costliest row by the best single swap (or move) with one of the ``partners``
     cheapest rows that keeps both within ``row_length``; stop when none lowers the pair's maximum.
-    In place; no row is left empty."""
+    Large rows are searched by cost order (:func:`_nearest_swap`). In place; no row is left empty."""
     row_cost = [sum(cost[i] for i in row) for row in members]
     row_slots = [sum(slots[i] for i in row) for row in members]
+    tensors = None
     for _ in range(rounds):
         high = max(range(len(members)), key=row_cost.__getitem__)
-        best, best_peak = None, row_cost[high] * (1 - 1e-12)
-        for low in heapq.nsmallest(partners, range(len(members)), key=row_cost.__getitem__):
-            if low == high:
-                continue
-            for a in members[high]:
-                # b None: move a alone (only if high keeps a sample).
-                for b in ([None] if len(members[high]) > 1 else []) + members[low]:
-                    cb, sb = (0.0, 0) if b is None else (cost[b], slots[b])
-                    if row_slots[low] - sb + slots[a] > row_length or row_slots[high] - slots[a] + sb > row_length:
-                        continue
-                    peak = max(row_cost[high] - cost[a] + cb, row_cost[low] - cb + cost[a])
-                    if peak < best_peak:
-                        best, best_peak = (a, b, low), peak
+        lows = [low for low in heapq.nsmallest(partners, range(len(members)), key=row_cost.__getitem__) if low != high]
+        if not lows:
+            return
+        if len(members[high]) * (max(len(members[low]) for low in lows) + 1) > _EXHAUSTIVE_PAIRS:
+            tensors = tensors or (torch.tensor(cost, dtype=torch.float64), torch.tensor(slots, dtype=torch.int64))
+            best = _nearest_swap(members, high, lows, *tensors, row_cost, row_slots, row_length)
+        else:
+            best = _exhaustive_swap(members, high, lows, cost, slots, row_cost, row_slots, row_length)
         if best is None:
             return
         a, b, low = best
@@ -191,7 +256,7 @@ def _rows_to_ranks(members: list[list[int]], row_cost: list[float], dp_size: int
 
 def assign(lengths, *, dp_size: int, num_micro_batches: int, row_length: int, vision_patches=None,
            vision_patches_squared=None, align_to: int = 1, seed: int = 0,
-           cost: SampleCost | None = None) -> Assignment:
+           cost: SampleCost | None = None, names: Sequence | None = None) -> Assignment:
     """Place one step's samples on ``dp_size`` ranks x ``num_micro_batches`` micro-batches.
 
     Args:
@@ -209,21 +274,25 @@ def assign(lengths, *, dp_size: int, num_micro_batches: int, row_length: int, vi
             equal placements.
         cost: the per-sample cost (:func:`.cost.sample_cost`); None balances on
             ``s + s^2 / 24576``, VERL's tokens-and-attention proxy scaled to tokens.
+        names: how errors name each sample (e.g. its dataset index); default its position.
 
     Returns:
         ``[rank][micro_batch] -> [sample index, ...]``: every sample exactly once, no micro-batch empty.
 
     Raises:
-        ValueError: a bad argument, or a sample longer than ``row_length`` (named; nothing is dropped),
-            or samples that together do not fit ``dp_size * num_micro_batches`` rows.
+        ValueError: a bad argument or a sample without tokens.
+        DoesNotFit: a sample longer than ``row_length`` (named; nothing is dropped), or samples that
+            together do not fit ``dp_size * num_micro_batches`` rows.
     """
     lengths = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1) if not torch.is_tensor(lengths) else lengths
-    _check_inputs(lengths, dp_size, num_micro_batches, row_length, align_to, vision_patches, vision_patches_squared)
+    names = list(range(lengths.numel())) if names is None else list(names)
+    _check_inputs(lengths, dp_size, num_micro_batches, row_length, align_to, vision_patches, vision_patches_squared,
+                  names)
     slots = aligned_lengths(lengths, align_to)
-    _too_long(slots, lengths, row_length, align_to)
+    _too_long(slots, lengths, row_length, align_to, names)
     rows = dp_size * num_micro_batches
     if int(slots.sum()) > rows * row_length:
-        raise ValueError(
+        raise DoesNotFit(
             f"row_length: this step's {lengths.numel()} samples take {int(slots.sum())} aligned slots, more than "
             f"dp_size * num_micro_batches * row_length = {rows} x {row_length} = {rows * row_length}; raise row_length "
             f"to at least {-(-int(slots.sum()) // rows)} (or the micro-batches per step)")
@@ -236,7 +305,7 @@ def assign(lengths, *, dp_size: int, num_micro_batches: int, row_length: int, vi
     if members is None:
         members = _first_fit_decreasing(order, slot_list, rows, row_length)
     if members is None:
-        raise ValueError(
+        raise DoesNotFit(
             f"row_length: this step's samples ({int(slots.sum())} aligned slots, longest {int(slots.max())}) do not "
             f"fit {rows} rows of {row_length} slots with any placement tried (longest-processing-time on cost, then "
             f"first-fit-decreasing on tokens); raise row_length (e.g. to {int(row_length * 1.1) + align_to})")

@@ -2,13 +2,16 @@
 
 :class:`GlobalBatchSampler` wraps Megatron-Bridge's own per-rank batch samplers, one per DP rank
 (copies of the rank's sampler with the rank changed): for each step it draws ``num_micro_batches``
-micro-batches from every rank's copy, exactly the samples Megatron-Bridge would give the step in
-the same order of steps, and yields this rank's micro-batches of the placement. Every rank computes
-the same placement from the same draws, so no communication is needed.
+micro-batches from every rank's copy, exactly the samples Megatron-Bridge's loop would give the step
+(:func:`step_draws`: a cyclic loader's step runs on into the next epoch, as its ``cyclic_iter`` does),
+and yields this rank's micro-batches of the placement. Every rank computes the same placement from
+the same draws, so no communication is needed.
 
-:func:`choose_row_length` picks a static row for the run from the same draws
-(:func:`row_length_for_steps`): the smallest multiple of the alignment, from :func:`row_lower_bound`
-up, at which every step of the run fits.
+:func:`run_draws` draws the whole run's steps from fresh copies (from sample 0, whatever the resume
+point), and :func:`row_length_for_steps` picks a static row from them: the smallest multiple of the
+alignment, from :func:`row_lower_bound` up, at which every step fits. A step whose samples total at
+most ``rows * (row - longest)`` slots always fits (the placement can only fail when every row is
+fuller than ``row - longest``), so only the other steps are placed to check them.
 """
 
 from __future__ import annotations
@@ -21,52 +24,106 @@ from typing import Iterator, Sequence
 import torch
 
 from megatron.bridge_thd.batching.cost import SampleCost
-from megatron.bridge_thd.batching.policy import aligned_lengths, assign, in_batch_assignment, placement_stats, sample_costs
+from megatron.bridge_thd.batching.policy import (DoesNotFit, aligned_lengths, assign, in_batch_assignment,
+                                                 placement_stats, sample_costs)
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
 from megatron.bridge_thd.packing import round_up
 
-__all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "choose_row_length",
-           "row_length_for_steps", "row_lower_bound", "is_global_rank_zero"]
+__all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "run_draws", "cycles",
+           "choose_row_length", "row_length_for_steps", "row_lower_bound", "first_unfit_step", "is_global_rank_zero"]
 
 logger = logging.getLogger(__name__)
 
 
-def rank_samplers(sampler, dp_size: int) -> list:
+def rank_samplers(sampler, dp_size: int, *, from_start: bool = False) -> list:
     """Copies of a Megatron-Bridge batch sampler (``MegatronPretrainingSampler`` or
     ``MegatronPretrainingRandomSampler``, ``data/samplers.py``), one per DP rank: the rank is only
-    read when iterating (``get_start_end_idx`` / the random sampler's ``__iter__``)."""
+    read when iterating (``get_start_end_idx`` / the random sampler's ``__iter__``).
+
+    ``from_start``: copies that draw the run from its first sample (``consumed_samples = 0``) and
+    leave the dataset alone (the random sampler sets a ``RandomSeedDataset``'s epoch when iterated),
+    for drawing a whole run ahead of training."""
     copies = []
     for rank in range(dp_size):
         twin = copy.copy(sampler)
         twin.data_parallel_rank = rank
+        if from_start:
+            twin.consumed_samples = 0
+            if hasattr(twin, "dataset"):
+                twin.dataset = None
         copies.append(twin)
     return copies
 
 
-def step_draws(samplers: Sequence, num_micro_batches: int) -> Iterator[list[int]]:
+def cycles(sampler) -> bool:
+    """Whether Megatron-Bridge's loop re-iterates this sampler's loader when it ends: ``cyclic``
+    loaders are wrapped in ``cyclic_iter`` (``data/loaders.py``), ``single`` ones are iterated once."""
+    return type(sampler).__name__ == "MegatronPretrainingRandomSampler"
+
+
+def step_draws(samplers: Sequence, num_micro_batches: int, *, cycle: bool = False) -> Iterator[list[int]]:
     """Per step, the dataset indices every rank's sampler gives it, in Megatron-Bridge's order
-    (micro-batch ``j`` of rank 0, rank 1, ..., then ``j + 1``); ends when a sampler ends."""
+    (micro-batch ``j`` of rank 0, rank 1, ..., then ``j + 1``).
+
+    ``cycle`` (a ``cyclic`` loader): a sampler that ends is iterated again, as ``cyclic_iter`` does, so a
+    step that starts in one epoch ends in the next (the random sampler's next ``__iter__`` starts the
+    next epoch from its ``consumed_samples``). Otherwise the draws end when a sampler ends, as
+    Megatron-Bridge's loop does (a step begun there is not trained).
+
+    Raises:
+        ValueError: a cycled sampler yields nothing at all.
+    """
     iterators = [iter(s) for s in samplers]
+
+    def draw(rank: int) -> list[int]:
+        try:
+            return list(next(iterators[rank]))
+        except StopIteration:
+            if not cycle:
+                raise
+            iterators[rank] = iter(samplers[rank])
+            try:
+                return list(next(iterators[rank]))
+            except StopIteration:
+                raise ValueError("global-batch packing: a cyclic sampler yielded no micro-batch in a whole epoch; "
+                                 "the dataset is smaller than micro_batch_size * data-parallel size") from None
+
     while True:
         drawn: list[int] = []
         try:
             for _ in range(num_micro_batches):
-                for iterator in iterators:
-                    drawn += list(next(iterator))
+                for rank in range(len(iterators)):
+                    drawn += draw(rank)
         except StopIteration:
             if drawn:
                 logger.warning("bridge_thd.batching: the samplers ended inside a step; its %d samples are not trained "
-                               "(as with Megatron-Bridge's own samplers, whose loop ends there)", len(drawn))
+                               "(Megatron-Bridge's loop ends there too: a 'single' loader is iterated once)", len(drawn))
             return
         yield drawn
 
 
+def run_draws(samplers: Sequence, num_micro_batches: int, steps: int, *, cycle: bool = False) -> torch.Tensor:
+    """``(S, N)`` int64: the dataset indices of the first ``steps`` steps (``S <= steps``: fewer if the
+    samplers end first) as :func:`step_draws` gives them; ``samplers`` are iterated here (pass copies
+    from :func:`rank_samplers` with ``from_start=True`` for a whole run)."""
+    draws = []
+    for drawn in step_draws(samplers, num_micro_batches, cycle=cycle):
+        draws.append(drawn)
+        if len(draws) >= steps:
+            break
+    if not draws:
+        return torch.zeros(0, 0, dtype=torch.int64)
+    return torch.tensor(draws, dtype=torch.int64)
+
+
 def _assign_step(sizes: SampleSizes, index: torch.Tensor, *, dp_size: int, num_micro_batches: int, row_length: int,
                  align_to: int, seed: int, cost: SampleCost | None):
-    """:func:`.policy.assign` on the samples ``index`` of ``sizes`` (one step's draws)."""
-    return assign(sizes.lengths[index], dp_size=dp_size, num_micro_batches=num_micro_batches, row_length=row_length,
-                  vision_patches=sizes.patches[index], vision_patches_squared=sizes.patches_squared[index],
-                  align_to=align_to, seed=seed, cost=cost)
+    """:func:`.policy.assign` on the samples ``index`` of ``sizes`` (one step's draws), errors naming
+    each sample by its dataset index."""
+    lengths, patches, squared = sizes.take(index)
+    return assign(lengths, dp_size=dp_size, num_micro_batches=num_micro_batches, row_length=row_length,
+                  vision_patches=patches, vision_patches_squared=squared, align_to=align_to, seed=seed, cost=cost,
+                  names=[f"{int(i)} (dataset index)" for i in index.tolist()])
 
 
 @dataclass(frozen=True)
@@ -96,38 +153,61 @@ class GlobalBatchSampler:
         static_row: True for ``thd_static`` (padding measured against ``row_length``).
         align_to, seed, cost: as :func:`.policy.assign`.
         log: log one line per step on global rank 0 (``logging``, INFO).
-        label: which loader, in the log line (``"train"``, ``"valid"``, ``"test"``).
+        label: which loader, in the log line and errors (``"train"``, ``"valid"``, ``"test"``).
+        cycle: the loop re-iterates this loader (:func:`cycles`, :func:`step_draws`).
+        first_step: the run's number of the first step drawn (``consumed_samples / global batch + 1``
+            after a resume), for the log and errors.
+        planned_steps: the run's steps checked against ``row_length`` when the loader was built; a later
+            step (only a loader's prefetch past the run's end asks for one) that does not fit is given
+            Megatron-Bridge's own placement with a warning instead of stopping the run.
+        setting: the setting an error tells the user to change.
     """
 
     def __init__(self, samplers: Sequence, *, dp_rank: int, num_micro_batches: int, row_length: int,
                  sizes: SampleSizes, static_row: bool, align_to: int = 1, seed: int = 0,
-                 cost: SampleCost | None = None, log: bool = True, label: str = "train"):
+                 cost: SampleCost | None = None, log: bool = True, label: str = "train", cycle: bool = False,
+                 first_step: int = 1, planned_steps: int | None = None,
+                 setting: str = "dataset.global_batch_packing.row_length"):
         self.samplers, self.dp_rank, self.num_micro_batches = list(samplers), dp_rank, num_micro_batches
         self.row_length, self.sizes, self.static_row = row_length, sizes, static_row
         self.align_to, self.seed, self.cost, self.log, self.label = align_to, seed, cost, log, label
+        self.cycle, self.step, self.planned_steps, self.setting = cycle, first_step, planned_steps, setting
         self.history: list[StepPlacement] = []
 
     def __len__(self) -> int:
         return len(self.samplers[self.dp_rank])
 
     def place(self, drawn: list[int]):
-        """``[rank][micro_batch] -> dataset indices`` for one step's draws."""
+        """``[rank][micro_batch] -> dataset indices`` for the next step's draws."""
         index = torch.tensor(drawn, dtype=torch.int64)
-        placement = _assign_step(self.sizes, index, dp_size=len(self.samplers), num_micro_batches=self.num_micro_batches,
-                                 row_length=self.row_length, align_to=self.align_to, seed=self.seed, cost=self.cost)
+        dp = len(self.samplers)
+        try:
+            placement = _assign_step(self.sizes, index, dp_size=dp, num_micro_batches=self.num_micro_batches,
+                                     row_length=self.row_length, align_to=self.align_to, seed=self.seed,
+                                     cost=self.cost)
+        except DoesNotFit as error:
+            if self.planned_steps is None or self.step <= self.planned_steps:
+                raise DoesNotFit(f"global-batch packing, {self.label} loader, step {self.step}: {error} "
+                                 f"(setting: {self.setting})") from error
+            logger.warning("bridge_thd.batching (%s): step %d is past the run's %d steps (a prefetch) and does not fit "
+                           "the row; it gets Megatron-Bridge's own placement: %s", self.label, self.step,
+                           self.planned_steps, error)
+            placement = in_batch_assignment(len(drawn), dp_size=dp,
+                                            micro_batch_size=len(drawn) // (dp * self.num_micro_batches))
         self._record(index, placement)
+        self.step += 1
         return [[[drawn[i] for i in row] for row in rank] for rank in placement]
 
     def _record(self, index: torch.Tensor, placement) -> None:
-        sizes, dp = self.sizes, len(self.samplers)
-        lengths = sizes.lengths[index]
-        costs = sample_costs(lengths, sizes.patches[index], sizes.patches_squared[index], self.cost)
+        dp = len(self.samplers)
+        lengths, patches, squared = self.sizes.take(index)
+        costs = sample_costs(lengths, patches, squared, self.cost)
         row_length = self.row_length if self.static_row else None
         stats = placement_stats(placement, lengths, costs=costs, row_length=row_length, align_to=self.align_to)
         # Megatron-Bridge's own placement of the same draws (they come in its order: step_draws).
         own = in_batch_assignment(len(index), dp_size=dp, micro_batch_size=len(index) // (dp * self.num_micro_batches))
         in_batch = placement_stats(own, lengths, costs=costs, align_to=self.align_to)
-        record = StepPlacement(len(self.history) + 1, stats.real_tokens, stats.slots, stats.padding,
+        record = StepPlacement(self.step, stats.real_tokens, stats.slots, stats.padding,
                                stats.rank_imbalance, stats.micro_batch_imbalance, in_batch.rank_imbalance)
         self.history.append(record)
         if self.log and is_global_rank_zero():
@@ -138,8 +218,18 @@ class GlobalBatchSampler:
                 record.in_batch_rank_imbalance, record.micro_batch_imbalance)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for drawn in step_draws(self.samplers, self.num_micro_batches):
+        for drawn in step_draws(self.samplers, self.num_micro_batches, cycle=self.cycle):
             yield from self.place(drawn)[self.dp_rank]
+
+
+def _as_steps(steps) -> torch.Tensor:
+    """Steps as one ``(S, N)`` int64 tensor (a list of equal-length ``(N,)`` tensors is stacked)."""
+    if torch.is_tensor(steps):
+        return steps
+    steps = [torch.as_tensor(step, dtype=torch.int64) for step in steps]
+    if len({len(step) for step in steps}) > 1:
+        raise ValueError("steps: every step of a run draws the same number of samples (the global batch)")
+    return torch.stack(steps) if steps else torch.zeros(0, 0, dtype=torch.int64)
 
 
 def row_lower_bound(step_lengths, *, rows: int, align_to: int = 1) -> int:
@@ -147,68 +237,96 @@ def row_lower_bound(step_lengths, *, rows: int, align_to: int = 1) -> int:
     ceil(aligned tokens / rows))``, the largest over the steps, rounded up to ``align_to``.
 
     Args:
-        step_lengths: per step, ``(N,)`` its samples' LLM tokens.
+        step_lengths: ``(S, N)`` (or per step, ``(N,)``) the steps' samples' LLM tokens.
         rows: micro-batches per step over all ranks (``dp_size * num_micro_batches``).
     """
-    bound = 0
-    for lengths in step_lengths:
-        slots = aligned_lengths(lengths, align_to)
-        bound = max(bound, int(slots.max()), -(-int(slots.sum()) // rows))
+    slots = aligned_lengths(_as_steps(step_lengths), align_to)
+    if slots.numel() == 0:
+        return round_up(1, align_to)
+    bound = max(int(slots.max()), int(((slots.sum(dim=1) + rows - 1) // rows).max()))
     return round_up(bound, align_to)
 
 
-def row_length_for_steps(steps: Sequence[torch.Tensor], *, sizes: SampleSizes, dp_size: int, num_micro_batches: int,
+def _check_lengths(lengths: torch.Tensor, draws: torch.Tensor, label: str) -> None:
+    """Every drawn sample has a token (the scan gives 0 for an empty attention mask)."""
+    if lengths.numel() and int(lengths.min()) < 1:
+        step, position = divmod(int(torch.argmin(lengths.flatten())), lengths.shape[1])
+        raise ValueError(
+            f"global-batch packing{label}: dataset sample {int(draws[step, position])} has {int(lengths[step, position])} "
+            "tokens (its attention mask is all padding); every sample needs at least one: remove it from the data")
+
+
+def first_unfit_step(draws: torch.Tensor, *, sizes: SampleSizes, dp_size: int, num_micro_batches: int, row_length: int,
+                     align_to: int = 1, cost: SampleCost | None = None, seed: int = 0,
+                     first: int | None = None) -> int | None:
+    """The position in ``draws`` ``(S, N)`` of a step that :func:`.policy.assign` cannot place in rows
+    of ``row_length``, or None if every step fits. Steps with at most ``rows * (row_length - longest)``
+    aligned slots fit without trying (module docstring); ``first``: a step to try before the others
+    (the one that failed last)."""
+    rows = dp_size * num_micro_batches
+    slots = aligned_lengths(sizes.take(draws)[0], align_to)
+    sure = slots.sum(dim=1) <= rows * (row_length - slots.max(dim=1).values)
+    unsure = torch.nonzero(~sure).flatten().tolist()
+    if first is not None and first in unsure:
+        unsure.remove(first)
+        unsure.insert(0, first)
+    for step in unsure:
+        try:
+            _assign_step(sizes, draws[step], dp_size=dp_size, num_micro_batches=num_micro_batches,
+                         row_length=row_length, align_to=align_to, seed=seed, cost=cost)
+        except DoesNotFit:
+            return step
+    return None
+
+
+def row_length_for_steps(steps, *, sizes: SampleSizes, dp_size: int, num_micro_batches: int,
                          align_to: int = 1, upper: int | None = None, cost: SampleCost | None = None,
-                         seed: int = 0) -> int:
+                         seed: int = 0, label: str = "") -> int:
     """The smallest row (a multiple of ``align_to``) at which :func:`.policy.assign` places every step:
-    start at :func:`row_lower_bound` and grow by ~0.5% while a step does not fit.
+    start at :func:`row_lower_bound` and grow by ~0.5% while a step does not fit
+    (:func:`first_unfit_step`).
 
     Args:
-        steps: per step, the ``(N,)`` indices into ``sizes`` of its samples, in the sampler's order.
+        steps: ``(S, N)`` (or per step, ``(N,)``) indices into ``sizes`` of each step's samples, in the
+            sampler's order.
         upper: refuse a row above it (e.g. ``micro_batch_size * seq_length``, what the recipe's memory
             was planned for); None: no ceiling.
+        label: the loader, for errors.
 
     Raises:
-        ValueError: the row would exceed ``upper``.
+        ValueError: a sample without tokens, or the row would exceed ``upper``.
     """
-    row = row_lower_bound([sizes.lengths[index] for index in steps], rows=dp_size * num_micro_batches,
-                          align_to=align_to)
-
-    def fits(index: torch.Tensor) -> bool:
-        try:
-            _assign_step(sizes, index, dp_size=dp_size, num_micro_batches=num_micro_batches, row_length=row,
-                         align_to=align_to, seed=seed, cost=cost)
-        except ValueError:
-            return False
-        return True
-
+    draws = _as_steps(steps)
+    lengths = sizes.take(draws)[0]
+    where = f" ({label} loader)" if label else ""
+    _check_lengths(lengths, draws, where)
+    row = row_lower_bound(lengths, rows=dp_size * num_micro_batches, align_to=align_to)
+    failed = None
     # Every step is checked again at each new row: a greedy placement is not monotone in the row.
     while upper is None or row <= upper:
-        if all(fits(index) for index in steps):
+        failed = first_unfit_step(draws, sizes=sizes, dp_size=dp_size, num_micro_batches=num_micro_batches,
+                                  row_length=row, align_to=align_to, cost=cost, seed=seed, first=failed)
+        if failed is None:
             return row
         grown = round_up(int(row * 1.005 + 1), align_to)
         # The last try is the ceiling itself (the in-batch row always fits when no sample exceeds seq_length).
         row = grown if upper is None or row == upper else min(grown, upper)
     raise ValueError(
-        f"row_length: the run's steps need a row longer than {upper} slots (micro_batch_size * seq_length); "
+        f"row_length{where}: the run's steps need a row longer than {upper} slots (micro_batch_size * seq_length); "
         "set dataset.global_batch_packing.row_length, or raise train.micro_batch_size")
 
 
 def choose_row_length(samplers: Sequence, *, num_micro_batches: int, sizes: SampleSizes, steps: int,
                       align_to: int = 1, upper: int | None = None, cost: SampleCost | None = None,
-                      seed: int = 0) -> int:
+                      seed: int = 0, cycle: bool = False) -> int:
     """:func:`row_length_for_steps` of the run's first ``steps`` steps as ``samplers`` (fresh per-rank
     copies, iterated here) draw them.
 
     Raises:
         ValueError: no step drawn, or the row would exceed ``upper``.
     """
-    draws = []
-    for drawn in step_draws(samplers, num_micro_batches):
-        draws.append(torch.tensor(drawn, dtype=torch.int64))
-        if len(draws) >= steps:
-            break
-    if not draws:
+    draws = run_draws(samplers, num_micro_batches, steps, cycle=cycle)
+    if not len(draws):
         raise ValueError("choose_row_length: the samplers drew no complete step; check global_batch_size and the data")
     return row_length_for_steps(draws, sizes=sizes, dp_size=len(samplers), num_micro_batches=num_micro_batches,
                                 align_to=align_to, upper=upper, cost=cost, seed=seed)

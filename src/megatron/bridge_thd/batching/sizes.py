@@ -6,11 +6,17 @@ them, in this order, from
 1. the dataset's own metadata: ``sample_lengths`` (``(N,)`` LLM tokens, text + image placeholders)
    and optionally ``sample_image_grids`` (per sample, its images' ``(t, h, w)`` patch grids);
 2. a cache file written by an earlier scan of the same dataset;
-3. a one-time scan: the dataset's own collate on each sample alone, reading the real tokens from the
-   2D attention mask (capped at ``seq_length``: the step keeps the first ``seq_length``) and the
-   patches from ``image_grid_thw`` / ``video_grid_thw``; written to the cache.
+3. a one-time scan: the dataset's own collate on each **distinct** sample alone, reading the real
+   tokens from the 2D attention mask (capped at ``seq_length``: the step keeps the first
+   ``seq_length``) and the patches from ``image_grid_thw`` / ``video_grid_thw``; written to the cache.
 
-A dataset wrapped by Megatron-Bridge's ``RandomSeedDataset`` is looked through (``.dataset``).
+The scan and the cache key run the collate (and so the processor's tokenizer) **in loader worker
+processes, never in the calling process**: Megatron-Bridge's loader workers are forked from the
+training process later, and a Hugging Face fast tokenizer used in a parent before ``fork`` can
+deadlock its forked children. A dataset that repeats its base examples (Megatron-Bridge's
+``DirectSFTDataset``: index ``i`` is base example ``i % len(base)``) is scanned once per base example
+(:func:`repeat_period`). A dataset wrapped by Megatron-Bridge's ``RandomSeedDataset`` is looked
+through (``.dataset``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,24 +33,42 @@ import torch
 
 from megatron.bridge_thd.batching.cost import image_patches
 
-__all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero"]
+__all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero", "repeat_period",
+           "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SampleSizes:
-    """``lengths`` ``(N,)`` int64 LLM tokens; ``patches`` ``(N,)`` int64 ViT patches (sum over the
-    sample's images); ``patches_squared`` ``(N,)`` float64 sum over its images of patches^2;
-    ``source``: where they came from (metadata, a cache path, a scan)."""
+    """Sizes of a dataset's distinct samples.
+
+    ``lengths`` ``(M,)`` int64 LLM tokens; ``patches`` ``(M,)`` int64 ViT patches (sum over the
+    sample's images); ``patches_squared`` ``(M,)`` float64 sum over its images of patches^2;
+    ``source``: where they came from (metadata, a cache path, a scan); ``total``: the dataset's
+    indices (None: ``M``), index ``i`` having the sizes of distinct sample ``i % M``.
+    """
 
     lengths: torch.Tensor
     patches: torch.Tensor
     patches_squared: torch.Tensor
     source: str = ""
+    total: int | None = None
 
     def __len__(self) -> int:
-        return int(self.lengths.numel())
+        return int(self.lengths.numel()) if self.total is None else self.total
+
+    def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(lengths, patches, patches_squared)`` of the dataset indices ``index`` (any shape)."""
+        distinct = index % self.lengths.numel() if self.total is not None else index
+        return self.lengths[distinct], self.patches[distinct], self.patches_squared[distinct]
+
+    def digest(self) -> str:
+        """A short hash of every size (ranks compare it to agree before they place any step)."""
+        digest = hashlib.sha256(f"{len(self)}|{self.lengths.numel()}".encode())
+        for values in (self.lengths, self.patches, self.patches_squared):
+            digest.update(values.contiguous().numpy().tobytes())
+        return digest.hexdigest()[:24]
 
 
 def is_global_rank_zero() -> bool:
@@ -58,6 +84,18 @@ def default_cache_dir() -> Path:
 def _base(dataset):
     # Megatron-Bridge's RandomSeedDataset (data/samplers.py) wraps the dataset for the cyclic sampler.
     return getattr(dataset, "dataset", dataset) if type(dataset).__name__ == "RandomSeedDataset" else dataset
+
+
+def repeat_period(dataset) -> int:
+    """How many distinct samples ``dataset`` has: index ``i`` is the same sample as ``i % period``.
+    Megatron-Bridge's ``DirectSFTDataset`` (``data/datasets/direct_sft.py``) repeats its base examples
+    to the length the trainer asks for (``train_iters * global_batch_size``): its period is the number
+    of base examples. Any other dataset: its length."""
+    base = _base(dataset)
+    examples = getattr(base, "_base_examples", None)
+    if type(base).__name__ == "DirectSFTDataset" and isinstance(examples, list) and examples:
+        return min(len(examples), len(dataset))
+    return len(dataset)
 
 
 def _from_metadata(dataset) -> SampleSizes | None:
@@ -99,32 +137,125 @@ def _sample_sizes(batch: dict, seq_length: int | None, index: int) -> tuple[int,
     return length, grids
 
 
-def scan_sizes(dataset, collate_fn, *, seq_length: int | None = None) -> SampleSizes:
-    """Collate each sample alone and read its real tokens and image grids (one pass, host only)."""
-    lengths, grids = [], []
-    for index in range(len(dataset)):
-        length, sample_grids = _sample_sizes(collate_fn([dataset[index]]), seq_length, index)
-        lengths.append(length)
-        grids.append(sample_grids)
+class _Indexed:
+    """The dataset as ``(index, sample)`` pairs, for the scan's worker processes."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return index, self.dataset[index]
+
+
+class _MeasureEach:
+    """The scan's collate (runs in a worker): each sample collated alone and measured."""
+
+    def __init__(self, collate_fn, seq_length):
+        self.collate_fn, self.seq_length = collate_fn, seq_length
+
+    def __call__(self, items):
+        return [(index, *_sample_sizes(self.collate_fn([sample]), self.seq_length, index)) for index, sample in items]
+
+
+class _DigestEach:
+    """The cache key's collate (runs in a worker): each sample collated alone, its tensors hashed."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, items):
+        digests = []
+        for _, sample in items:
+            batch, digest = self.collate_fn([sample]), hashlib.sha256()
+            for key in sorted(k for k, v in batch.items() if torch.is_tensor(v)):
+                digest.update(key.encode())
+                digest.update(batch[key].detach().cpu().contiguous().numpy().tobytes())
+            digests.append(digest.hexdigest())
+        return digests
+
+
+def _in_workers(dataset, collate, indices: list[int], *, num_workers: int, context, chunk: int):
+    """``collate`` over ``indices`` in chunks, run by ``max(1, num_workers)`` loader worker processes
+    (``context``: a multiprocessing start method or context, None for the default): yields each
+    chunk's result in order. The calling process never runs ``collate``."""
+    from torch.utils.data import DataLoader
+
+    chunks = [indices[k:k + chunk] for k in range(0, len(indices), chunk)]
+    loader = DataLoader(_Indexed(dataset), batch_sampler=chunks, num_workers=max(1, num_workers),
+                        collate_fn=collate, multiprocessing_context=context)
+    yield from loader
+
+
+def scan_sizes(dataset, collate_fn, *, seq_length: int | None = None, num_workers: int = 1, context=None,
+               label: str = "") -> SampleSizes:
+    """Collate each distinct sample (:func:`repeat_period`) alone in worker processes and read its real
+    tokens and image grids (one pass); progress goes to the log every tenth."""
+    period = repeat_period(dataset)
+    lengths, grids = [0] * period, [[] for _ in range(period)]
+    chunk = max(1, min(64, period // (4 * max(1, num_workers)) or 1))
+    done, next_report = 0, period / 10
+    for results in _in_workers(dataset, _MeasureEach(collate_fn, seq_length), list(range(period)),
+                               num_workers=num_workers, context=context, chunk=chunk):
+        for index, length, sample_grids in results:
+            lengths[index], grids[index] = length, sample_grids
+        done += len(results)
+        if period >= 1000 and next_report <= done < period:
+            logger.info("bridge_thd.batching: lengths scan%s: %d of %d distinct samples", label, done, period)
+            next_report += period / 10
     patches, squared = image_patches(grids)
-    return SampleSizes(torch.tensor(lengths, dtype=torch.int64), patches, squared, "scan")
+    total = len(dataset) if period != len(dataset) else None
+    return SampleSizes(torch.tensor(lengths, dtype=torch.int64), patches, squared,
+                       f"scan of {period} distinct samples", total)
 
 
-def _fingerprint(dataset, collate_fn, seq_length: int | None) -> str:
-    """A key for the cache: the dataset's class and size, seq_length, and the first and last samples
-    as the collate gives them (a changed data set or processor changes them)."""
-    digest = hashlib.sha256(f"{type(_base(dataset)).__qualname__}|{len(dataset)}|{seq_length}".encode())
-    for index in sorted({0, len(dataset) - 1}):
-        batch = collate_fn([dataset[index]])
-        for key in sorted(k for k, v in batch.items() if torch.is_tensor(v)):
-            digest.update(key.encode())
-            digest.update(batch[key].detach().cpu().contiguous().numpy().tobytes())
+def _fingerprint(dataset, collate_fn, seq_length: int | None, *, context=None) -> str:
+    """A key for the cache: the dataset's class, size and period, seq_length, and the first and last
+    distinct samples as the collate gives them (a changed data set or processor changes them),
+    collated in a worker process."""
+    period = repeat_period(dataset)
+    digest = hashlib.sha256(f"{type(_base(dataset)).__qualname__}|{len(dataset)}|{period}|{seq_length}".encode())
+    for digests in _in_workers(dataset, _DigestEach(collate_fn), sorted({0, period - 1}), num_workers=1,
+                               context=context, chunk=2):
+        for part in digests:
+            digest.update(part.encode())
     return digest.hexdigest()[:24]
 
 
-def dataset_sizes(dataset, collate_fn=None, *, seq_length: int | None = None,
-                  cache_dir: str | Path | None = None) -> SampleSizes:
-    """Every sample's sizes, from metadata, the cache or a one-time scan (module docstring).
+def sizes_cache_path(dataset, collate_fn, *, seq_length: int | None = None, cache_dir: str | Path | None = None,
+                     context=None) -> Path:
+    """Where the scan of ``dataset`` is cached (the key is computed in a worker process)."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return cache / f"{_fingerprint(dataset, collate_fn, seq_length, context=context)}.pt"
+
+
+def read_cached_sizes(path: Path) -> SampleSizes | None:
+    """The sizes cached at ``path``, or None if there is no such file."""
+    if not path.is_file():
+        return None
+    saved = torch.load(path)
+    return SampleSizes(saved["lengths"], saved["patches"], saved["patches_squared"], f"cache {path}", saved.get("total"))
+
+
+def write_cached_sizes(sizes: SampleSizes, path: Path) -> None:
+    """Write ``sizes`` to ``path`` atomically (a temporary name unique across hosts and processes, then
+    a rename), so that ranks reading or writing at once never see a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    torch.save({"lengths": sizes.lengths, "patches": sizes.patches, "patches_squared": sizes.patches_squared,
+                "total": sizes.total}, partial)
+    partial.replace(path)
+
+
+def dataset_sizes(dataset, collate_fn=None, *, seq_length: int | None = None, cache_dir: str | Path | None = None,
+                  num_workers: int = 1, context=None, label: str = "") -> SampleSizes:
+    """Every sample's sizes, from metadata, the cache or a one-time scan (module docstring), on this
+    process alone (:func:`.bridge.shared_sizes` shares one scan between the ranks of a node).
+
+    Args:
+        num_workers, context: the scan's worker processes (at least one) and their start method.
 
     Raises:
         ValueError: no metadata and no ``collate_fn`` to scan with, or metadata of the wrong length.
@@ -134,16 +265,28 @@ def dataset_sizes(dataset, collate_fn=None, *, seq_length: int | None = None,
         return sizes
     if collate_fn is None:
         raise ValueError("dataset: it has no sample_lengths metadata and no collate_fn to scan it with; give one")
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = cache / f"{_fingerprint(dataset, collate_fn, seq_length)}.pt"
-    if path.is_file():
-        saved = torch.load(path)
-        return SampleSizes(saved["lengths"], saved["patches"], saved["patches_squared"], f"cache {path}")
-    if is_global_rank_zero():
-        logger.info("bridge_thd.batching: scanning %d samples for their lengths (once; cached at %s)", len(dataset), path)
-    sizes = scan_sizes(dataset, collate_fn, seq_length=seq_length)
-    cache.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"lengths": sizes.lengths, "patches": sizes.patches, "patches_squared": sizes.patches_squared}, partial)
-    partial.replace(path)  # atomic: ranks scanning at once never read a half-written file
-    return SampleSizes(sizes.lengths, sizes.patches, sizes.patches_squared, f"scan (cached at {path})")
+    path = sizes_cache_path(dataset, collate_fn, seq_length=seq_length, cache_dir=cache_dir, context=context)
+    cached = read_cached_sizes(path)
+    if cached is not None:
+        return cached
+    sizes = scan_and_cache(dataset, collate_fn, path, seq_length=seq_length, num_workers=num_workers,
+                           context=context, label=label)
+    return sizes
+
+
+def scan_and_cache(dataset, collate_fn, path: Path, *, seq_length: int | None, num_workers: int = 1, context=None,
+                   label: str = "") -> SampleSizes:
+    """:func:`scan_sizes`, written to ``path``, with a log line before and after."""
+    import time
+
+    period = repeat_period(dataset)
+    logger.info("bridge_thd.batching: scanning the lengths of %d distinct samples (%d dataset indices)%s in %d worker "
+                "process(es); cached at %s", period, len(dataset), label, max(1, num_workers), path)
+    start = time.perf_counter()
+    sizes = scan_sizes(dataset, collate_fn, seq_length=seq_length, num_workers=num_workers, context=context,
+                       label=label)
+    write_cached_sizes(sizes, path)
+    logger.info("bridge_thd.batching: lengths scan%s done: %d distinct samples in %.1f s", label, period,
+                time.perf_counter() - start)
+    return SampleSizes(sizes.lengths, sizes.patches, sizes.patches_squared, f"{sizes.source} (cached at {path})",
+                       sizes.total)

@@ -36,6 +36,7 @@ TRAINER_MODULES = (
     "megatron.bridge.training.setup",
     "megatron.bridge.training.initialize",
     "megatron.bridge.training.train",
+    "megatron.bridge.training.eval",
     "megatron.bridge.training.utils.train_utils",
     "megatron.bridge.training.checkpointing",
     "megatron.bridge.models.model_provider",
@@ -262,9 +263,13 @@ def prepare_cpu_run(workdir, *, n_train: int = 64, n_val: int = 8, seed: int = 0
     return {"workdir": workdir, "dataset": str(dataset), "processor": processor, "hf_checkpoint": hf_checkpoint}
 
 
+RECIPE = object()  # "keep the recipe's value"
+
+
 def cpu_run_config(cfg, paths: dict, *, train_iters: int, global_batch_size: int, micro_batch_size: int,
                    seq_length: int, tp: int = 1, pp: int = 1, cp: int = 1, save_interval: int | None = None,
-                   exit_interval: int | None = None, run_name: str = "run"):
+                   exit_interval: int | None = None, run_name: str = "run", eval_iters=RECIPE, eval_interval=RECIPE,
+                   num_workers=RECIPE):
     """A Megatron-Bridge recipe's ``ConfigContainer`` for the CPU: only model size and device differ.
 
     The model is the tiny checkpoint's (``AutoBridge.from_hf_pretrained(paths["hf_checkpoint"])``, the
@@ -277,7 +282,12 @@ def cpu_run_config(cfg, paths: dict, *, train_iters: int, global_batch_size: int
     * the non-distributed optimizer: its reduce-scatter / all-gather of sharded buffers has no gloo path;
     * ``clip_grad=0``: ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients
       (the gradient norm is still computed and logged);
-    * gloo, ``num_workers=0``, no pinned memory, no tensorboard, no evaluation iterations.
+    * gloo, no tensorboard.
+
+    The recipe's loader settings (workers, pinned memory, persistence) and its evaluation
+    (``eval_interval``, ``eval_iters``) are kept unless given (``eval_iters``, ``eval_interval``,
+    ``num_workers``: a test's shorter evaluation, or no workers); pinned memory has no device to pin for
+    on the CPU (the loader warns and copies nothing).
 
     Returns:
         ``cfg``, changed in place.
@@ -306,8 +316,8 @@ def cpu_run_config(cfg, paths: dict, *, train_iters: int, global_batch_size: int
     cfg.tokenizer.vocab_size = model.vocab_size
     cfg.dataset.seq_length = seq_length
     cfg.dataset.hf_processor_path = paths["processor"]
-    cfg.dataset.num_workers = 0
-    cfg.dataset.pin_memory = False
+    if num_workers is not RECIPE:
+        cfg.dataset.num_workers = num_workers
     cfg.train.train_iters = train_iters
     cfg.train.global_batch_size = global_batch_size
     cfg.train.micro_batch_size = micro_batch_size
@@ -316,8 +326,10 @@ def cpu_run_config(cfg, paths: dict, *, train_iters: int, global_batch_size: int
     # A run stopped early keeps train_iters: the dataset's sample order and the schedule are
     # functions of it, so the stopped-and-resumed run follows the uninterrupted one.
     cfg.train.exit_interval = exit_interval
-    cfg.validation.eval_iters = 0
-    cfg.validation.eval_interval = None
+    if eval_iters is not RECIPE:
+        cfg.validation.eval_iters = eval_iters
+    if eval_interval is not RECIPE:
+        cfg.validation.eval_interval = eval_interval
     cfg.checkpoint.pretrained_checkpoint = paths["hf_checkpoint"]
     cfg.checkpoint.save = os.path.join(paths["workdir"], "checkpoints", run_name)
     cfg.checkpoint.load = cfg.checkpoint.save
@@ -365,7 +377,20 @@ def iteration_recorder():
         # FLOPs are read at the next step's start (or at the end of training).
         def __init__(self):
             self.rows = []
+            self.evaluations = []  # per evaluation: {"test": bool, "iteration", "loss"}
             self._start = None
+
+        def _evaluated(self, context, test: bool):
+            losses = context.total_loss_dict or {}
+            loss = losses.get("lm loss")
+            self.evaluations.append({"test": test, "iteration": int(context.state.train_state.step),
+                                     "loss": None if loss is None else float(loss)})
+
+        def on_eval_end(self, context):
+            self._evaluated(context, test=False)
+
+        def on_test_end(self, context):
+            self._evaluated(context, test=True)
 
         def _close_previous(self, state):
             if self.rows and self.rows[-1]["flops"] is None:
@@ -446,7 +471,8 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                       micro_batch_size: int = 2, seq_length: int = 512, tp: int = 1, pp: int = 1, cp: int = 1,
                       save_interval: int | None = None, exit_interval: int | None = None,
                       run_name: str | None = None, count_tokens: bool = True,
-                      global_batch_packing: dict | None = None, per_token_loss: bool = False) -> dict:
+                      global_batch_packing: dict | None = None, per_token_loss: bool = False,
+                      eval_iters=RECIPE, eval_interval=RECIPE, num_workers=RECIPE) -> dict:
     """Run Megatron-Bridge's ``finetune()`` on this rank for a recipe in its CPU mode
     (:func:`cpu_run_config`), with ``layout``'s step (:func:`step_for`; ours after
     ``configure(cfg, layout)``). Call on every rank of a world started with
@@ -460,7 +486,8 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
 
     Returns:
         ``{"iterations": [recorded rows], "micro_batches": [real / supervised token counts],
-        "placements": [global-batch packing log lines, global rank 0]}``.
+        "placements": [global-batch packing log lines, global rank 0], "evaluations": [validation and
+        test losses]}``.
     """
     from megatron.bridge.training.finetune import finetune
 
@@ -470,7 +497,8 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     cfg = cpu_run_config(recipe_function(recipe)(), paths, train_iters=train_iters, global_batch_size=global_batch_size,
                          micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp, pp=pp, cp=cp,
                          save_interval=save_interval, exit_interval=exit_interval,
-                         run_name=run_name or f"{recipe}-{layout}")
+                         run_name=run_name or f"{recipe}-{layout}", eval_iters=eval_iters, eval_interval=eval_interval,
+                         num_workers=num_workers)
     if per_token_loss or global_batch_packing is not None:
         # The recipes set ddp.average_in_collective=True explicitly; configure refuses to overwrite an
         # explicit setting, so a user turning global-batch packing on sets it, as here.
@@ -502,7 +530,8 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
             destroy_global_state()
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
-    return {"iterations": recorder.rows, "micro_batches": counts, "placements": placements}
+    return {"iterations": recorder.rows, "micro_batches": counts, "placements": placements,
+            "evaluations": recorder.evaluations}
 
 
 @contextlib.contextmanager
@@ -525,8 +554,14 @@ def _log_lines(name: str):
         target.setLevel(level)
 
 
-def _run_in_order(paths: dict, runs: list) -> dict:
-    """One rank's side of :func:`run_on_cpu`: each ``(key, recipe, layout, settings)`` in turn."""
+def _run_in_order(paths: dict, runs: list, start_method: str = "fork") -> dict:
+    """One rank's side of :func:`run_on_cpu`: each ``(key, recipe, layout, settings)`` in turn, with
+    the data loader workers started by ``start_method``. The test bed's ranks are spawned, and a
+    spawned process inherits its parent's ``spawn``; a rank torchrun starts is a fresh interpreter
+    whose workers Linux forks, the setting the recipes' loader workers meet in a real run."""
+    import multiprocessing
+
+    multiprocessing.set_start_method(start_method, force=True)
     results = {}
     for index, (key, recipe, layout, settings) in enumerate(runs):
         if index:  # each finetune() makes and destroys its own process group: a fresh rendezvous port
@@ -535,7 +570,8 @@ def _run_in_order(paths: dict, runs: list) -> dict:
     return results
 
 
-def run_on_cpu(runs: list, *, workdir, world_size: int = 2, timeout: float = 600.0, paths: dict | None = None) -> list:
+def run_on_cpu(runs: list, *, workdir, world_size: int = 2, timeout: float = 600.0, paths: dict | None = None,
+               start_method: str = "fork") -> list:
     """Run Megatron-Bridge recipes in their CPU mode, one after another, on ``world_size`` gloo ranks.
 
     Args:
@@ -543,6 +579,7 @@ def run_on_cpu(runs: list, *, workdir, world_size: int = 2, timeout: float = 600
             :func:`run_recipe_on_cpu`'s keywords (``train_iters``, ``micro_batch_size``, ``pp``, ...).
         workdir: where the dataset, processor, tiny checkpoint and checkpoints go.
         paths: what :func:`prepare_cpu_run` returned, if it was already called for ``workdir``.
+        start_method: how each rank's data loader workers start (``"fork"``, as under torchrun on Linux).
 
     Returns:
         Per rank, ``{key: run_recipe_on_cpu(...)}``.
@@ -552,28 +589,36 @@ def run_on_cpu(runs: list, *, workdir, world_size: int = 2, timeout: float = 600
 
     paths = paths or prepare_cpu_run(workdir)
     with offline_hub():
-        return run_on_gloo(_run_in_order, paths, runs, dp=world_size, whole_bridge=True, initialize=False,
+        return run_on_gloo(_run_in_order, paths, runs, start_method, dp=world_size, whole_bridge=True, initialize=False,
                            timeout=timeout)
 
 
 def training_loop_runs(recipe: str = "qwen3_vl_8b_sft_2gpu_h100_bf16_config", *, iterations: int = 20,
                        resume_at: int = 10, short: int = 5, micro_batch_size: int = 2, global_batch_size: int = 8,
-                       seq_length: int = 512, global_iterations: int = 10) -> list:
+                       seq_length: int = 512, global_iterations: int = 10, global_resume_at: int = 4,
+                       eval_interval: int = 3, eval_iters: int = 2) -> list:
     """The runs that check Megatron-Bridge's training loop with our step, for :func:`run_on_cpu` on two
-    ranks (``tests/test_bridge_training.py``, ``benchmarks/training_loop_report.py``):
+    ranks (``tests/test_bridge_training.py``, ``benchmarks/training_loop_report.py``), all with the
+    recipe's data loader workers (forked) and pinned memory:
 
     * ``megatron_bridge``, ``thd_static``: ``iterations`` at DP=2 (Megatron-Bridge's own step; ours);
     * ``thd_first`` / ``thd_resumed``: ``thd`` stopped at ``resume_at`` (``exit_interval``: a checkpoint
       is saved), then resumed from that checkpoint to the end; ``train_iters`` is kept, so the data
       order and the schedule are the uninterrupted runs';
     * ``pp2``, ``cp2``: ``thd`` at PP=2 and at CP=2 on the same two ranks, ``short`` iterations;
-    * ``thd_static_per_token``, ``thd_static_global``: ``thd_static`` with per-token loss
-      normalisation, in Megatron-Bridge's placement and with global-batch packing (Qwen3-VL 8B's
-      cost, the row chosen from the scanned lengths, which turns per-token normalisation on),
-      ``global_iterations`` at DP=2.
+    * ``thd_static_per_token``: ``thd_static`` with per-token loss normalisation in Megatron-Bridge's
+      placement, ``global_iterations``, evaluating every ``eval_interval`` (``eval_iters`` steps) and
+      at the end (validation and test);
+    * ``thd_static_global_first`` / ``thd_static_global_resumed``: the same with global-batch packing
+      (Qwen3-VL 8B's cost, the row chosen from the scanned lengths, which turns per-token
+      normalisation on), stopped at ``global_resume_at`` and resumed.
+
+    These first runs evaluate with the recipe's loaders too (``eval_iters`` at the end only).
     """
     common = dict(train_iters=iterations, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                  seq_length=seq_length)
+                  seq_length=seq_length, eval_iters=eval_iters)
+    evaluated = dict(common, train_iters=global_iterations, eval_interval=eval_interval)
+    placement = dict(cost_model="qwen3-vl-8b")
     return [
         ("megatron_bridge", recipe, "megatron_bridge", common),
         ("thd_static", recipe, "thd_static", common),
@@ -582,8 +627,9 @@ def training_loop_runs(recipe: str = "qwen3_vl_8b_sft_2gpu_h100_bf16_config", *,
         ("pp2", recipe, "thd", dict(common, pp=2, exit_interval=short, count_tokens=False, run_name="pp2")),
         ("cp2", recipe, "thd", dict(common, cp=2, exit_interval=short, count_tokens=False, run_name="cp2")),
         ("thd_static_per_token", recipe, "thd_static",
-         dict(common, train_iters=global_iterations, per_token_loss=True, run_name="thd-static-per-token")),
-        ("thd_static_global", recipe, "thd_static",
-         dict(common, train_iters=global_iterations, global_batch_packing=dict(cost_model="qwen3-vl-8b"),
-              run_name="thd-static-global")),
+         dict(evaluated, per_token_loss=True, run_name="thd-static-per-token")),
+        ("thd_static_global_first", recipe, "thd_static",
+         dict(evaluated, global_batch_packing=placement, exit_interval=global_resume_at, run_name="thd-static-global")),
+        ("thd_static_global_resumed", recipe, "thd_static",
+         dict(evaluated, global_batch_packing=placement, run_name="thd-static-global")),
     ]

@@ -1,0 +1,291 @@
+"""Global-batch packing's loaders as Megatron-Bridge 0.6.2's loop drives them (issue 28).
+
+The reference is Megatron-Bridge itself: its ``build_pretraining_data_loader`` (``data/samplers.py``)
+builds each rank's loader, and its loop iterates a ``single`` loader once and a ``cyclic`` one through
+``loaders.cyclic_iter`` (``data/loaders.py``, ``build_train_valid_test_data_iterators``), taking
+``num_micro_batches`` micro-batches per step. Datasets whose length is not a multiple of the global
+batch make steps run across epochs; resumes start the samplers at ``consumed_samples``.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.bridge_thd.batching.bridge import GlobalBatchPacking, check_ranks_agree, plan_loader, run_row_length
+from megatron.bridge_thd.batching.bridge import global_batch_loader
+from megatron.bridge_thd.batching.policy import DoesNotFit, assign
+from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, first_unfit_step, row_length_for_steps
+from megatron.bridge_thd.batching.sizes import SampleSizes, dataset_sizes
+from megatron.bridge_thd.upstream import load_bridge_module
+
+SAMPLERS = load_bridge_module("data.samplers")
+DP, MBS, NMB = 2, 2, 3
+GBS = DP * MBS * NMB  # 12
+ALIGN = 8
+
+
+class Lengths:
+    """A map-style dataset of indices carrying ``sample_lengths`` metadata."""
+
+    def __init__(self, lengths):
+        self.sample_lengths = list(lengths)
+
+    def __len__(self):
+        return len(self.sample_lengths)
+
+    def __getitem__(self, index):
+        return index
+
+
+def _lengths(n, seed=0, high=120):
+    rng = random.Random(seed)
+    return [rng.randint(1, high) for _ in range(n)]
+
+
+def _identity(batch):
+    return batch
+
+
+def _loader(kind, dataset, rank, consumed=0, dp=DP, mbs=MBS, num_workers=0):
+    """Megatron-Bridge's own loader for DP rank ``rank`` (``build_pretraining_data_loader``)."""
+    return SAMPLERS.build_pretraining_data_loader(dataset, consumed, kind, mbs, num_workers, True,
+                                                  collate_fn=_identity, pin_memory=False, data_parallel_rank=rank,
+                                                  data_parallel_size=dp)
+
+
+def _as_loop(kind, loader):
+    """The iterator Megatron-Bridge's loop makes of a loader (``build_train_valid_test_data_iterators``)."""
+    return iter(_cyclic_iter(loader)) if kind == "cyclic" else iter(loader)
+
+
+def _cyclic_iter(iterable):
+    """``megatron.bridge.data.loaders.cyclic_iter`` (the module imports the training config, so its
+    three lines are mirrored here): re-iterate the loader forever."""
+    while True:
+        for x in iterable:
+            yield x
+
+
+def _loop_steps(iterators, steps, nmb=NMB):
+    """Per step, the set of samples the ranks' iterators give it (``nmb`` micro-batches each)."""
+    out = []
+    for _ in range(steps):
+        drawn = []
+        try:
+            for iterator in iterators:
+                for _ in range(nmb):
+                    drawn += list(next(iterator))
+        except StopIteration:
+            break
+        out.append(sorted(int(i) for i in drawn))
+    return out
+
+
+def _cfg(layout="thd_static", seq_length=128):
+    return SimpleNamespace(model=SimpleNamespace(seq_length=seq_length, tensor_model_parallel_size=1,
+                                                 context_parallel_size=1, sequence_parallel=False, fp8=None),
+                           dataset=SimpleNamespace(packing_layout=layout))
+
+
+def _ours(kind, dataset, *, consumed=0, steps=30, row_length=None, layout="thd_static"):
+    """Per rank, global-batch packing's loader as the loader builder wrapper makes it (no process group:
+    every rank's side computed here), and the run's row."""
+    settings = GlobalBatchPacking(row_length=row_length, log=False)
+    cfg = _cfg(layout)
+    plans = [plan_loader(_loader(kind, dataset, rank, consumed), label="train", cfg=cfg, settings=settings,
+                         dp_rank=rank, dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=steps)
+             for rank in range(DP)]
+    row = run_row_length(plans[:1], settings=settings, align=ALIGN, capacity=MBS * 128, cost=None,
+                         static=layout == "thd_static")
+    return [global_batch_loader(plan, settings=settings, row_length=row, static=layout == "thd_static", align=ALIGN,
+                                cost=None, global_batch_size=GBS) for plan in plans], row, plans
+
+
+@pytest.mark.parametrize("kind", ["single", "cyclic"])
+@pytest.mark.parametrize("n", [30, 36, 53])
+def test_each_step_holds_the_samples_megatron_bridges_loop_draws(kind, n):
+    """Any dataset length (30 and 53 are no multiple of the global batch 12), across epochs (the cyclic
+    sampler's epoch of 28 samples ends inside step 3): the same samples per step as Megatron-Bridge's
+    own loaders driven as its loop drives them; placed within the row."""
+    dataset = Lengths(_lengths(n))
+    steps = 12
+    theirs = _loop_steps([_as_loop(kind, _loader(kind, dataset, rank)) for rank in range(DP)], steps)
+    loaders, row, _ = _ours(kind, dataset, steps=steps)
+    ours = _loop_steps([_as_loop(kind, loader) for loader in loaders], steps)
+    assert ours == theirs
+    assert len(theirs) == (steps if kind == "cyclic" else n // GBS)
+    if kind == "cyclic":
+        # 12 steps of 12 from epochs of 28 or 36 or 52: every sample drawn, none twice within an epoch's draw.
+        counts = torch.bincount(torch.tensor([i for step in ours for i in step]), minlength=n)
+        assert int((counts > 0).sum()) >= n - (n % (DP * MBS))
+
+
+@pytest.mark.parametrize("kind", ["single", "cyclic"])
+def test_a_resume_continues_the_same_steps_with_the_same_row_and_placements(kind):
+    """Resumed at step 4 (consumed 36 samples, past the cyclic sampler's first epoch of 28): the row is
+    the uninterrupted run's (chosen from the whole run's draws, not the remaining ones) and every later
+    micro-batch of every rank is the same, placement included."""
+    dataset = Lengths(_lengths(90 if kind == "single" else 30, seed=3))
+    steps, resume = 7, 3
+    whole, row, _ = _ours(kind, dataset, steps=steps)
+    resumed, resumed_row, _ = _ours(kind, dataset, consumed=resume * GBS, steps=steps)
+    assert resumed_row == row
+    for rank in range(DP):
+        uninterrupted = [next(it) for it in [_as_loop(kind, whole[rank])] for _ in range(steps * NMB)]
+        iterator = _as_loop(kind, resumed[rank])
+        after = [next(iterator) for _ in range((steps - resume) * NMB)]
+        assert after == uninterrupted[resume * NMB:]
+
+
+def test_the_resumed_row_is_not_the_row_of_the_remaining_steps():
+    """What the resume keeps matters: a long sample in step 1 sets the run's row; the steps left after
+    a resume at step 3 alone would choose a shorter one (other shapes, other placements)."""
+    lengths = _lengths(90, seed=3, high=60)
+    lengths[0] = 250
+    dataset = Lengths(lengths)
+    _, row, _ = _ours("single", dataset, steps=7)
+    _, resumed_row, plans = _ours("single", dataset, consumed=3 * GBS, steps=7)
+    assert resumed_row == row >= 256 - ALIGN
+    assert row_length_for_steps(plans[0].draws[3:], sizes=plans[0].sizes, dp_size=DP, num_micro_batches=NMB,
+                                align_to=ALIGN, upper=MBS * 128) < row
+
+
+def test_the_row_fits_every_step_of_the_whole_run_across_epochs():
+    """A cyclic run of 40 steps over 53 samples (a dozen epochs): the chosen row places every one of
+    its steps (checked here with ``assign`` itself), and a step the first epoch does not contain is
+    what set it."""
+    dataset = Lengths(_lengths(53, seed=5))
+    steps = 40
+    _, row, plans = _ours("cyclic", dataset, steps=steps)
+    draws = plans[0].draws
+    assert draws.shape == (steps, GBS)
+    sizes = plans[0].sizes
+    for step in draws:
+        assign(sizes.take(step)[0], dp_size=DP, num_micro_batches=NMB, row_length=row, align_to=ALIGN)
+    first_epoch = draws[:53 // GBS]
+    assert row_length_for_steps(first_epoch, sizes=sizes, dp_size=DP, num_micro_batches=NMB, align_to=ALIGN) < row
+
+
+def test_evaluation_loaders_are_checked_against_the_row_when_built():
+    """A validation set of longer samples: the chosen row covers its steps (one row for the run), and
+    a fixed row that does not is refused at build, naming the loader and the setting."""
+    settings = GlobalBatchPacking(log=False)
+    cfg = _cfg()
+    train = Lengths(_lengths(60, seed=1, high=60))
+    valid = Lengths(_lengths(48, seed=2, high=128))
+    plans = [plan_loader(_loader("single", dataset, 0), label=label, cfg=cfg, settings=settings, dp_rank=0,
+                         dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=4)
+             for label, dataset in (("train", train), ("valid", valid))]
+    train_alone = run_row_length(plans[:1], settings=settings, align=ALIGN, capacity=MBS * 128, cost=None, static=True)
+    row = run_row_length(plans, settings=settings, align=ALIGN, capacity=MBS * 128, cost=None, static=True)
+    assert row > train_alone
+    for plan in plans:
+        assert first_unfit_step(plan.draws, sizes=plan.sizes, dp_size=DP, num_micro_batches=NMB, row_length=row,
+                                align_to=ALIGN) is None
+    fixed = GlobalBatchPacking(row_length=train_alone, log=False)
+    with pytest.raises(ValueError, match=r"of the valid loader .*dataset\.global_batch_packing\.row_length"):
+        run_row_length(plans, settings=fixed, align=ALIGN, capacity=MBS * 128, cost=None, static=True)
+
+
+def test_a_step_past_the_run_that_does_not_fit_is_not_an_error():
+    """A loader's prefetch asks for steps past the run's end; one that does not fit the row gets
+    Megatron-Bridge's own placement (with a warning) instead of stopping the run. A step of the run
+    that does not fit is a DoesNotFit naming the loader, the step and the dataset index."""
+    dataset = Lengths([8] * 24 + [120] * 12)
+    loaders, row, plans = _ours("single", dataset, steps=2)
+    assert row < 120 * MBS  # the third step's long samples do not fit the first two steps' row
+    micro_batches = list(loaders[0])
+    assert len(micro_batches) == 3 * NMB
+    theirs = _loop_steps([_as_loop("single", _loader("single", dataset, rank)) for rank in range(DP)], 3)
+    assert micro_batches[2 * NMB:] == [list(range(24 + j * DP * MBS, 24 + j * DP * MBS + MBS)) for j in range(NMB)]
+    assert sorted(i for mb in micro_batches[2 * NMB:] for i in mb) == [i for i in theirs[2] if (i - 24) % 4 < 2]
+    planned = GlobalBatchSampler([SAMPLERS.MegatronPretrainingSampler(36, 0, MBS, r, DP) for r in range(DP)], dp_rank=0,
+                                 num_micro_batches=NMB, row_length=row, sizes=plans[0].sizes, static_row=True,
+                                 align_to=ALIGN, log=False, planned_steps=3)
+    with pytest.raises(DoesNotFit, match=r"train loader, step 3: .*\(dataset index\).*row_length"):
+        list(planned)
+
+
+def test_ranks_that_disagree_on_a_sample_are_refused_by_name():
+    from megatron.bridge_thd.testbed.launcher import run_on_gloo
+
+    results = run_on_gloo(_disagreeing_rank, dp=2, timeout=120)
+    for message in results:
+        assert "dataset sample 3: rank 0 has 40 tokens" in message and "rank 1 41" in message
+        assert "sizes_cache" in message
+
+
+def _disagreeing_rank():
+    rank = torch.distributed.get_rank()
+    lengths = torch.tensor([10, 20, 30, 40 + rank, 50])
+    sizes = SampleSizes(lengths, torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.float64))
+    check_ranks_agree(SampleSizes(torch.tensor([1, 2]), torch.zeros(2, dtype=torch.int64),
+                                  torch.zeros(2, dtype=torch.float64)), label="train")  # agreeing: passes
+    try:
+        check_ranks_agree(sizes, label="train")
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
+def test_a_repeating_dataset_is_scanned_once_per_base_example(tmp_path):
+    """Megatron-Bridge's DirectSFTDataset repeats its base examples to the trainer's length: 10,000
+    indices over 7 examples are 7 collates, and index i has example i % 7's sizes."""
+    direct_sft = load_bridge_module("data.datasets.direct_sft")
+    examples = [{"n": n} for n in (5, 9, 3, 12, 7, 4, 11)]
+    dataset = direct_sft.DirectSFTDataset(examples, 10_000, processor=None, collate_impl=_mask_collate)
+    sizes = dataset_sizes(dataset, dataset.collate_fn, cache_dir=tmp_path)
+    assert sizes.source.startswith("scan of 7 distinct samples") and len(sizes) == 10_000
+    index = torch.tensor([0, 6, 7, 9_999])
+    assert sizes.take(index)[0].tolist() == [5, 11, 5, examples[9_999 % 7]["n"]]
+    again = dataset_sizes(dataset, dataset.collate_fn, cache_dir=tmp_path)
+    assert again.source.startswith("cache") and len(again) == 10_000
+
+
+def _mask_collate(batch, processor, **kwargs):
+    (example,) = batch
+    return {"attention_mask": torch.ones(1, example["n"], dtype=torch.int64)}
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_the_scan_runs_in_worker_processes(tmp_path, start_method):
+    """Under either start method the collate (a tokenizer, in a real run) never runs in the calling
+    process: a tokenizer used here before the loader forks its workers can deadlock them."""
+    import os
+
+    pids = tmp_path / "pids"
+    sizes = dataset_sizes(_Indices(6), _PidCollate(str(pids)), cache_dir=tmp_path / "cache", num_workers=2,
+                          context=start_method)
+    assert sizes.lengths.tolist() == [3, 4, 5, 6, 7, 8]
+    ran_in = {int(name) for name in os.listdir(pids)}
+    assert ran_in and os.getpid() not in ran_in
+
+
+class _Indices:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return index
+
+
+class _PidCollate:
+    """A collate that records the process it runs in (one file per process id under ``folder``)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __call__(self, batch):
+        import os
+
+        (index,) = batch
+        os.makedirs(self.folder, exist_ok=True)
+        open(os.path.join(self.folder, str(os.getpid())), "w").close()
+        return {"attention_mask": torch.ones(1, index + 3, dtype=torch.int64)}
