@@ -60,6 +60,7 @@ def summarise(rows_per_rank: list[list[dict]], counts_per_rank: list[list[dict]]
         "final_loss": next((r[-1]["loss"] for r in reversed(rows_per_rank) if r[-1]["loss"] is not None), None),
     }
     if counts_per_rank:
+        counts_per_rank = [[c for c in rank if c.get("training", True)] for rank in counts_per_rank]
         iterations = len(rows_per_rank[0])
         per_iteration = [len(counts) // iterations for counts in counts_per_rank]
         tokens = [sum(c["real_tokens"] for rank, n in zip(counts_per_rank, per_iteration)
@@ -133,7 +134,10 @@ def measure_cpu(args) -> dict:
         for step in STEPS:
             runs.append((f"{step}-mbs{mbs}", RECIPE, step,
                          dict(train_iters=args.iterations, micro_batch_size=mbs, global_batch_size=args.global_batch_size,
-                              seq_length=args.seq_length, run_name=f"bench-{step}-mbs{mbs}", save_interval=10**6)))
+                              seq_length=args.seq_length, run_name=f"bench-{step}-mbs{mbs}", save_interval=10**6,
+                              eval_iters=0, num_workers=0)))
+    # Training steps are what is measured: no evaluation, and the collate in the rank's own process (the
+    # recipe's workers would only move it elsewhere on this machine's two cores).
     workdir = args.workdir or tempfile.mkdtemp(prefix="bridge_thd_cord_v2_sft_")
     ranks = run_on_cpu(runs, workdir=workdir, world_size=args.nproc, timeout=args.timeout)
     rows = {key: summarise([rank[key]["iterations"] for rank in ranks], [rank[key]["micro_batches"] for rank in ranks],

@@ -30,6 +30,9 @@ def parse(argv=None):
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the recipe's (CPU mode: 2)")
     parser.add_argument("--seq-length", type=int, default=None, help="default: the recipe's (CPU mode: 512)")
     parser.add_argument("--train-iters", type=int, default=None, help="default: the recipe's (CPU mode: 4)")
+    parser.add_argument("--eval-iters", type=int, default=None,
+                        help="default: the recipe's (its validation and test steps per evaluation)")
+    parser.add_argument("--eval-interval", type=int, default=None, help="default: the recipe's")
     parser.add_argument("--report", default=None,
                         help="write the per-iteration records here (JSON; on GPUs one file per rank, PATH.rank<r>.json)")
     parser.add_argument("--global-batch-packing", default=None, metavar="MODEL",
@@ -92,6 +95,11 @@ def run_cpu_tiny(recipe_name: str, args) -> dict:
     settings["global_batch_size"] = settings["micro_batch_size"] * args.nproc * 2
     if args.global_batch_packing is not None:
         settings["global_batch_packing"] = global_batch_setting(args.global_batch_packing)
+    # The recipe's loader workers, pinned memory and evaluation stay; only what is given changes.
+    if args.eval_iters is not None:
+        settings["eval_iters"] = args.eval_iters
+    if args.eval_interval is not None:
+        settings["eval_interval"] = args.eval_interval
     workdir = args.workdir or tempfile.mkdtemp(prefix="bridge_thd_cpu_tiny_")
     ranks = run_on_cpu([(args.layout, recipe_name, args.layout, settings)], workdir=workdir, world_size=args.nproc)
     report = {"recipe": recipe_name, "layout": args.layout, "cpu_tiny": True, "settings": settings,
@@ -116,6 +124,10 @@ def main(recipe_module: str, recipe_name: str, argv=None):
     base_config = getattr(importlib.import_module(recipe_module), recipe_name)
     cfg = config(base_config, args.layout, args.micro_batch_size, args.seq_length, args.train_iters,
                  global_batch_setting(args.global_batch_packing))
+    if args.eval_iters is not None:
+        cfg.validation.eval_iters = args.eval_iters
+    if args.eval_interval is not None:
+        cfg.validation.eval_interval = args.eval_interval
     recorder = iteration_recorder()
     report = {"recipe": recipe_name, "layout": args.layout, "cpu_tiny": False, "oom": False,
               "global_batch_packing": args.global_batch_packing,

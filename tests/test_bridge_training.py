@@ -88,7 +88,7 @@ def test_resume_from_iteration_ten_gives_the_same_iteration_eleven(ranks):
 
 def _micro_batches_per_iteration(run):
     per_iteration = GLOBAL_BATCH // (MICRO_BATCH * 2)
-    counts = run["micro_batches"]
+    counts = [batch for batch in run["micro_batches"] if batch["training"]]
     return [counts[i:i + per_iteration] for i in range(0, len(counts), per_iteration)]
 
 

@@ -22,10 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_recipe_script_runs_in_its_cpu_mode(tmp_path):
     """The recipe script in CPU mode, with ``--global-batch-packing qwen3-vl-8b`` (one run for both: the
     same script path; test_bridge_training.py runs the loop without it): configure's setting reaches
-    Megatron-Bridge's loop, and rank 0 logs one placement per iteration."""
+    Megatron-Bridge's loop with the recipe's own loader settings (its workers, forked, and pinned
+    memory) and its evaluation (validation and test after training; ``--eval-iters 1`` keeps it short),
+    and rank 0 logs one placement per iteration."""
     report = tmp_path / "report.json"
     command = [sys.executable, "-W", "ignore", str(ROOT / "recipes" / "qwen3_vl_8b_cord_v2_thd.py"), "--cpu-tiny",
-               "--layout", "thd", "--global-batch-packing", "qwen3-vl-8b", "--train-iters", "3",
+               "--layout", "thd", "--global-batch-packing", "qwen3-vl-8b", "--train-iters", "3", "--eval-iters", "1",
                "--workdir", str(tmp_path / "run"), "--report", str(report)]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
@@ -37,10 +39,16 @@ def test_recipe_script_runs_in_its_cpu_mode(tmp_path):
         assert [row["iteration"] for row in rank["iterations"]] == [1, 2, 3]
         assert all(math.isfinite(row["loss"]) for row in rank["iterations"])
         # Every micro-batch the step took came from the recipe's data path with its 2D mask.
-        assert len(rank["micro_batches"]) == 3 * 2 and all(batch["real_tokens"] > 0 for batch in rank["micro_batches"])
+        assert all(batch["real_tokens"] > 0 for batch in rank["micro_batches"])
+        training = [batch for batch in rank["micro_batches"] if batch["training"]]
+        assert len(training) == 3 * 2 and len(rank["micro_batches"]) == len(training) + 2 * 2  # + validation, test
     assert "iteration   3 | lm loss" in done.stdout
+    for rank in result["ranks"]:  # the recipe's final validation and test evaluation ran
+        assert [(e["test"], e["iteration"]) for e in rank["evaluations"]] == [(False, 3), (True, 3)]
+        assert all(math.isfinite(e["loss"]) for e in rank["evaluations"])
     placements = result["ranks"][0]["placements"]
-    assert [line.split(": step ")[1].split(":")[0] for line in placements if ": step " in line] == ["1", "2", "3"]
+    train_steps = [line.split(": step ")[1].split(":")[0] for line in placements if "(train): step " in line]
+    assert train_steps[:3] == ["1", "2", "3"]  # and the loader workers' prefetch past the run
 
 
 def test_global_batch_packing_flag_needs_a_packed_layout():

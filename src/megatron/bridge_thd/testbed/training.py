@@ -428,8 +428,8 @@ class _RealTokenCounter:
     """Wraps the trainer's data iterator: counts the real tokens (the collate's 2D attention mask)
     and the supervised tokens (``loss_mask``) of every micro-batch this rank's step takes."""
 
-    def __init__(self, iterator, counts: list):
-        self.iterator, self.counts = iterator, counts
+    def __init__(self, iterator, counts: list, training: bool = True):
+        self.iterator, self.counts, self.training = iterator, counts, training
 
     def __iter__(self):
         return self
@@ -446,6 +446,7 @@ class _RealTokenCounter:
                         and parallel_state.get_pipeline_model_parallel_rank() == 0),
             "real_tokens": None if mask is None or mask.dim() != 2 else int(mask.bool().sum()),
             "supervised_tokens": int(batch["loss_mask"].bool().sum()) if "loss_mask" in batch else None,
+            "training": self.training,  # False: an evaluation's micro-batch
         })
         return batch
 
@@ -455,13 +456,14 @@ class _RealTokenCounter:
 
 def counting_step(step, counts: list):
     """``step`` with its data iterator wrapped by :class:`_RealTokenCounter` (``counts`` receives one
-    entry per micro-batch this rank takes); same signature, so the trainer injects the same arguments."""
+    entry per micro-batch this rank takes, training or evaluation, as the model's mode says); same
+    signature, so the trainer injects the same arguments."""
     import functools
 
     @functools.wraps(step)
     def counted(state, data_iterator, model, *args, **kwargs):
         if data_iterator is not None:
-            data_iterator = _RealTokenCounter(data_iterator, counts)
+            data_iterator = _RealTokenCounter(data_iterator, counts, training=bool(getattr(model, "training", True)))
         return step(state, data_iterator, model, *args, **kwargs)
 
     return counted
