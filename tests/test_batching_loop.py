@@ -58,7 +58,8 @@ def _loader(kind, dataset, rank, consumed=0, dp=DP, mbs=MBS, num_workers=0):
 
 
 def _as_loop(kind, loader):
-    """The iterator Megatron-Bridge's loop makes of a loader (``build_train_valid_test_data_iterators``)."""
+    """The iterator Megatron-Bridge's loop makes of a loader (``build_train_valid_test_data_iterators``:
+    ``iter(loader)`` for ``single``, ``iter(cyclic_iter(loader))`` for ``cyclic``)."""
     return iter(_cyclic_iter(loader)) if kind == "cyclic" else iter(loader)
 
 

@@ -39,10 +39,12 @@ class GlobalBatchPacking:
         cost_model: what a sample costs: a planner preset name (``"qwen3-vl-8b"``), a Hugging Face
             ``config.json`` path or a ``plan.presets.ModelSpec``; None balances on VERL's
             tokens-and-attention proxy ``s + s^2 / 24576`` (no vision term).
-        row_length: ``thd_static``: the run's fixed row in slots; None: chosen from the lengths scan
-            when the loader is built (written back here, where the step reads it). ``thd``: the most
-            slots a micro-batch may take; None: ``micro_batch_size * seq_length``.
-        sizes_cache: directory for the one-time lengths scan (default ``~/.cache/bridge_thd/sizes``).
+        row_length: ``thd_static``: the run's fixed row in slots, checked against every loader's whole
+            run when the loaders are built; None: the smallest row that fits every loader's whole run
+            (training and evaluation), chosen then and written back here, where the step reads it; a
+            resumed run chooses the same. ``thd``: ``micro_batch_size * seq_length``, checked likewise.
+        sizes_cache: directory for the one-time lengths scan (default ``~/.cache/bridge_thd/sizes``); a
+            directory shared by a node's ranks lets one scan serve them.
         seed: tie-breaking seed of the placement.
         log: one log line per step on global rank 0 (real tokens, padding, per-rank imbalance).
     """
@@ -215,8 +217,9 @@ def run_row_length(plans: list[LoaderPlan], *, settings: GlobalBatchPacking, ali
                                                  upper=capacity, cost=cost, seed=settings.seed, label=plan.label)
                 for plan in plans if len(plan.draws)}
         row = max(rows.values())
-        # One row for every loader: grow it until each loader's steps fit (placement is not monotone).
-        while any(unfit(plan, row) is not None for plan in plans):
+        # One row for every loader: grow it until each loader's steps fit (placement is not monotone;
+        # a loader whose own row this is was checked at it).
+        while any(unfit(plan, row) is not None for plan in plans if rows.get(plan.label) != row):
             row = round_up(int(row * 1.005 + 1), align)
         from megatron.bridge_thd.batching.sampler import is_global_rank_zero
 

@@ -26,6 +26,7 @@ slices per rank), for comparison; :func:`placement_stats` measures either.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -104,9 +105,14 @@ def _longest_processing_time(order: list[int], cost: list[float], slots: list[in
     heap = [(0.0, 0, r) for r in range(rows)]
     room = [row_length] * rows
     members: list[list[int]] = [[] for _ in range(rows)]
-    for i in order:
+    # The smallest sample still to come: a row with less room can take none of them and leaves the heap.
+    smallest_after = list(itertools.accumulate(reversed([slots[i] for i in order]), min))[::-1]
+    for position, i in enumerate(order):
         skipped = []
         while heap and room[heap[0][2]] < slots[i]:
+            if room[heap[0][2]] < smallest_after[position]:
+                heapq.heappop(heap)  # full for good
+                continue
             skipped.append(heapq.heappop(heap))
         if not heap:
             return None
@@ -214,13 +220,30 @@ def _refine(members: list[list[int]], cost: list[float], slots: list[int], row_l
             rounds: int, partners: int = 8) -> None:
     """Lower the costliest row by the best single swap (or move) with one of the ``partners``
     cheapest rows that keeps both within ``row_length``; stop when none lowers the pair's maximum.
-    Large rows are searched by cost order (:func:`_nearest_swap`). In place; no row is left empty."""
+    Large rows are searched by cost order (:func:`_nearest_swap`). The costliest and cheapest rows
+    come from two heaps whose stale entries are skipped (ties to the lower row index, as ``max`` and
+    ``heapq.nsmallest`` over the rows would give), so a round costs O(log rows). In place; no row is
+    left empty."""
     row_cost = [sum(cost[i] for i in row) for row in members]
     row_slots = [sum(slots[i] for i in row) for row in members]
+    highest = [(-c, r) for r, c in enumerate(row_cost)]
+    lowest = [(c, r) for r, c in enumerate(row_cost)]
+    heapq.heapify(highest)
+    heapq.heapify(lowest)
     tensors = None
     for _ in range(rounds):
-        high = max(range(len(members)), key=row_cost.__getitem__)
-        lows = [low for low in heapq.nsmallest(partners, range(len(members)), key=row_cost.__getitem__) if low != high]
+        while -highest[0][0] != row_cost[highest[0][1]]:
+            heapq.heappop(highest)
+        high = highest[0][1]
+        cheapest, seen = [], set()
+        while lowest and len(cheapest) < partners:
+            entry = heapq.heappop(lowest)
+            if entry[0] == row_cost[entry[1]] and entry[1] not in seen:
+                cheapest.append(entry)
+                seen.add(entry[1])
+        for entry in cheapest:
+            heapq.heappush(lowest, entry)
+        lows = [r for _, r in cheapest if r != high]
         if not lows:
             return
         if len(members[high]) * (max(len(members[low]) for low in lows) + 1) > _EXHAUSTIVE_PAIRS:
@@ -238,6 +261,9 @@ def _refine(members: list[list[int]], cost: list[float], slots: list[int], row_l
             row_cost[target] += cost[sample]
             row_slots[source] -= slots[sample]
             row_slots[target] += slots[sample]
+        for row in (high, low):
+            heapq.heappush(highest, (-row_cost[row], row))
+            heapq.heappush(lowest, (row_cost[row], row))
 
 
 def _rows_to_ranks(members: list[list[int]], row_cost: list[float], dp_size: int,

@@ -266,7 +266,15 @@ def first_unfit_step(draws: torch.Tensor, *, sizes: SampleSizes, dp_size: int, n
     rows = dp_size * num_micro_batches
     slots = aligned_lengths(sizes.take(draws)[0], align_to)
     sure = slots.sum(dim=1) <= rows * (row_length - slots.max(dim=1).values)
-    unsure = torch.nonzero(~sure).flatten().tolist()
+    unsure = torch.nonzero(~sure).flatten()
+    # Steps of the same samples in the same order place alike (a repeating dataset repeats its steps):
+    # each is tried once, at its first position.
+    if len(unsure) > 1:
+        _, inverse = torch.unique(sizes.distinct(draws[unsure]), dim=0, return_inverse=True)
+        first_of = torch.full((int(inverse.max()) + 1,), len(unsure), dtype=torch.int64)
+        first_of.scatter_reduce_(0, inverse, torch.arange(len(unsure)), reduce="amin")
+        unsure = unsure[first_of.sort().values]
+    unsure = unsure.tolist()
     if first is not None and first in unsure:
         unsure.remove(first)
         unsure.insert(0, first)

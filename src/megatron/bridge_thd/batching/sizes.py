@@ -58,9 +58,13 @@ class SampleSizes:
     def __len__(self) -> int:
         return int(self.lengths.numel()) if self.total is None else self.total
 
+    def distinct(self, index: torch.Tensor) -> torch.Tensor:
+        """The distinct sample each dataset index of ``index`` (any shape) is."""
+        return index % self.lengths.numel() if self.total is not None else index
+
     def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(lengths, patches, patches_squared)`` of the dataset indices ``index`` (any shape)."""
-        distinct = index % self.lengths.numel() if self.total is not None else index
+        distinct = self.distinct(index)
         return self.lengths[distinct], self.patches[distinct], self.patches_squared[distinct]
 
     def digest(self) -> str:
