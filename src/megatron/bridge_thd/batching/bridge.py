@@ -86,30 +86,13 @@ def _any_rank(flag: bool) -> bool:
     return any(flags)
 
 
-def shared_sizes(loader, *, seq_length: int, cache_dir: str | None, label: str):
-    """Every sample's sizes for ``loader``'s dataset, the same on every rank: metadata when the dataset
-    has it; otherwise the cache, scanned once (global rank 0 first, then the first rank of each node
-    that still cannot see the file, e.g. a node-local cache) in loader worker processes. Every rank
-    calls it, in the same order of loaders."""
-    from megatron.bridge_thd.batching import sizes as sizes_module
-
-    context = getattr(loader, "multiprocessing_context", None)
-    workers = getattr(loader, "num_workers", 0) or 0
-    where = f" ({label} loader)"
-    if not _distributed():
-        return sizes_module.dataset_sizes(loader.dataset, loader.collate_fn, seq_length=seq_length,
-                                          cache_dir=cache_dir, num_workers=workers, context=context, label=where)
+def _scan_once_per_node(path, scan):
+    """``dataset_sizes``'s ``share``: global rank 0 scans into ``path`` while the others wait; then the
+    first rank (``LOCAL_RANK`` 0) of each node that still cannot see the file scans; every rank reads it."""
     import torch
 
-    metadata = sizes_module._from_metadata(loader.dataset)
-    if metadata is not None:
-        return metadata
-    if loader.collate_fn is None:
-        raise ValueError("dataset: it has no sample_lengths metadata and no collate_fn to scan it with; give one")
-    path = sizes_module.sizes_cache_path(loader.dataset, loader.collate_fn, seq_length=seq_length, cache_dir=cache_dir,
-                                         context=context)
-    scan = lambda: sizes_module.scan_and_cache(loader.dataset, loader.collate_fn, path, seq_length=seq_length,  # noqa: E731
-                                               num_workers=workers, context=context, label=where)
+    from megatron.bridge_thd.batching.sizes import read_cached_sizes
+
     if torch.distributed.get_rank() == 0 and not path.is_file():
         scan()
     torch.distributed.barrier()
@@ -117,11 +100,23 @@ def shared_sizes(loader, *, seq_length: int, cache_dir: str | None, label: str):
         if not path.is_file() and _node_scanner():
             scan()
         torch.distributed.barrier()
-    sizes = sizes_module.read_cached_sizes(path)
+    sizes = read_cached_sizes(path)
     if sizes is None:
         raise ValueError(f"global_batch_packing.sizes_cache: {path} is missing on this rank after its node's scan; "
                          "set dataset.global_batch_packing.sizes_cache to a directory every rank of a node shares")
     return sizes
+
+
+def shared_sizes(loader, *, seq_length: int, cache_dir: str | None, label: str):
+    """Every sample's sizes for ``loader``'s dataset, the same on every rank: metadata when the dataset
+    has it; otherwise the cache, scanned once per node (:func:`_scan_once_per_node`) in loader worker
+    processes started as the loader's are. Every rank calls it, in the same order of loaders."""
+    from megatron.bridge_thd.batching.sizes import dataset_sizes
+
+    return dataset_sizes(loader.dataset, loader.collate_fn, seq_length=seq_length, cache_dir=cache_dir,
+                         num_workers=getattr(loader, "num_workers", 0) or 0,
+                         context=getattr(loader, "multiprocessing_context", None), label=f" ({label} loader)",
+                         share=_scan_once_per_node if _distributed() else None)
 
 
 def check_ranks_agree(sizes, *, label: str) -> None:

@@ -254,12 +254,13 @@ def write_cached_sizes(sizes: SampleSizes, path: Path) -> None:
 
 
 def dataset_sizes(dataset, collate_fn=None, *, seq_length: int | None = None, cache_dir: str | Path | None = None,
-                  num_workers: int = 1, context=None, label: str = "") -> SampleSizes:
-    """Every sample's sizes, from metadata, the cache or a one-time scan (module docstring), on this
-    process alone (:func:`.bridge.shared_sizes` shares one scan between the ranks of a node).
+                  num_workers: int = 1, context=None, label: str = "", share=None) -> SampleSizes:
+    """Every sample's sizes, from metadata, the cache or a one-time scan (module docstring).
 
     Args:
         num_workers, context: the scan's worker processes (at least one) and their start method.
+        share: ``share(path, scan) -> SampleSizes`` decides who scans into the cache ``path`` and reads
+            it (:func:`.bridge.shared_sizes`: one scan per node); None: this process, alone.
 
     Raises:
         ValueError: no metadata and no ``collate_fn`` to scan with, or metadata of the wrong length.
@@ -270,12 +271,15 @@ def dataset_sizes(dataset, collate_fn=None, *, seq_length: int | None = None, ca
     if collate_fn is None:
         raise ValueError("dataset: it has no sample_lengths metadata and no collate_fn to scan it with; give one")
     path = sizes_cache_path(dataset, collate_fn, seq_length=seq_length, cache_dir=cache_dir, context=context)
+
+    def scan() -> SampleSizes:
+        return scan_and_cache(dataset, collate_fn, path, seq_length=seq_length, num_workers=num_workers,
+                              context=context, label=label)
+
+    if share is not None:
+        return share(path, scan)
     cached = read_cached_sizes(path)
-    if cached is not None:
-        return cached
-    sizes = scan_and_cache(dataset, collate_fn, path, seq_length=seq_length, num_workers=num_workers,
-                           context=context, label=label)
-    return sizes
+    return cached if cached is not None else scan()
 
 
 def scan_and_cache(dataset, collate_fn, path: Path, *, seq_length: int | None, num_workers: int = 1, context=None,
