@@ -30,7 +30,8 @@ from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
 from megatron.bridge_thd.packing import round_up
 
 __all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "run_draws", "cycles",
-           "choose_row_length", "row_length_for_steps", "row_lower_bound", "first_unfit_step", "is_global_rank_zero"]
+           "choose_row_length", "row_length_for_steps", "row_lower_bound", "first_unfit_step", "distinct_steps",
+           "is_global_rank_zero"]
 
 logger = logging.getLogger(__name__)
 
@@ -256,25 +257,31 @@ def _check_lengths(lengths: torch.Tensor, draws: torch.Tensor, label: str) -> No
             "tokens (its attention mask is all padding); every sample needs at least one: remove it from the data")
 
 
+def distinct_steps(draws: torch.Tensor, sizes: SampleSizes) -> torch.Tensor:
+    """``(D,)`` int64: the position in ``draws`` ``(S, N)`` of each distinct step's first occurrence, in
+    order. Steps of the same samples in the same order place alike (a repeating dataset repeats its
+    steps), so each needs trying once."""
+    if len(draws) < 2:
+        return torch.arange(len(draws))
+    _, inverse = torch.unique(sizes.distinct(draws), dim=0, return_inverse=True)
+    first_of = torch.full((int(inverse.max()) + 1,), len(draws), dtype=torch.int64)
+    first_of.scatter_reduce_(0, inverse, torch.arange(len(draws)), reduce="amin")
+    return first_of.sort().values
+
+
 def first_unfit_step(draws: torch.Tensor, *, sizes: SampleSizes, dp_size: int, num_micro_batches: int, row_length: int,
                      align_to: int = 1, cost: SampleCost | None = None, seed: int = 0,
-                     first: int | None = None) -> int | None:
+                     first: int | None = None, candidates: torch.Tensor | None = None) -> int | None:
     """The position in ``draws`` ``(S, N)`` of a step that :func:`.policy.assign` cannot place in rows
-    of ``row_length``, or None if every step fits. Steps with at most ``rows * (row_length - longest)``
-    aligned slots fit without trying (module docstring); ``first``: a step to try before the others
-    (the one that failed last)."""
+    of ``row_length``, or None if every step fits. Each distinct step is tried once
+    (``candidates``: :func:`distinct_steps`, computed here when not given); steps with at most
+    ``rows * (row_length - longest)`` aligned slots fit without trying (module docstring); ``first``: a
+    step to try before the others (the one that failed last)."""
     rows = dp_size * num_micro_batches
-    slots = aligned_lengths(sizes.take(draws)[0], align_to)
+    candidates = distinct_steps(draws, sizes) if candidates is None else candidates
+    slots = aligned_lengths(sizes.take(draws[candidates])[0], align_to)
     sure = slots.sum(dim=1) <= rows * (row_length - slots.max(dim=1).values)
-    unsure = torch.nonzero(~sure).flatten()
-    # Steps of the same samples in the same order place alike (a repeating dataset repeats its steps):
-    # each is tried once, at its first position.
-    if len(unsure) > 1:
-        _, inverse = torch.unique(sizes.distinct(draws[unsure]), dim=0, return_inverse=True)
-        first_of = torch.full((int(inverse.max()) + 1,), len(unsure), dtype=torch.int64)
-        first_of.scatter_reduce_(0, inverse, torch.arange(len(unsure)), reduce="amin")
-        unsure = unsure[first_of.sort().values]
-    unsure = unsure.tolist()
+    unsure = candidates[~sure].tolist()
     if first is not None and first in unsure:
         unsure.remove(first)
         unsure.insert(0, first)
@@ -309,11 +316,13 @@ def row_length_for_steps(steps, *, sizes: SampleSizes, dp_size: int, num_micro_b
     where = f" ({label} loader)" if label else ""
     _check_lengths(lengths, draws, where)
     row = row_lower_bound(lengths, rows=dp_size * num_micro_batches, align_to=align_to)
+    candidates = distinct_steps(draws, sizes)
     failed = None
     # Every step is checked again at each new row: a greedy placement is not monotone in the row.
     while upper is None or row <= upper:
         failed = first_unfit_step(draws, sizes=sizes, dp_size=dp_size, num_micro_batches=num_micro_batches,
-                                  row_length=row, align_to=align_to, cost=cost, seed=seed, first=failed)
+                                  row_length=row, align_to=align_to, cost=cost, seed=seed, first=failed,
+                                  candidates=candidates)
         if failed is None:
             return row
         grown = round_up(int(row * 1.005 + 1), align_to)
