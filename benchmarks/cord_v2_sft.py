@@ -134,10 +134,10 @@ def measure_cpu(args) -> dict:
         for step in STEPS:
             runs.append((f"{step}-mbs{mbs}", RECIPE, step,
                          dict(train_iters=args.iterations, micro_batch_size=mbs, global_batch_size=args.global_batch_size,
-                              seq_length=args.seq_length, run_name=f"bench-{step}-mbs{mbs}", save_interval=10**6,
+                              seq_length=args.seq_length, run_name=f"bench-{step}-mbs{mbs}", checkpoint=False,
                               eval_iters=0, num_workers=0)))
-    # Training steps are what is measured: no evaluation, and the collate in the rank's own process (the
-    # recipe's workers would only move it elsewhere on this machine's two cores).
+    # Training steps are what is measured: no evaluation, no checkpoint, and the collate in the rank's own
+    # process (the recipe's workers would only move it elsewhere on this machine's two cores).
     workdir = args.workdir or tempfile.mkdtemp(prefix="bridge_thd_cord_v2_sft_")
     ranks = run_on_cpu(runs, workdir=workdir, world_size=args.nproc, timeout=args.timeout)
     rows = {key: summarise([rank[key]["iterations"] for rank in ranks], [rank[key]["micro_batches"] for rank in ranks],

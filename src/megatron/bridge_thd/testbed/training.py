@@ -269,7 +269,7 @@ RECIPE = object()  # "keep the recipe's value"
 def cpu_run_config(cfg, paths: dict, *, train_iters: int, global_batch_size: int, micro_batch_size: int,
                    seq_length: int, tp: int = 1, pp: int = 1, cp: int = 1, save_interval: int | None = None,
                    exit_interval: int | None = None, run_name: str = "run", eval_iters=RECIPE, eval_interval=RECIPE,
-                   num_workers=RECIPE):
+                   num_workers=RECIPE, checkpoint: bool = True):
     """A Megatron-Bridge recipe's ``ConfigContainer`` for the CPU: only model size and device differ.
 
     The model is the tiny checkpoint's (``AutoBridge.from_hf_pretrained(paths["hf_checkpoint"])``, the
@@ -287,7 +287,8 @@ def cpu_run_config(cfg, paths: dict, *, train_iters: int, global_batch_size: int
     The recipe's loader settings (workers, pinned memory, persistence) and its evaluation
     (``eval_interval``, ``eval_iters``) are kept unless given (``eval_iters``, ``eval_interval``,
     ``num_workers``: a test's shorter evaluation, or no workers); pinned memory has no device to pin for
-    on the CPU (the loader warns and copies nothing).
+    on the CPU (the loader warns and copies nothing). ``checkpoint=False`` writes no checkpoint (a run
+    that is never resumed: the save costs seconds per run here and is proven by the runs that resume).
 
     Returns:
         ``cfg``, changed in place.
@@ -331,7 +332,7 @@ def cpu_run_config(cfg, paths: dict, *, train_iters: int, global_batch_size: int
     if eval_interval is not RECIPE:
         cfg.validation.eval_interval = eval_interval
     cfg.checkpoint.pretrained_checkpoint = paths["hf_checkpoint"]
-    cfg.checkpoint.save = os.path.join(paths["workdir"], "checkpoints", run_name)
+    cfg.checkpoint.save = os.path.join(paths["workdir"], "checkpoints", run_name) if checkpoint else None
     cfg.checkpoint.load = cfg.checkpoint.save
     cfg.checkpoint.save_interval = save_interval or train_iters
     cfg.logger.tensorboard_dir = None
@@ -474,7 +475,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                       save_interval: int | None = None, exit_interval: int | None = None,
                       run_name: str | None = None, count_tokens: bool = True,
                       global_batch_packing: dict | None = None, per_token_loss: bool = False,
-                      eval_iters=RECIPE, eval_interval=RECIPE, num_workers=RECIPE) -> dict:
+                      eval_iters=RECIPE, eval_interval=RECIPE, num_workers=RECIPE, checkpoint: bool = True) -> dict:
     """Run Megatron-Bridge's ``finetune()`` on this rank for a recipe in its CPU mode
     (:func:`cpu_run_config`), with ``layout``'s step (:func:`step_for`; ours after
     ``configure(cfg, layout)``). Call on every rank of a world started with
@@ -500,7 +501,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                          micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp, pp=pp, cp=cp,
                          save_interval=save_interval, exit_interval=exit_interval,
                          run_name=run_name or f"{recipe}-{layout}", eval_iters=eval_iters, eval_interval=eval_interval,
-                         num_workers=num_workers)
+                         num_workers=num_workers, checkpoint=checkpoint)
     if per_token_loss or global_batch_packing is not None:
         # The recipes set ddp.average_in_collective=True explicitly; configure refuses to overwrite an
         # explicit setting, so a user turning global-batch packing on sets it, as here.
@@ -615,21 +616,22 @@ def training_loop_runs(recipe: str = "qwen3_vl_8b_sft_2gpu_h100_bf16_config", *,
       (Qwen3-VL 8B's cost, the row chosen from the scanned lengths, which turns per-token
       normalisation on), stopped at ``global_resume_at`` and resumed.
 
-    These first runs evaluate with the recipe's loaders too (``eval_iters`` at the end only).
+    These first runs evaluate with the recipe's loaders too (``eval_iters`` at the end only). Only the
+    runs that are resumed write checkpoints.
     """
     common = dict(train_iters=iterations, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                   seq_length=seq_length, eval_iters=eval_iters)
     evaluated = dict(common, train_iters=global_iterations, eval_interval=eval_interval)
     placement = dict(cost_model="qwen3-vl-8b")
     return [
-        ("megatron_bridge", recipe, "megatron_bridge", common),
-        ("thd_static", recipe, "thd_static", common),
+        ("megatron_bridge", recipe, "megatron_bridge", dict(common, checkpoint=False)),
+        ("thd_static", recipe, "thd_static", dict(common, checkpoint=False)),
         ("thd_first", recipe, "thd", dict(common, exit_interval=resume_at, run_name="thd-resume")),
         ("thd_resumed", recipe, "thd", dict(common, run_name="thd-resume")),
-        ("pp2", recipe, "thd", dict(common, pp=2, exit_interval=short, count_tokens=False, run_name="pp2")),
-        ("cp2", recipe, "thd", dict(common, cp=2, exit_interval=short, count_tokens=False, run_name="cp2")),
+        ("pp2", recipe, "thd", dict(common, pp=2, exit_interval=short, count_tokens=False, checkpoint=False)),
+        ("cp2", recipe, "thd", dict(common, cp=2, exit_interval=short, count_tokens=False, checkpoint=False)),
         ("thd_static_per_token", recipe, "thd_static",
-         dict(evaluated, per_token_loss=True, run_name="thd-static-per-token")),
+         dict(evaluated, per_token_loss=True, run_name="thd-static-per-token", checkpoint=False)),
         ("thd_static_global_first", recipe, "thd_static",
          dict(evaluated, global_batch_packing=placement, exit_interval=global_resume_at, run_name="thd-static-global")),
         ("thd_static_global_resumed", recipe, "thd_static",
