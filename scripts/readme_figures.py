@@ -133,9 +133,33 @@ STEP_SYNC_ROWS = [
 ]
 
 
+def _meta_copy_ops(model, batch, state) -> int:
+    """Ops the step dispatches on ``meta`` tensors (a GPU's launches) for a host batch and a model on ``meta``; a
+    host read of a ``meta`` tensor would raise, so completing proves no host sync."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch
+
+    class DeviceOps(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            values = list(args) + list((kwargs or {}).values()) + [result]
+            if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in values):
+                DeviceOps.count += 1
+            return result
+
+    with DeviceOps():
+        prepare_micro_batch(batch, model, state, model.pg_collection)
+    return DeviceOps.count
+
+
 def step_host_syncs() -> str:
-    """Host syncs of the whole ``prepare_micro_batch`` on Megatron-Bridge's real model (CPU
-    build), counted by ``opcount`` as ``tests/test_step_host_syncs.py`` counts them."""
+    """Host syncs of the whole ``prepare_micro_batch`` on Megatron-Bridge's real model (CPU build): a batch
+    already on the model's device, counted by ``opcount`` as ``tests/test_step_host_syncs.py`` counts them, and a
+    batch on the host with the model on ``meta`` (``tests/test_step_plan.py``)."""
     _quiet_imports()
     import logging
 
@@ -150,20 +174,23 @@ def step_host_syncs() -> str:
     logger = logging.getLogger("megatron.bridge_thd")
     level = logger.level
     logger.setLevel(logging.ERROR)
-    rows = ["| layout | host syncs | what is read |", "|---|---|---|"]
+    rows = ["| layout | batch on the host (Megatron-Bridge's loader): host syncs, device ops | batch on the model's "
+            "device: host syncs | what that one read carries |", "|---|---|---|---|"]
     try:
         pg = init_single_process_groups()
         with cpu_stack():
             model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=seq_length), seed=0)
-            model.pg_collection = pg
+            meta_model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=seq_length), seed=0).to("meta")
+            model.pg_collection = meta_model.pg_collection = pg
             for label, layout, padding, cut, what in STEP_SYNC_ROWS:
                 batch = synthetic_receipt_batch(3, seed=1, left_padding=padding == "left")
                 seq = int(batch["attention_mask"].sum(1).max()) - cut if cut else seq_length
-                model.config.seq_length = seq
+                model.config.seq_length = meta_model.config.seq_length = seq
                 state = minimal_state(seq_length=seq, micro_batch_size=3, packing_layout=layout)
                 with count_ops() as counts:
                     prepare_micro_batch(batch, model, state, model.pg_collection)
-                rows.append(f"| {label} | {counts.host_syncs} | {what} |")
+                copies = _meta_copy_ops(meta_model, batch, state)
+                rows.append(f"| {label} | 0, {copies} (copies) | {counts.host_syncs} | {what} |")
     finally:
         logger.setLevel(level)
     return "\n".join(rows)

@@ -43,6 +43,8 @@ import torch
 from megatron.bridge_thd import configure as configure_module
 from megatron.bridge_thd import qwen3_vl_step
 from megatron.bridge_thd.configure import LAYOUTS, configure, cuda_graphs_enabled, is_explicit, uses_hybridep
+from megatron.bridge_thd.layouts import layout_for
+from megatron.bridge_thd.rules import requested_layout
 from megatron.bridge_thd.upstream import bridge_available, load_bridge_module
 
 LOGGER = "megatron.bridge_thd.configure"
@@ -90,13 +92,10 @@ def snapshot(cfg):
 
 
 def configured_layout(cfg):
-    """The layout megatron.bridge_thd's step resolves from this config (its own resolve_layout)."""
+    """The layout megatron.bridge_thd's step resolves from this config (the rules it builds its plan by)."""
     model = getattr(cfg.model, "transformer", cfg.model)
-    return qwen3_vl_step.resolve_layout(
-        SimpleNamespace(cfg=cfg),
-        getattr(model, "pipeline_model_parallel_size", 1),
-        bool(getattr(model, "variable_seq_lengths", False)),
-    )
+    return layout_for(requested_layout(cfg.dataset), pp=getattr(model, "pipeline_model_parallel_size", 1),
+                      variable_seq_lengths=bool(getattr(model, "variable_seq_lengths", False)))
 
 
 HYBRIDEP = dict(num_moe_experts=8, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
@@ -389,7 +388,7 @@ def test_default_layout_is_thd():
 
 
 def test_without_configure_the_step_does_not_pack():
-    """Control for the test above: the step's own resolve_layout falls back to the padded layout."""
+    """Control for the test above: the step's own layout rule falls back to the padded layout."""
     assert configured_layout(make_cfg(model=dict(variable_seq_lengths=False))) == "bshd"
 
 

@@ -113,25 +113,27 @@ def test_core_attention_refuses_attention_bias():
 
 
 def _cases():
-    """(name, batch, layout, moe): images, videos of several frames (``_real_model.VIDEOS``), left
-    padding, padding only in the last slot, a static row, the padded layout, an all-padding
-    micro-batch."""
+    """(name, batch, layout, moe, micro_batch_size): images, videos of several frames (``_real_model.VIDEOS``),
+    left padding, padding only in the last slot, a static row, a static row with fewer samples than its
+    micro-batch size (zero-length segments after the tail, as every short static micro-batch has), the padded
+    layout, an all-padding micro-batch."""
     left = video_receipt_batch("left")
     return [
-        ("left-thd", left, "thd", False),
-        ("left-thd_static", left, "thd_static", False),
-        ("left-bshd", left, "bshd", False),
-        ("last-slot-thd", last_slot_batch(cp_align=8), "thd", False),
-        ("all-padding-thd", all_padding_batch(), "thd", False),
-        ("left-thd-moe", left, "thd", True),
+        ("left-thd", left, "thd", False, None),
+        ("left-thd_static", left, "thd_static", False, None),
+        ("short-thd_static", left, "thd_static", False, 5),
+        ("left-bshd", left, "bshd", False, None),
+        ("last-slot-thd", last_slot_batch(cp_align=8), "thd", False, None),
+        ("all-padding-thd", all_padding_batch(), "thd", False, None),
+        ("left-thd-moe", left, "thd", True, None),
     ]
 
 
-def _run_case(state_dict, batch, layout, moe, cp):
+def _run_case(state_dict, batch, layout, moe, micro_batch_size, cp):
     """One forward/backward; loss, token count and gradients reduced over the CP group."""
     model = build_qwen3_vl(tiny_qwen3_vl_config(moe=moe, cp=cp), seed=0)
     model.load_state_dict(state_dict)
-    run = step_run(model, batch, layout)
+    run = step_run(model, batch, layout, micro_batch_size=micro_batch_size)
     run.loss.backward()
     grads = gradients(model)
     totals = torch.stack([run.loss.detach().double(), run.num_tokens.double()])
@@ -143,12 +145,13 @@ def _run_case(state_dict, batch, layout, moe, cp):
         for g in grads.values():
             torch.distributed.all_reduce(g, group=group)
     return dict(loss=float(totals[0]), num_tokens=int(totals[1]), grads=grads,
-                row_tokens=int(run.args["input_ids"].shape[1]))
+                row_tokens=int(run.args["input_ids"].shape[1]),
+                segments=None if run.args["packed_seq_params"] is None else len(run.args["packed_seq_params"].cu_seqlens_q))
 
 
 def cp_worker(state_dicts, cases, cp):
     """Runs in every spawned rank (module level: pickled by reference)."""
-    return {name: _run_case(state_dicts[moe], batch, layout, moe, cp) for name, batch, layout, moe in cases}
+    return {name: _run_case(state_dicts[moe], batch, layout, moe, mbs, cp) for name, batch, layout, moe, mbs in cases}
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +161,8 @@ def cp1_results():
     with cpu_stack():
         models = {moe: build_qwen3_vl(tiny_qwen3_vl_config(moe=moe), seed=0) for moe in (False, True)}
         state_dicts = {moe: m.state_dict() for moe, m in models.items()}
-        results = {name: _run_case(state_dicts[moe], batch, layout, moe, 1) for name, batch, layout, moe in cases}
+        results = {name: _run_case(state_dicts[moe], batch, layout, moe, mbs, 1)
+                   for name, batch, layout, moe, mbs in cases}
     return cases, state_dicts, results
 
 
@@ -179,4 +183,8 @@ def test_cp_equals_cp1_on_the_real_model(cp1_results, cp):
             error, where = worst_relative_gradient_error(got["grads"], expected["grads"])
             assert error <= GRAD_TOLERANCE, f"{name} rank {rank}: {where} relative gradient error {error:.2e}"
     assert reference["left-thd"]["num_tokens"] > 0 and reference["all-padding-thd"]["num_tokens"] == 0
+    # The short static micro-batch really carries zero-length segments (3 samples + tail, 6 segments), and its
+    # numbers are the full static micro-batch's.
+    assert reference["short-thd_static"]["segments"] == 5 + 2 and reference["left-thd_static"]["segments"] == 3 + 2
+    assert reference["short-thd_static"]["loss"] == pytest.approx(reference["left-thd_static"]["loss"], rel=1e-6)
     assert len(dict((name, b) for name, b, *_ in cases)["left-thd"]["visual_inputs"].video_grid_thw) == 2

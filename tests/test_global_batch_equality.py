@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron.bridge_thd.batching import assign, in_batch_assignment
-from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+from megatron.bridge_thd.step_plan import StaticRow
 from megatron.bridge_thd.testbed.data import select_samples, synthetic_receipt_batch
 from megatron.bridge_thd.testbed.launcher import run_on_gloo
 from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
@@ -54,6 +54,12 @@ def _smallest_row(lengths, *, dp_size: int, num_micro_batches: int) -> int:
             row += 1
 
 
+def _static_row(row_length: int, samples: int) -> StaticRow:
+    """Global-batch packing's run row (alignment 1 here): a segment for every sample of the step, one for the tail;
+    max_seqlen seq_length, as the loader records it."""
+    return StaticRow(length=row_length, segments=samples + 1, max_seqlen=min(row_length, SEQ_LENGTH))
+
+
 def _reduced(result: dict) -> tuple[float, int, dict]:
     """Loss sum, supervised tokens and gradients of one rank's micro-batches."""
     loss = sum(float(entry["lm loss"][0]) for entry in result["losses"])
@@ -70,10 +76,9 @@ def dp_worker(full_state_dict, batch, placements):
     out = {}
     for name, (layout, assignment, row_length) in placements.items():
         micro_batches = [select_samples(batch, rows) for rows in assignment[rank]]
-        setting = GlobalBatchPacking(row_length=row_length) if row_length is not None else None
+        row = None if row_length is None else _static_row(row_length, len(batch["tokens"]))
         result = pipeline_step(full_state_dict, micro_batches, layout, False, num_layers=DP_NUM_LAYERS,
-                               micro_batch_size=DP_MICRO_BATCH_SIZE, seq_length=SEQ_LENGTH,
-                               global_batch_packing=setting)
+                               micro_batch_size=DP_MICRO_BATCH_SIZE, seq_length=SEQ_LENGTH, static_row=row)
         loss, tokens, grads = _reduced(result)
         totals = torch.tensor([loss, float(tokens)], dtype=torch.float64)
         torch.distributed.all_reduce(totals, group=group)
@@ -133,11 +138,10 @@ def test_dp2_static_row_is_the_chosen_row(dp_step):
 
 def pp_worker(full_state_dict, batch, placements):
     out = {}
-    for name, (assignment, setting) in placements.items():
+    for name, (assignment, row) in placements.items():
         micro_batches = [select_samples(batch, rows) for rows in assignment[0]]
         out[name] = pipeline_step(full_state_dict, micro_batches, "thd_static", False, num_layers=NUM_LAYERS,
-                                  micro_batch_size=PP_MICRO_BATCH_SIZE, seq_length=SEQ_LENGTH,
-                                  global_batch_packing=setting)
+                                  micro_batch_size=PP_MICRO_BATCH_SIZE, seq_length=SEQ_LENGTH, static_row=row)
     return out
 
 
@@ -155,7 +159,7 @@ def test_pp2_thd_static_1f1b_equals_in_batch_placement():
     placed = assign(lengths, dp_size=1, num_micro_batches=num_micro_batches, row_length=row,
                     cost=SampleCost(per_token=0.0, per_token_squared=1.0))
     assert sorted(len(mb) for mb in placed[0]) != [PP_MICRO_BATCH_SIZE] * num_micro_batches or placed != own
-    placements = {"in-batch": (own, None), "global": (placed, GlobalBatchPacking(row_length=row))}
+    placements = {"in-batch": (own, None), "global": (placed, _static_row(row, PP_SAMPLES))}
     first, last = run_on_gloo(pp_worker, full_state_dict, batch, placements, pp=2, timeout=600)
     results = {}
     for name in placements:

@@ -77,6 +77,9 @@ def _every_record() -> list[Patch]:
 
     records.append(Patch(types.ModuleType("megatron.bridge.data.loaders"), "build_train_valid_test_data_loaders", None,
                          "batching.bridge.loader_patch"))
+    from megatron.bridge_thd.pinning import visual_inputs_pin_patch
+
+    records.append(visual_inputs_pin_patch())
     return records
 
 

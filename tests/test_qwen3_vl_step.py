@@ -29,7 +29,7 @@ from megatron.bridge_thd.testbed.reference import ReferenceQwen3VL
 from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state
 
 IMAGE, VISION_START, VISION_END, EOS, PAD = 250, 252, 253, 254, 0
-LOGGER = "megatron.bridge_thd.step"
+LOGGER = "megatron.bridge_thd"  # the step and its plan
 SEQ = 2048
 B = 4
 SEED = 1
@@ -59,12 +59,6 @@ def right_batch():
 @pytest.fixture(scope="module")
 def left_batch():
     return synthetic_receipt_batch(B, seed=SEED, left_padding=True)
-
-
-@pytest.fixture
-def fresh_log_once(monkeypatch):
-    """Forget which one-time messages were logged, so that this test sees them."""
-    monkeypatch.setattr(step, "_logged_once", set())
 
 
 def fake_pg(tp=1, cp=1, pp=1, ep=1, pp_rank=0):
@@ -305,7 +299,7 @@ def test_model_receives_real_cu_seqlens_and_positions(padding, ref, right_batch,
 
 
 @pytest.mark.parametrize("layout", ["thd", "thd_static", "bshd"])
-def test_padding_mask_model_gets_padding_mask(layout, ref, right_batch, fresh_log_once, caplog):
+def test_padding_mask_model_gets_padding_mask(layout, ref, right_batch, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     model = PaddingMaskOnlySpy(ref.config)
     state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout=layout)
@@ -336,7 +330,7 @@ def test_padding_mask_model_gets_padding_mask(layout, ref, right_batch, fresh_lo
     assert "padding_mask" in passed and "rope_cu_seqlens" in not_passed and "padding_mask" not in not_passed
 
 
-def test_rope_cu_seqlens_model_gets_it(ref, right_batch, fresh_log_once, caplog):
+def test_rope_cu_seqlens_model_gets_it(ref, right_batch, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     model = RopeCuSeqlensSpy(ref.config)
     state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd", fp8="hybrid")
@@ -390,7 +384,7 @@ class FirstStageSpy(RecordingSpy):
         return torch.zeros(input_ids.shape[1], 1, self.HIDDEN)
 
 
-def test_pp_without_variable_seq_lengths_switches_to_static(ref, right_batch, fresh_log_once, caplog):
+def test_pp_without_variable_seq_lengths_switches_to_static(ref, right_batch, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     model = FirstStageSpy(ref)
     model.pg_collection = fake_pg(pp=2, pp_rank=0)

@@ -16,7 +16,7 @@ import torch
 from megatron.bridge_thd.lengths import DeferredCheck
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids_deferred
 
-__all__ = ["ModelAdapter", "Qwen3VLAdapter", "Qwen25VLAdapter", "QWEN3_VL", "QWEN25_VL", "ADAPTERS",
+__all__ = ["ModelAdapter", "VisionTokens", "Qwen3VLAdapter", "Qwen25VLAdapter", "QWEN3_VL", "QWEN25_VL", "ADAPTERS",
            "register_adapter"]
 
 
@@ -29,12 +29,11 @@ class ModelAdapter(Protocol):
 
     name: str
 
-    def uncuttable_token_ids(self, model_config: Any) -> tuple[int, ...]:
-        """Token ids truncation to ``seq_length`` must not cut (vision placeholders: the vision tower
-        emits one embedding per placeholder, so a cut one has no token to land on)."""
+    def tokens(self, model_config: Any) -> VisionTokens:
+        """The family's constants, read once from the model config when the step builds its plan."""
 
     def position_ids(self, tokens: torch.Tensor, keep: torch.Tensor, multi_modal: dict,
-                     model_config: Any) -> tuple[torch.Tensor | None, list[DeferredCheck]]:
+                     ids: VisionTokens) -> tuple[torch.Tensor | None, list[DeferredCheck]]:
         """Per-sample position ids of the padded batch, each sample starting at 0, or None when the
         model computes them itself from the packed row.
 
@@ -42,6 +41,7 @@ class ModelAdapter(Protocol):
             tokens: ``(B, T)`` token ids.
             keep: ``(B, T)`` bool, True at real tokens (after truncation).
             multi_modal: the visual inputs the model gets (``image_grid_thw``, ...).
+            ids: the family's constants (:meth:`tokens`).
 
         Returns:
             ``(3, B, T)`` MRoPE (or ``(B, T)``) positions or None, and deferred checks read by the
@@ -61,9 +61,33 @@ class ModelAdapter(Protocol):
         read), e.g. that no sample is empty."""
 
 
+@dataclass(frozen=True)
+class VisionTokens:
+    """A VLM family's constants: its vision placeholder ids and the vision tower's patch merge size.
+
+    ``uncuttable``: the ids truncation to ``seq_length`` must not cut (the vision tower emits one embedding per
+    placeholder, so a cut one has no token to land on).
+    """
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int | None
+    spatial_merge_size: int
+
+    @property
+    def uncuttable(self) -> tuple[int, int]:
+        return (self.image_token_id, self.video_token_id)
+
+
 def _merge_size(model_config) -> int:
     vision_config = getattr(model_config, "vision_config", None)
     return getattr(model_config, "spatial_merge_size", None) or getattr(vision_config, "spatial_merge_size", 2)
+
+
+def _vision_tokens(model_config) -> VisionTokens:
+    return VisionTokens(image_token_id=model_config.image_token_id, video_token_id=model_config.video_token_id,
+                        vision_start_token_id=getattr(model_config, "vision_start_token_id", None),
+                        spatial_merge_size=_merge_size(model_config))
 
 
 @dataclass(frozen=True)
@@ -74,21 +98,14 @@ class Qwen3VLAdapter:
 
     name: str = "qwen3_vl"
 
-    def vision_token_ids(self, model_config) -> dict[str, int]:
-        return dict(
-            image_token_id=model_config.image_token_id,
-            video_token_id=model_config.video_token_id,
-            vision_start_token_id=model_config.vision_start_token_id,
-            spatial_merge_size=_merge_size(model_config),
-        )
+    def tokens(self, model_config) -> VisionTokens:
+        return _vision_tokens(model_config)
 
-    def uncuttable_token_ids(self, model_config) -> tuple[int, ...]:
-        return (model_config.image_token_id, model_config.video_token_id)
-
-    def position_ids(self, tokens, keep, multi_modal, model_config):
+    def position_ids(self, tokens, keep, multi_modal, ids):
         return qwen3_vl_position_ids_deferred(
             tokens, keep, multi_modal.get("image_grid_thw"), multi_modal.get("video_grid_thw"),
-            **self.vision_token_ids(model_config),
+            image_token_id=ids.image_token_id, video_token_id=ids.video_token_id,
+            vision_start_token_id=ids.vision_start_token_id, spatial_merge_size=ids.spatial_merge_size,
         )
 
     def p2p_decoder(self, model):
@@ -116,10 +133,10 @@ class Qwen25VLAdapter:
 
     name: str = "qwen2_5_vl"
 
-    def uncuttable_token_ids(self, model_config) -> tuple[int, ...]:
-        return (model_config.image_token_id, model_config.video_token_id)
+    def tokens(self, model_config) -> VisionTokens:
+        return _vision_tokens(model_config)
 
-    def position_ids(self, tokens, keep, multi_modal, model_config):
+    def position_ids(self, tokens, keep, multi_modal, ids):
         return None, []
 
     def p2p_decoder(self, model):
@@ -158,7 +175,7 @@ ADAPTERS: dict[str, ModelAdapter] = {QWEN3_VL.name: QWEN3_VL, QWEN25_VL.name: QW
 
 def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     """Add a family to :data:`ADAPTERS` (its ``name`` must be new); returns it."""
-    for method in ("uncuttable_token_ids", "position_ids", "p2p_decoder", "check_supported", "data_checks"):
+    for method in ("tokens", "position_ids", "p2p_decoder", "check_supported", "data_checks"):
         if not callable(getattr(adapter, method, None)):
             raise TypeError(f"adapter: {type(adapter).__name__} has no {method}(); see ModelAdapter")
     if adapter.name in ADAPTERS:

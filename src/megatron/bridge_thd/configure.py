@@ -34,6 +34,14 @@ from typing import Any, NamedTuple
 from megatron.bridge_thd.layouts import LAYOUT_NAMES
 from megatron.bridge_thd.layouts import STATIC_LAYOUTS as _STATIC_LAYOUTS
 from megatron.bridge_thd.layouts import THD_LAYOUTS as _THD_LAYOUTS
+from megatron.bridge_thd.rules import (  # noqa: F401 - the predicates users import from here
+    Setup,
+    configure_problems,
+    cuda_graphs_enabled,
+    effective_cuda_graph_impl,
+    read_setup,
+    uses_hybridep,
+)
 
 __all__ = [
     "configure",
@@ -91,64 +99,7 @@ FLAG_RULES_NOTE = (
 LAYOUTS, STATIC_LAYOUTS, THD_LAYOUTS = LAYOUT_NAMES, _STATIC_LAYOUTS, _THD_LAYOUTS
 # Megatron-Bridge 0.6.2 models/transformer_config.py _HYBRIDEP_PADDING_FIELDS (0.19.2 has the first).
 HYBRIDEP_PADDING_FIELDS = ("moe_hybridep_pad_uneven_dispatch_inputs", "moe_hybridep_pad_variable_tokens")
-# Offline (pre-packed dataset) settings: 0.6.2 names, then the older ``packed_sequence_specs``.
-_OFFLINE_PACKING = ("enable_offline_packing", "offline_packing_specs", "packed_sequence_specs")
 _MISSING = object()
-
-
-def _has_full_iteration(value: Any) -> bool:
-    values = value if isinstance(value, list) else [value]
-    return any(
-        "full_iteration" in item.split(",")
-        if isinstance(item, str)
-        else getattr(item, "name", None) == "full_iteration"
-        for item in values
-    )
-
-
-def cuda_graphs_enabled(model: Any) -> bool:
-    """Whether a model config enables training CUDA graphs.
-
-    The same test as Megatron-Bridge 0.6.2's ``_enable_safe_hybridep_dispatch``
-    (``models/transformer_config.py``): ``cuda_graph_impl`` not in ``(None, "none")``,
-    ``enable_cuda_graph``, ``external_cuda_graph``, or, on configs without ``cuda_graph_impl``, a
-    ``full_iteration`` entry in ``cuda_graph_modules`` / ``cuda_graph_scope``.
-    """
-    legacy_full_iteration = not hasattr(model, "cuda_graph_impl") and (
-        _has_full_iteration(getattr(model, "cuda_graph_modules", None))
-        or _has_full_iteration(getattr(model, "cuda_graph_scope", None))
-    )
-    return bool(
-        getattr(model, "cuda_graph_impl", "none") not in (None, "none")
-        or getattr(model, "enable_cuda_graph", False)
-        or getattr(model, "external_cuda_graph", False)
-        or legacy_full_iteration
-    )
-
-
-def effective_cuda_graph_impl(model: Any) -> str:
-    """``model.cuda_graph_impl`` as Megatron-Core 0.19.2's ``TransformerConfig.__post_init__`` leaves it.
-
-    The deprecated switches are mapped as that post-init maps them (``enable_cuda_graph`` ->
-    ``"local"``, ``external_cuda_graph`` -> ``"transformer_engine"``); ``None`` or a missing
-    attribute reads as ``"none"``, as Megatron-Bridge's ``Qwen3VLModel`` reads a missing one.
-    """
-    impl = getattr(model, "cuda_graph_impl", "none")
-    if impl not in (None, "none"):
-        return impl
-    if getattr(model, "enable_cuda_graph", False):
-        return "local"
-    if getattr(model, "external_cuda_graph", False):
-        return "transformer_engine"
-    return "none"
-
-
-def uses_hybridep(model: Any) -> bool:
-    """Whether MoE tokens go through the flex dispatcher's HybridEP backend."""
-    return (
-        getattr(model, "moe_token_dispatcher_type", None) == "flex"
-        and getattr(model, "moe_flex_dispatcher_backend", None) == "hybridep"
-    )
 
 
 def _default_value(obj: Any, name: str) -> Any:
@@ -187,10 +138,6 @@ def is_explicit(obj: Any, name: str) -> bool:
     return default is _MISSING or value != default
 
 
-def _size(model: Any, name: str) -> int:
-    return int(getattr(model, name, 1) or 1)
-
-
 def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None, force: bool = False,
               global_batch_packing: Any = None) -> Any:
     """Set ``cfg``'s packing flags for ``megatron.bridge_thd.qwen3_vl_step.forward_step``.
@@ -204,6 +151,9 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
             config does not show; ``False`` asserts none (refused if the model enables them).
         force: overwrite settings the user set explicitly to values the layout cannot use, with a
             WARNING line each, instead of refusing them. It lifts nothing else.
+
+    Besides the flags, ``configure`` gives Megatron-Bridge's ``GenericVisualInputs`` a ``pin_memory()`` so that
+    its loader's pin thread pins the pixels too (``pinning.visual_inputs_pin_patch``, once per process).
         global_batch_packing: ``None`` / ``False``: Megatron-Bridge's own placement (in-batch
             packing). ``True`` or a :class:`megatron.bridge_thd.batching.bridge.GlobalBatchPacking`:
             place each step's samples across DP ranks and micro-batches (docs/batching.md); stored
@@ -218,9 +168,9 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
             problem found is listed; nothing is changed then).
     """
     _check_arguments(layout, cuda_graphs, force)
-    settings = _read_settings(cfg, layout, cuda_graphs, _global_batch_setting(global_batch_packing))
+    settings = read_setup(cfg, layout, cuda_graphs, _global_batch_setting(global_batch_packing))
 
-    problems, notes = _find_problems(settings)
+    problems, notes = configure_problems(settings)
     changes, change_notes = _plan_changes(settings)
     overrides = _explicit_overrides(changes)
     if not force:
@@ -230,45 +180,30 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
 
     # ---- everything checked: write ----
     changed = _apply(changes)
+    from megatron.bridge_thd.patches import apply_permanently
+
     if settings.global_batch is not None:
         from megatron.bridge_thd.batching.bridge import loader_patch
-        from megatron.bridge_thd.patches import apply_permanently
 
         apply_permanently(loader_patch())
+    _pin_visual_inputs(change_notes)
     _log(settings, changed, notes + change_notes, overrides)
     return cfg
 
 
-# ---- step 1: read the settings ----
+def _pin_visual_inputs(notes: list[str]) -> None:
+    """Let Megatron-Bridge's loader pin the visual inputs in its pin thread (``pinning.visual_inputs_pin_patch``),
+    or say why it cannot."""
+    from megatron.bridge_thd.patches import apply_permanently
+    from megatron.bridge_thd.pinning import visual_inputs_pin_patch
+
+    try:
+        apply_permanently(visual_inputs_pin_patch())
+    except ValueError as error:
+        notes.append(f"visual inputs stay in pageable memory: {error}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    """What ``configure`` reads from its arguments and ``cfg``, resolved once for the checks and writes."""
-
-    layout: str
-    cuda_graphs: bool | None  # the argument as passed
-    dataset: Any
-    model: Any  # the transformer config
-    train: Any
-    pp: int
-    ep: int
-    model_graphs: bool  # the model config enables CUDA graphs
-    graphs: bool  # CUDA graphs on, from the model config or the argument
-    graph_impl: str  # the model's cuda_graph_impl after Megatron-Core's post-init
-    hybridep: bool
-    dispatcher: Any
-    moe_overlap: str | None  # the setting that turns MoE EP communication overlap on, if any
-    seq_lengths: tuple[Any, Any]  # (dataset.seq_length, model.seq_length)
-    pre_wrap_hooks: tuple = ()  # the model provider's registered pre-wrap hooks
-    built_model: Any = None  # the model class the provider's provide() declares it builds, if it can be told
-    global_batch: Any = None  # a batching.bridge.GlobalBatchPacking, or None
-    ddp: Any = None  # cfg.ddp, if any
-
-    @property
-    def pipeline_graphs(self) -> bool:
-        """PP>1 with CUDA graphs in the model config: Qwen3VLModel refuses to build (see the check)."""
-        return self.pp > 1 and self.graph_impl != "none"
+# ---- step 1: read the settings (rules.read_setup); step 2: the problems (rules.configure_problems) ----
 
 
 def _check_arguments(layout: Any, cuda_graphs: Any, force: Any) -> None:
@@ -279,22 +214,6 @@ def _check_arguments(layout: Any, cuda_graphs: Any, force: Any) -> None:
         raise ValueError(f"cuda_graphs: {cuda_graphs!r}; pass None (read the model config), True or False")
     if not isinstance(force, bool):
         raise ValueError(f"force: {force!r}; pass True or False")
-
-
-def _moe_overlap_setting(cfg: Any, model: Any) -> str | None:
-    """The setting that turns MoE EP communication overlap on as Megatron-Bridge 0.6.2 resolves it, or None.
-
-    With a ``cfg.comm_overlap`` section, ``runtime_config_update`` (``training/config.py``) runs
-    ``CommOverlapConfig.setup``, which writes the section's value into the model config, ``False``
-    when the user left it ``None`` (``training/comm_overlap.py``, ``_get_model_comm_overlap_cfgs``).
-    Without one, the model config's own value stands.
-    """
-    comm_overlap = getattr(cfg, "comm_overlap", None)
-    if comm_overlap is not None:
-        value = getattr(comm_overlap, "overlap_moe_expert_parallel_comm", None)
-        return "comm_overlap.overlap_moe_expert_parallel_comm" if value else None
-    on = getattr(model, "overlap_moe_expert_parallel_comm", False)
-    return "model.overlap_moe_expert_parallel_comm" if on else None
 
 
 def _global_batch_setting(value: Any) -> Any:
@@ -308,312 +227,6 @@ def _global_batch_setting(value: Any) -> Any:
     if not isinstance(value, GlobalBatchPacking):
         raise ValueError(f"global_batch_packing: {value!r}; pass None, True or a batching.bridge.GlobalBatchPacking")
     return value
-
-
-def _read_settings(cfg: Any, layout: str, cuda_graphs: bool | None, global_batch: Any = None) -> _Settings:
-    """Pick ``cfg``'s sections and the parallel sizes and switches the checks and writes depend on."""
-    dataset = getattr(cfg, "dataset", None)
-    model_root = getattr(cfg, "model", None)
-    if dataset is None or model_root is None:
-        raise ValueError("cfg: needs cfg.dataset and cfg.model (a Megatron-Bridge ConfigContainer or alike)")
-    # Bridge's validate reads the model's transformer config this way (GPTModelConfig proxies it).
-    model = getattr(model_root, "transformer", model_root)
-    model_graphs = cuda_graphs_enabled(model)
-    model_seq_length = getattr(model_root, "seq_length", None)
-    return _Settings(
-        layout=layout,
-        cuda_graphs=cuda_graphs,
-        dataset=dataset,
-        model=model,
-        train=getattr(cfg, "train", None),
-        pp=_size(model, "pipeline_model_parallel_size"),
-        ep=_size(model, "expert_model_parallel_size"),
-        model_graphs=model_graphs,
-        graphs=model_graphs or bool(cuda_graphs),
-        graph_impl=effective_cuda_graph_impl(model),
-        hybridep=uses_hybridep(model),
-        dispatcher=getattr(model, "moe_token_dispatcher_type", None),
-        moe_overlap=_moe_overlap_setting(cfg, model),
-        seq_lengths=(
-            getattr(dataset, "seq_length", None),
-            model_seq_length if model_seq_length is not None else getattr(model, "seq_length", None),
-        ),
-        pre_wrap_hooks=tuple(getattr(model_root, "_pre_wrap_hooks", None) or ()),
-        built_model=_built_model_class(model_root),
-        global_batch=global_batch,
-        ddp=getattr(cfg, "ddp", None),
-    )
-
-
-def _built_model_class(provider: Any) -> type | None:
-    """The class a Megatron-Bridge model provider's ``provide()`` declares it returns, or None.
-
-    Read from the return annotation (resolved in the provider module's namespace when it is a string,
-    as under ``from __future__ import annotations``); nothing is imported or built. Megatron-Bridge
-    0.6.2's Qwen-VL providers (``models/qwen_vl/qwen3_vl_provider.py``, ``qwen35_vl_provider.py``)
-    declare ``-> Qwen3VLModel``.
-    """
-    provide = getattr(type(provider), "provide", None)
-    if provide is None:
-        return None
-    try:
-        annotation = inspect.signature(provide).return_annotation
-    except (TypeError, ValueError):
-        return None
-    if isinstance(annotation, str):
-        annotation = getattr(provide, "__globals__", {}).get(annotation.split(".")[-1])
-    return annotation if isinstance(annotation, type) else None
-
-
-# ---- step 2: collect the problems (nothing is written yet) ----
-
-
-def _find_problems(s: _Settings) -> tuple[list[str], list[str]]:
-    """Run every check, in the order the error lists their problems; return (problems, notes)."""
-    notes: list[str] = []
-    problems = [
-        *_cuda_graphs_argument_problems(s),
-        *_offline_packing_problems(s.dataset),
-        *_micro_batch_size_problems(s.train),
-        *_seq_length_problems(s),
-        *_cuda_graphs_pipeline_problems(s),
-        *_hybridep_problems(s),
-        *_cuda_graphs_layout_problems(s),
-        *_variable_seq_lengths_problems(s, notes),
-        *_moe_allgather_problems(s),
-        *_moe_overlap_problems(s),
-        *_moe_routing_problems(s),
-        *_global_batch_problems(s),
-    ]
-    return problems, notes
-
-
-def _global_batch_problems(s: _Settings) -> list[str]:
-    """Global-batch packing with a layout, a data loader or a setting it cannot work with."""
-    g = s.global_batch
-    if g is None:
-        return []
-    problems = []
-    if s.layout not in ("thd", "thd_static"):
-        problems.append(
-            f"global_batch_packing: layout {s.layout!r} lays out exactly train.micro_batch_size samples per micro-batch, "
-            "but global-batch packing gives each micro-batch as many samples as fit its row; use layout 'thd' or "
-            "'thd_static'")
-    loader = getattr(s.dataset, "dataloader_type", None)
-    if loader not in ("single", "cyclic"):
-        problems.append(
-            f"dataset.dataloader_type: {loader!r}; global-batch packing draws each step from Megatron-Bridge's 'single' "
-            "or 'cyclic' sampler ('batch' splits a per-rank global batch into equal micro-batches in the training "
-            "step, 'external' has no sampler to draw from); set it to 'cyclic' (or 'single')")
-    row = g.row_length
-    if row is not None and (isinstance(row, bool) or not isinstance(row, int) or row < 1):
-        problems.append(f"global_batch_packing.row_length: {row!r}; expected None (chosen from the data) or an int >= 1")
-    if g.cost_model is not None:
-        from megatron.bridge_thd.batching.cost import sample_cost
-
-        try:
-            sample_cost(g.cost_model)
-        except (ValueError, OSError) as error:
-            problems.append(f"global_batch_packing.cost_model: {error}")
-    return problems
-
-
-def _cuda_graphs_argument_problems(s: _Settings) -> list[str]:
-    """``cuda_graphs=False`` passed for a model config that enables CUDA graphs."""
-    if not (s.cuda_graphs is False and s.model_graphs):
-        return []
-    model = s.model
-    return [
-        "cuda_graphs: False was passed, but the model config enables CUDA graphs (cuda_graph_impl="
-        f"{getattr(model, 'cuda_graph_impl', None)!r}, "
-        f"enable_cuda_graph={getattr(model, 'enable_cuda_graph', None)!r}, "
-        f"external_cuda_graph={getattr(model, 'external_cuda_graph', None)!r}); turn them off in model, or pass "
-        "cuda_graphs=None to follow the model config"
-    ]
-
-
-def _offline_packing_problems(dataset: Any) -> list[str]:
-    """Offline packing settings that are on: batches would arrive pre-packed with cu_seqlens."""
-    problems = []
-    for name in _OFFLINE_PACKING:
-        value = getattr(dataset, name, None)
-        if value is not None and value is not False:
-            problems.append(
-                f"dataset.{name}: set ({value!r}), but offline packing and in-batch packing are mutually exclusive "
-                "(Megatron-Bridge refuses both) and pre-packed batches carry cu_seqlens, which this step rejects; "
-                "set dataset.enable_offline_packing=False and dataset.offline_packing_specs=None (0.6.2 names; "
-                "packed_sequence_specs=None in older versions), or keep offline packing with Megatron-Bridge's own step"
-            )
-    return problems
-
-
-def _micro_batch_size_problems(train: Any) -> list[str]:
-    """``micro_batch_size == 1``, which Bridge refuses with in-batch packing."""
-    if getattr(train, "micro_batch_size", None) != 1:
-        return []
-    return [
-        "train.micro_batch_size=1: in-batch packing concatenates the samples of one micro-batch, so one sample "
-        "gains nothing, and Megatron-Bridge 0.6.2 refuses enable_in_batch_packing with micro_batch_size 1; raise "
-        "train.micro_batch_size (and divide the gradient-accumulation steps accordingly), or turn packing off"
-    ]
-
-
-def _seq_length_problems(s: _Settings) -> list[str]:
-    """``dataset.seq_length`` and ``model.seq_length`` both set, to different values."""
-    dataset_length, model_length = s.seq_lengths
-    if dataset_length is None or model_length is None or dataset_length == model_length:
-        return []
-    # Megatron-Bridge 0.6.2 training/config.py:1505 asserts equality only for five dataset config classes.
-    return [
-        f"dataset.seq_length={dataset_length!r} and model.seq_length={model_length!r} differ: the collate pads and "
-        "truncates to dataset.seq_length, while megatron.bridge_thd's step truncates samples and sizes static rows "
-        "by model.seq_length (qwen3_vl_step._step_settings) and the pipeline schedule sizes its p2p buffers by it "
-        "(training/train.py); Megatron-Bridge 0.6.2 checks the two only for some dataset configs. Set "
-        "dataset.seq_length and model.seq_length to the same value"
-    ]
-
-
-def _graph_setting(model: Any) -> str:
-    """The model setting that turns CUDA graphs on, as ``name=value`` for a message."""
-    impl = getattr(model, "cuda_graph_impl", "none")
-    if impl not in (None, "none"):
-        return f"model.cuda_graph_impl={impl!r}"
-    name = "enable_cuda_graph" if getattr(model, "enable_cuda_graph", False) else "external_cuda_graph"
-    impl = effective_cuda_graph_impl(model)
-    return f"model.{name}=True (Megatron-Core's post-init makes it cuda_graph_impl={impl!r})"
-
-
-def _cuda_graphs_pipeline_problems(s: _Settings) -> list[str]:
-    """CUDA graphs in the model config with PP>1: Qwen3VLModel asserts at build, for every layout."""
-    # Megatron-Bridge 0.6.2 models/qwen_vl/modelling_qwen3_vl/model.py:388, in
-    # Qwen3VLModel._expose_language_model_for_cuda_graph_helper (called by __init__): when the
-    # language model config's cuda_graph_impl != "none" it asserts `not config.variable_seq_lengths`.
-    # With in-batch packing on (every layout configure sets up) training/config.py:1236-1237
-    # (validate) sets transformer_config._enable_in_batch_packing, and models/transformer_config.py:188-189
-    # (finalize) turns that into variable_seq_lengths=True when pipeline_model_parallel_size > 1.
-    # Any cuda_graph_impl counts ("local", "transformer_engine", "full_iteration", or the deprecated
-    # switches mapped to them), dense or MoE; PP=1 leaves variable_seq_lengths alone.
-    if not s.pipeline_graphs:
-        return []
-    return [
-        f"{_graph_setting(s.model)} with model.pipeline_model_parallel_size={s.pp}: Megatron-Bridge 0.6.2's "
-        "Qwen3VLModel asserts at build that CUDA graphs run without model.variable_seq_lengths "
-        "(models/qwen_vl/modelling_qwen3_vl/model.py:388), and for in-batch packing with PP>1 its validate() and "
-        "finalize() set variable_seq_lengths=True (training/config.py:1237, models/transformer_config.py:189) "
-        f"whatever the layout ({s.layout!r} included); set model.cuda_graph_impl='none' (and enable_cuda_graph / "
-        "external_cuda_graph False) or model.pipeline_model_parallel_size=1"
-    ]
-
-
-def _hybridep_problems(s: _Settings) -> list[str]:
-    """HybridEP with CUDA graphs and a layout other than ``"bshd"``: dispatch inputs must match across ranks."""
-    layout = s.layout
-    # With PP>1, _cuda_graphs_pipeline_problems already refuses every layout (one problem, not two).
-    if not (s.graphs and s.hybridep and layout != "bshd") or s.pipeline_graphs:
-        return []
-    reason = (
-        "'thd' rows differ in length per rank, so HybridEP dispatch inputs would be uneven"
-        if layout == "thd"
-        else "'thd_static' rows are equal in length, but packed attention with HybridEP inside CUDA graphs is not "
-        "supported by this package"
-    )
-    return [
-        f"layout: {layout!r} with HybridEP (moe_token_dispatcher_type='flex', moe_flex_dispatcher_backend="
-        f"'hybridep') and CUDA graphs: the dispatch must see equal token counts on every rank without a host "
-        f"sync (Megatron-Bridge pads uneven HybridEP inputs only when CUDA graphs are off); {reason}. Use "
-        "layout='bshd', or turn CUDA graphs off to keep a THD layout"
-    ]
-
-
-def _cuda_graphs_layout_problems(s: _Settings) -> list[str]:
-    """``"thd"`` with CUDA graphs, which cannot replay a row whose length changes."""
-    # With HybridEP, _hybridep_problems already reports "thd"; with PP>1, _cuda_graphs_pipeline_problems.
-    if not (s.graphs and s.layout == "thd" and not s.hybridep) or s.pipeline_graphs:
-        return []
-    return [
-        "layout: 'thd' gives a row whose length changes every micro-batch, which CUDA graphs cannot replay; use "
-        "layout='thd_static' (row padded to micro_batch_size * seq_length) or turn CUDA graphs off"
-    ]
-
-
-def _variable_seq_lengths_problems(s: _Settings, notes: list[str]) -> list[str]:
-    """``variable_seq_lengths=True`` with CUDA graphs, unless Bridge's hook set it (then a note is appended)."""
-    if not (s.graphs and getattr(s.model, "variable_seq_lengths", False)) or s.pipeline_graphs:
-        return []
-    if s.pp > 1 and bool(getattr(s.model, "_enable_in_batch_packing", False)):
-        notes.append(
-            "model.variable_seq_lengths=True was set by Megatron-Bridge's finalize() for in-batch packing with "
-            "PP>1; the static layout keeps the row length fixed, p2p only exchanges shapes"
-        )
-        return []
-    return [
-        "model.variable_seq_lengths=True with CUDA graphs: variable sequence lengths contradict the static "
-        "shapes CUDA graphs replay; set model.variable_seq_lengths=False (the static layouts do not need it)"
-    ]
-
-
-def _moe_allgather_problems(s: _Settings) -> list[str]:
-    """``"thd"`` with MoE's allgather dispatcher over EP>1, which needs equal-sized token blocks per rank."""
-    moe_allgather = bool(getattr(s.model, "num_moe_experts", None)) and s.dispatcher == "allgather"
-    if not (moe_allgather and s.ep > 1 and s.layout == "thd"):
-        return []
-    return [
-        f"layout: 'thd' with MoE moe_token_dispatcher_type='allgather' and expert_model_parallel_size={s.ep}: the "
-        "allgather dispatcher gathers equal-sized token blocks across the expert-parallel ranks, which hold "
-        "different micro-batches whose 'thd' rows differ in length; use layout='thd_static' or 'bshd', or "
-        "moe_token_dispatcher_type='alltoall' / 'flex'"
-    ]
-
-
-def _moe_routing_problems(s: _Settings) -> list[str]:
-    """Expert capacity or ``seq_aux_loss`` with a THD layout, without the MoE padding hook.
-
-    Megatron-Core 0.19.2's token dropping lets padding take expert capacity and sizes it from every
-    slot, and its ``seq_aux_loss`` is per ``(s, b)`` sequence (a THD row is one); the results then
-    depend on the layout (docs/moe-routing.md). ``moe_padding.padding_mask_pre_wrap_hook`` makes both
-    layout-independent; the step refuses the same combination at the first micro-batch.
-    """
-    from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
-    from megatron.bridge_thd.step import layout_dependent_moe_settings
-
-    if s.layout not in THD_LAYOUTS or padding_mask_pre_wrap_hook in s.pre_wrap_hooks:
-        return []
-    return [
-        f"{setting} with layout={s.layout!r}: padding would take expert capacity / seq_aux_loss would be one "
-        "whole-row statistic, so the result would depend on the layout; register "
-        "megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook (cfg.model.register_pre_wrap_hook) before "
-        "configure, or use layout='bshd'"
-        for setting, _ in layout_dependent_moe_settings(s.model)
-    ]
-
-
-def _moe_overlap_problems(s: _Settings) -> list[str]:
-    """MoE EP communication overlap: the step builds schedule plans only for ``"bshd"``, and only
-    through the model's ``build_schedule_plan``."""
-    # Megatron-Core 0.19.2 pipeline_parallel/combined_1f1b.py calls forward_step(..., return_schedule_plan=True)
-    # when overlap_moe_expert_parallel_comm is on; megatron.bridge_thd's qwen3_vl_step.forward_step raises there
-    # for a THD row (it carries packed_seq_params), and for "bshd" it calls model.build_schedule_plan.
-    if s.moe_overlap is None:
-        return []
-    if s.layout in THD_LAYOUTS:
-        return [
-            f"{s.moe_overlap}=True with layout={s.layout!r}: Megatron-Core's combined 1F1B schedule "
-            "(pipeline_parallel/combined_1f1b.py) then asks the forward step for a schedule plan "
-            "(return_schedule_plan=True), and megatron.bridge_thd's step builds one only for the padded layout (it "
-            f"raises at the first step for a THD row); set {s.moe_overlap}=False, or use layout='bshd' with a model "
-            "that has build_schedule_plan (Megatron-Bridge 0.6.2's Qwen3VLModel has none)"
-        ]
-    model_class = s.built_model
-    if model_class is not None and not hasattr(model_class, "build_schedule_plan"):
-        # Megatron-Bridge 0.6.2's Qwen3VLModel (models/qwen_vl/modelling_qwen3_vl/model.py) has no
-        # build_schedule_plan; its own step (models/qwen_vl/qwen3_vl_step.py) and ours call it for the plan.
-        return [
-            f"{s.moe_overlap}=True with layout={s.layout!r}: Megatron-Core's combined 1F1B schedule asks the "
-            "forward step for a schedule plan (return_schedule_plan=True), which the step builds with "
-            f"model.build_schedule_plan, and the model this provider builds ({model_class.__name__}, declared by "
-            f"{type(s.model).__name__}.provide) has none, so the first step fails; set {s.moe_overlap}=False"
-        ]
-    return []
 
 
 # ---- step 3: compute the changes, and find those that would overwrite an explicit setting ----
@@ -664,7 +277,7 @@ class _Override:
         )
 
 
-def _plan_changes(s: _Settings) -> tuple[list[_Change], list[str]]:
+def _plan_changes(s: Setup) -> tuple[list[_Change], list[str]]:
     """The attributes to set, in the order they are set, and the notes that explain them."""
     notes: list[str] = []
     changes = [*_dataset_changes(s), *_pipeline_changes(s, notes), *_hybridep_changes(s, notes),
@@ -672,7 +285,7 @@ def _plan_changes(s: _Settings) -> tuple[list[_Change], list[str]]:
     return changes, notes
 
 
-def _dataset_changes(s: _Settings) -> list[_Change]:
+def _dataset_changes(s: Setup) -> list[_Change]:
     """The dataset's packing flags, and ``pad_to_max_length`` where a fixed collate width is needed."""
     dataset, layout = s.dataset, s.layout
     packing_on = (
@@ -715,7 +328,7 @@ def _dataset_changes(s: _Settings) -> list[_Change]:
     return changes
 
 
-def _global_batch_changes(s: _Settings) -> list[_Change]:
+def _global_batch_changes(s: Setup) -> list[_Change]:
     """Per-token loss normalisation, which makes the gradient independent of the placement."""
     if s.global_batch is None:
         return []
@@ -735,7 +348,7 @@ def _global_batch_changes(s: _Settings) -> list[_Change]:
     return changes
 
 
-def _pipeline_changes(s: _Settings, notes: list[str]) -> list[_Change]:
+def _pipeline_changes(s: Setup, notes: list[str]) -> list[_Change]:
     """For ``"thd"`` with PP>1, let p2p exchange shapes: ``variable_seq_lengths`` or Bridge's hook for it."""
     model = s.model
     if s.layout == "thd" and s.pp > 1:
@@ -766,7 +379,7 @@ def _pipeline_changes(s: _Settings, notes: list[str]) -> list[_Change]:
     return []
 
 
-def _hybridep_changes(s: _Settings, notes: list[str]) -> list[_Change]:
+def _hybridep_changes(s: Setup, notes: list[str]) -> list[_Change]:
     """For HybridEP without CUDA graphs, the padding of uneven dispatch inputs Bridge's validate sets."""
     if not (s.hybridep and not s.graphs):
         return []
@@ -817,7 +430,7 @@ def _apply(changes: list[_Change]) -> list[str]:
     return made
 
 
-def _log(s: _Settings, changes: list[str], notes: list[str], overrides: list[_Override]) -> None:
+def _log(s: Setup, changes: list[str], notes: list[str], overrides: list[_Override]) -> None:
     """Log at INFO the layout, the parallel sizes, what changed and the notes; a WARNING per forced overwrite."""
     logger.info(
         "bridge_thd.configure: layout=%s (PP=%d, EP=%d, CUDA graphs %s); changed: %s%s",

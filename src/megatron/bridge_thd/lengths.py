@@ -99,9 +99,9 @@ def keep_mask_from_2d(mask: torch.Tensor, name: str = "attention_mask") -> tuple
             f"{name}: expected a bool mask or 0/1 values of an int or float dtype (1 = real token, 0 = padding), "
             f"got dtype {mask.dtype}; pass mask.real.bool() or build the mask as bool"
         )
-    keep = mask != 0
     if mask.dtype == torch.bool:
-        return keep, []
+        return mask, []  # already a keep mask: nothing to check, nothing to compute
+    keep = mask != 0
     bad = keep & (mask != 1)  # NaN is != 0 and != 1: flagged too
 
     def bad_values() -> str:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from megatron.bridge_thd.patches import Patch, apply_permanently
-from megatron.bridge_thd.step import uses_seq_aux_loss
+from megatron.bridge_thd.rules import uses_seq_aux_loss
 from megatron.bridge_thd.upstream import load_bridge_module
 
 __all__ = [

@@ -54,34 +54,45 @@ def _vision_positions(
         advance: ``(B, T)`` how far the item (frame) moves the text position, put on its last token.
         first_token: ``(B, T)`` bool, the first token of each item (frame).
         token_count_error: 0-dim bool, True when the tokens do not match the grids.
+        With no grid at all the first three are None (nothing to add) and the error is "any token".
     """
     grid = grid_thw.to(device=is_vision_token.device, dtype=torch.int64)
-    if len(grid) == 0:
-        zeros = torch.zeros(is_vision_token.shape, dtype=torch.int64, device=is_vision_token.device)
-        error = is_vision_token.any()
-        return torch.stack([zeros, zeros, zeros]), zeros, torch.zeros_like(is_vision_token), error
-    merged_h = grid[:, 1] // spatial_merge_size
-    merged_w = grid[:, 2] // spatial_merge_size
-    tokens_per_frame = merged_h * merged_w
+    if len(grid) == 0:  # a shape, known on the host: no item of this modality, nothing to lay out
+        return None, None, None, is_vision_token.any()
+    merged = grid[:, 1:] // spatial_merge_size  # (K, 2): merged height, width
+    tokens_per_frame = merged.prod(dim=1)
     tokens_per_item = grid[:, 0] * tokens_per_frame
     item_end = tokens_per_item.cumsum(0)
+    # One row per item, gathered once per token: where the item starts, the unit laid out on the merged
+    # grid (a whole item, or one frame of it), its merged height and width, and how far it moves the text.
+    table = torch.stack([item_end - tokens_per_item, tokens_per_frame if frames else tokens_per_item,
+                         merged[:, 0], merged[:, 1], merged.amax(dim=1)], dim=1)
 
     # rank: index of each token among the batch's tokens of this modality; item: which grid.
     rank = is_vision_token.flatten().cumsum(0).view_as(is_vision_token) - 1
     item = torch.searchsorted(item_end, rank.clamp(min=0), right=True).clamp(max=len(grid) - 1)
-    offset = rank - (item_end[item] - tokens_per_item[item])
-    # The unit laid out on the merged grid: a whole item, or one frame of it.
-    unit = tokens_per_frame[item] if frames else tokens_per_item[item]
+    start, unit, height, width, moves = table[item].unbind(-1)
+    offset = rank - start
     if frames:
         offset = offset % unit  # offset inside the token's frame (the frame is offset // unit)
-    width, height = merged_w[item], merged_h[item]
     offsets = torch.stack([offset // (height * width), offset // width % height, offset % width])
     offsets = torch.where(is_vision_token, offsets, 0)
     is_last = is_vision_token & (offset == unit - 1)
-    advance = torch.where(is_last, torch.maximum(height, width), 0)
+    advance = torch.where(is_last, moves, 0)
     first_token = is_vision_token & (offset == 0)
     token_count_error = is_vision_token.sum() != item_end[-1]
     return offsets, advance, first_token, token_count_error
+
+
+def _orphan_items(input_ids: torch.Tensor, keep: torch.Tensor, item_first: torch.Tensor,
+                  vision_start_token_id: int) -> torch.Tensor:
+    """0-dim bool: some image or video (``item_first`` ``(B, T)``, its first tokens) does not follow a vision-start
+    token. The token before an item is the previous *real* token: padding may sit anywhere."""
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    last_real = torch.where(keep, columns, -1).cummax(dim=1).values
+    previous_real = torch.nn.functional.pad(last_real[:, :-1], (1, 0), value=-1)
+    previous_token = torch.where(previous_real >= 0, input_ids.gather(1, previous_real.clamp(min=0)), -1)
+    return (item_first & (previous_token != vision_start_token_id)).any()
 
 
 def qwen3_vl_position_ids(
@@ -169,35 +180,38 @@ def qwen3_vl_position_ids_deferred(
     video_offsets, video_advance, video_first, video_error = _vision_positions(
         is_video, video_grids, spatial_merge_size, frames=True
     )
+    present = [part for part in ((image_offsets, image_advance, image_first), (video_offsets, video_advance,
+                                                                                video_first)) if part[0] is not None]
     is_text = keep & ~is_image & ~is_video
-    advance = is_text.long() + image_advance + video_advance
+    advance = is_text.long()
+    for _, item_advance, _ in present:
+        advance = advance + item_advance
     # Exclusive prefix sum: the position where each token's text run or vision item starts.
-    start = advance.cumsum(dim=1) - advance
-    positions = start.unsqueeze(0) + image_offsets + video_offsets
-    positions = torch.where(keep, positions, PADDING_POSITION)
+    positions = (advance.cumsum(dim=1) - advance).unsqueeze(0)
+    for item_offsets, _, _ in present:
+        positions = positions + item_offsets
+    positions = torch.where(keep, positions, PADDING_POSITION).expand(3, -1, -1)
 
-    # The token before an item is the previous *real* token: padding may sit anywhere.
-    columns = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    last_real = torch.where(keep, columns, -1).cummax(dim=1).values
-    previous_real = torch.nn.functional.pad(last_real[:, :-1], (1, 0), value=-1)
-    previous_token = torch.where(previous_real >= 0, input_ids.gather(1, previous_real.clamp(min=0)), -1)
-    orphan_item = ((image_first | video_first) & (previous_token != vision_start_token_id)).any()
-    image_tokens_in_grids, video_tokens_in_grids = (
-        (grids[:, 0] * (grids[:, 1] // spatial_merge_size) * (grids[:, 2] // spatial_merge_size)).sum()
-        for grids in (image_grids, video_grids)
-    )
+    firsts = [first for _, _, first in present]
+    orphan_item = _orphan_items(input_ids, keep, firsts[0] if len(firsts) == 1 else firsts[0] | firsts[1],
+                                vision_start_token_id) if firsts else keep.new_zeros(())
+
+    def tokens_in(grids: torch.Tensor) -> int:
+        # Only for the error message: computed once a check has failed, never on the good path.
+        return int((grids[:, 0] * (grids[:, 1] // spatial_merge_size) * (grids[:, 2] // spatial_merge_size)).sum())
+
     checks = mask_checks + [
         DeferredCheck(
             image_error,
             "image_grid_thw: the real image tokens of the batch do not match its grids; pass one grid per image in "
             "order of appearance, and never truncate inside an image",
-            lambda: f"{int(is_image.sum())} image tokens, grids describe {int(image_tokens_in_grids)}",
+            lambda: f"{int(is_image.sum())} image tokens, grids describe {tokens_in(image_grids)}",
         ),
         DeferredCheck(
             video_error,
             "video_grid_thw: the real video tokens of the batch do not match its grids; pass one grid per video in "
             "order of appearance, and never truncate inside a video",
-            lambda: f"{int(is_video.sum())} video tokens, grids describe {int(video_tokens_in_grids)}",
+            lambda: f"{int(is_video.sum())} video tokens, grids describe {tokens_in(video_grids)}",
         ),
         DeferredCheck(
             orphan_item,

@@ -57,9 +57,10 @@ class PackedBatch:
         loss_mask: ``(1, N)`` or None; padding slots hold 0.
         position_ids: ``(1, N)`` or ``(3, 1, N)`` (MRoPE) or None; padding slots hold 0.
         cu_seqlens: ``(S + 1,)`` int32 real boundaries (cumulative real lengths).
-        cu_seqlens_padded: ``(S + 1,)`` int32 physical boundaries, last entry N. S = B, or
-            B + 1 in static mode, where the row tail is one extra segment with no real token,
-            and when a dynamic row is extended to ``min_length``.
+        cu_seqlens_padded: ``(S + 1,)`` int32 physical boundaries, last entry N. S = B; B + 1
+            when a dynamic row is extended to ``min_length``; in static mode ``segments`` (default
+            B + 1): the row tail is one extra segment with no real token, and any further
+            segments are zero-length at N.
         max_seqlen: int, the longest physical slot of a real sample (>= every real length,
             a multiple of the alignment).
         padding_mask: ``(1, N)`` bool, True at every slot that holds no real token (the MoE
@@ -188,6 +189,8 @@ def pack_bshd_to_thd(
     real_lengths: torch.Tensor | None = None,
     align_to: int = 1,
     total_length: int | None = None,
+    segments: int | None = None,
+    max_seqlen: int | None = None,
     min_length: int = 0,
     pad_token_id: int = 0,
     checks: Sequence[DeferredCheck] = (),
@@ -210,6 +213,11 @@ def pack_bshd_to_thd(
         total_length: static mode: the row is exactly this long, the tail after the last
             sample forming one extra segment with no real token. Keeps shapes static for
             pipeline p2p and CUDA graphs; no host synchronisation happens.
+        segments: static mode: ``cu_seqlens`` get exactly ``segments + 1`` entries whatever B: the B samples,
+            the tail, then zero-length segments at ``total_length`` (a fixed count, as CUDA graphs need).
+            At least B + 1; None: B + 1.
+        max_seqlen: static mode: the ``max_seqlen`` to report (a fixed value, as CUDA graphs need), checked to
+            bound every real slot; None: ``round_up(T, align_to)``.
         min_length: dynamic mode: a shorter row (e.g. the empty row of a batch with no real
             token) is extended to this length by one extra segment of padding. A multiple of
             ``align_to``; the step passes ``align_to`` so that a model always gets a row.
@@ -314,17 +322,30 @@ def pack_bshd_to_thd(
                     f"(B * round_up(T, align_to) = {worst_case_length} always fits)",
                 )
             ]
+        segments = batch_size + 1 if segments is None else segments
+        _check_int("segments", segments, batch_size + 1,
+                   f"a static row of {batch_size} samples needs a segment per sample and one for the tail")
+        if max_seqlen is None:
+            max_seqlen = round_up(seq_len, align_to)
+        else:
+            _check_int("max_seqlen", max_seqlen, 1, "pass round_up(seq_length, align_to)")
+            if max_seqlen < round_up(seq_len, align_to):
+                checks = checks + [DeferredCheck(
+                    slots.max() > max_seqlen,
+                    f"max_seqlen: a sample's aligned slot is longer than the static max_seqlen={max_seqlen}; "
+                    "truncate samples to seq_length before packing")]
         for check in checks:
             torch._assert_async(~check.failed, check.message)
         row_length = total_length
         read_values = None
-        max_seqlen = round_up(seq_len, align_to)
         # Known without a host read: True is always correct (TE then honours the padded pair).
         pad_between_seqs = True
-        # The tail after the last sample is its own segment with no real token, so no real
-        # sample's physical slot grows and max_seqlen stays a bound for every real segment.
-        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:]])
-        cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((1,), total_length)])
+        # The tail after the last sample is its own segment with no real token, so no real sample's
+        # physical slot grows and max_seqlen stays a bound for every real segment; the segments past
+        # it have length 0, so the entry count is fixed.
+        fixed = segments - batch_size
+        cu_seqlens = torch.cat([cu_seqlens, *[cu_seqlens[-1:]] * fixed])
+        cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((fixed,), total_length)])
 
     # slot = start of the sample's slot + rank among its real tokens; padding -> trash slot N.
     # Built in place: on the CPU each (B, T) temporary costs as much as a scatter.

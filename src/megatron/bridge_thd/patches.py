@@ -43,6 +43,10 @@ The patches (targets, where they are built and applied, why; one line each in do
   ``build_train_valid_test_data_loaders`` (rebuilds the loaders around global-batch packing's batch
   sampler when ``cfg.dataset.global_batch_packing`` is set; the original's result otherwise).
 
+* Permanent (:func:`apply_permanently`): ``pinning.py`` ``visual_inputs_pin_patch()``, applied by
+  ``configure``: ``megatron.bridge.training.utils.visual_inputs.GenericVisualInputs`` ``pin_memory``
+  (a new method: the loader's pin thread then pins the visual inputs too).
+
 Not a patch of a name, listed so that nothing that changes upstream objects is hidden:
 ``testbed/bridge_package.py`` ``bridge_package()`` serves import-time stand-ins for
 ``transformer_engine`` / ``nvidia_resiliency_ext`` to Megatron-Bridge's unguarded imports;

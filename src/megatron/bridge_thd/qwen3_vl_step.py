@@ -14,12 +14,10 @@ from megatron.bridge_thd.step import (  # noqa: F401 - the names users and tests
     LAYOUTS,
     PackingStats,
     PreparedMicroBatch,
-    check_moe_routing,
-    declared_extras,
     forward_step,
     prepare_micro_batch,
-    resolve_layout,
+    prepare_with_plan,
     truncate_to_seq_length,
 )
 
-__all__ = ["forward_step", "prepare_micro_batch", "PackingStats", "PreparedMicroBatch", "LAYOUTS", "QWEN3_VL"]
+__all__ = ["forward_step", "prepare_micro_batch", "prepare_with_plan", "PackingStats", "PreparedMicroBatch", "LAYOUTS", "QWEN3_VL"]

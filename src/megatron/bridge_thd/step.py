@@ -1,9 +1,15 @@
 """The packed forward step for Megatron-Bridge VLMs, family-agnostic (docs/megatron-bridge-step.md).
 
-Data flow: batch -> keep mask (captured before any pad/truncate helper) -> truncation check ->
-the family's position ids (:mod:`megatron.bridge_thd.adapters`) -> the layout's strategy
-(:mod:`megatron.bridge_thd.layouts`: a packed THD row or the padded batch) -> model ->
-Megatron-Bridge's masked loss. :func:`make_forward_step` binds a family;
+Data flow: batch -> keep mask (captured before any pad/truncate helper) -> truncation check -> the family's
+position ids (:mod:`megatron.bridge_thd.adapters`) -> the layout's row (a packed THD row or the padded batch) ->
+copy to the model's device -> model -> Megatron-Bridge's masked loss. Everything that can be decided once is in
+the run's :class:`~megatron.bridge_thd.step_plan.StepPlan`; this module only reads it.
+
+Where the work runs: on the device the batch arrives on. Megatron-Bridge's loader hands the step host tensors,
+so the whole preparation runs on the host, where every read is free, and the finished row is copied to the
+model's device from pinned memory without blocking: no host synchronisation, and only the copies are device
+ops. A batch that is already on the model's device (VERL, custom iterators) is prepared there with one host
+read (``thd``) or none (``thd_static``). :func:`make_forward_step` binds a family;
 ``megatron.bridge_thd.qwen3_vl_step.forward_step`` is the Qwen3-VL / Qwen3.5-VL drop-in.
 """
 
@@ -13,8 +19,7 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Iterable
 
@@ -22,30 +27,30 @@ import torch
 
 from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
 from megatron.bridge_thd.layouts import LAYOUT_NAMES as LAYOUTS
-from megatron.bridge_thd.layouts import bshd_alignment, bshd_width, layout_for, static_row_length, thd_alignment
+from megatron.bridge_thd.layouts import bshd_width
 from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, raise_failed_checks
-from megatron.bridge_thd.packing import pack_bshd_to_thd, round_up, scatter_into_row
-from megatron.bridge_thd.te_compat import check_te_cp_padding
+from megatron.bridge_thd.packing import pack_bshd_to_thd, scatter_into_row
+from megatron.bridge_thd.step_plan import (
+    StepPlan,
+    build_step_plan,
+    in_batch_static_row,
+    unwrap_model,
+)
 from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
 
-__all__ = ["make_forward_step", "forward_step", "PackingStats", "LAYOUTS", "prepare_micro_batch", "PreparedMicroBatch"]
+__all__ = ["make_forward_step", "forward_step", "PackingStats", "LAYOUTS", "prepare_micro_batch", "PreparedMicroBatch",
+           "prepare_with_plan", "plan_for"]
 
 logger = logging.getLogger(__name__)
 
-# Extras a model may take under these exact parameter names; never passed into **kwargs.
-OPTIONAL_MODEL_EXTRAS = ("padding_mask", "rope_cu_seqlens")
-_logged_once: set[str] = set()
-
-
-def _log_once(key: str, message: str, level: int = logging.INFO) -> None:
-    if key not in _logged_once:
-        _logged_once.add(key)
-        logger.log(level, message)
+# Where the forward step keeps its plan: an attribute of Megatron-Bridge's GlobalState, built at the first
+# micro-batch of the run.
+PLAN_ATTRIBUTE = "bridge_thd_plan"
 
 
 @dataclass
 class PackingStats:
-    """Per micro-batch bookkeeping for logging (tensors stay on the device: no sync).
+    """Per micro-batch bookkeeping for logging (tensors on the batch's device: no sync).
 
     Attributes:
         layout: the layout that ran.
@@ -79,97 +84,56 @@ class PreparedMicroBatch:
     p2p_micro_batch_size: int | None = None
 
 
-def _cfg(state, section: str, name: str, default=None):
-    return getattr(getattr(state.cfg, section, None), name, default)
+@dataclass
+class _Inputs:
+    """The micro-batch as the iterator gave it, on the device it arrived on (nothing copied yet)."""
+
+    tokens: torch.Tensor  # (B, T)
+    labels: torch.Tensor | None  # (B, T), last pipeline stage only
+    loss_mask: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor | None  # (B, T) or 4D
+    multi_modal: dict  # the visual inputs as the model takes them (pixel_values, image_grid_thw, ...)
 
 
-def _model_setting(model_config, state, name: str, default=None):
-    """A model setting from the model's config, else ``state.cfg.model``."""
-    value = getattr(model_config, name, None)
-    return value if value is not None else _cfg(state, "model", name, default)
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def declared_extras(model) -> tuple[list[str], list[str]]:
-    """Which optional extras the model's ``forward`` declares by name, and which it cannot take.
-
-    A name that would only land in ``**kwargs`` counts as not accepted: Megatron-Bridge 0.6.2's
-    ``Qwen3VLModel.forward`` hands its ``**kwargs`` on to the language model
-    (``Qwen3VLGPTModel.forward``), which raises ``TypeError`` on a name it does not declare.
-    """
-    parameters = inspect.signature(_unwrap(model).forward).parameters
-    named = {name for name, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    accepted = [name for name in OPTIONAL_MODEL_EXTRAS if name in named]
-    return accepted, [name for name in OPTIONAL_MODEL_EXTRAS if name not in named]
-
-
-def _sizes(pg_collection) -> dict[str, int]:
-    def size(name):
-        group = getattr(pg_collection, name, None)
-        return group.size() if group is not None else 1
-
-    return {name: size(name) for name in ("tp", "cp", "pp", "ep")}
-
-
-def resolve_layout(state, pp_size: int, variable_seq_lengths: bool) -> str:
-    """The layout this step runs, from ``dataset.pack_sequences_in_batch`` / ``enable_in_batch_packing``
-    and ``dataset.packing_layout``."""
-    packing = bool(
-        _cfg(state, "dataset", "pack_sequences_in_batch", False) or _cfg(state, "dataset", "enable_in_batch_packing", False)
-    )
-    if not packing:
-        return "bshd"
-    requested = _cfg(state, "dataset", "packing_layout", None) or "thd"
-    layout = layout_for(requested, pp=pp_size, variable_seq_lengths=variable_seq_lengths)
-    if layout != requested:
-        # Pipeline stages exchange fixed-shape buffers; a row whose length changes every
-        # micro-batch would make send and recv disagree and hang.
-        _log_once(
-            "pp_static",
-            "bridge_thd: pipeline parallelism without model.variable_seq_lengths: switching packing_layout "
-            f"{requested!r} -> {layout!r} (fixed row length). Set variable_seq_lengths=True to keep 'thd'.",
-            logging.WARNING,
+def _read_batch(batch: dict, is_last_stage: bool) -> _Inputs:
+    """The micro-batch's tensors, where they are."""
+    if batch.get("cu_seqlens_q") is not None or batch.get("cu_seqlens") is not None:
+        raise ValueError(
+            "batch: this step packs the micro-batch itself; use an unpacked collate (no cu_seqlens in the batch)"
         )
-    return layout
+    tokens = batch.get("tokens")
+    if tokens is None:
+        tokens = batch.get("input_ids")
+    if tokens is None or tokens.dim() != 2:
+        raise ValueError("batch: expected 'tokens' or 'input_ids' of shape (B, T)")
+    labels = batch.get("labels") if is_last_stage else None
+    loss_mask = batch.get("loss_mask")
+    if loss_mask is None:
+        loss_mask = torch.ones_like(tokens, dtype=torch.float)
+    visual = batch.get("visual_inputs")
+    multi_modal = visual.normalized_for_model() if visual is not None else {}
+    multi_modal = {k: v for k, v in multi_modal.items() if v is not None}
+    return _Inputs(tokens, labels, loss_mask, batch.get("attention_mask"), multi_modal)
 
 
-def capture_keep_mask(batch: dict, tokens: torch.Tensor, state, model_config) -> tuple[torch.Tensor, list[DeferredCheck]]:
-    """The ``(B, T)`` keep mask, taken from the dataset's mask before any pad/truncate helper,
-    and its deferred validity checks (a 2D mask: only 0 / 1 values; a 4D one: causal with padding).
+def capture_keep_mask(inputs: _Inputs, plan: StepPlan) -> tuple[torch.Tensor, list[DeferredCheck]]:
+    """The ``(B, T)`` keep mask, taken from the dataset's mask before any pad/truncate helper, and its deferred
+    validity checks (a 2D mask: only 0 / 1 values; a 4D one: causal with padding).
 
     Without a mask, lengths are derived from the pad token only when the user opted in with
-    ``dataset.packing_length_fallback = "pad_token"``; the pad id comes from the tokenizer or the
-    model config, never a guess.
+    ``dataset.packing_length_fallback = "pad_token"`` (the plan's ``pad_token_id``), never a guess.
     """
-    attention_mask = batch.get("attention_mask")
-    if attention_mask is not None:
-        return keep_mask_from_attention_mask(attention_mask.to(tokens.device, non_blocking=True), *tokens.shape)
-    if _cfg(state, "dataset", "packing_length_fallback", None) != "pad_token":
+    tokens = inputs.tokens
+    if inputs.attention_mask is not None:
+        return keep_mask_from_attention_mask(inputs.attention_mask.to(tokens.device), *tokens.shape)
+    if plan.pad_token_id is None:
         raise ValueError(
             "attention_mask: the batch carries no attention mask, so real sample lengths are unknown. Set "
             "dataset.skip_getting_attention_mask_from_dataset=False so the dataset's 2D mask reaches the step "
             "(recommended), or set dataset.packing_length_fallback='pad_token' to derive right-padded lengths "
             "from the tokenizer's pad id."
         )
-    tokenizer = getattr(state, "tokenizer", None)
-    pad_id = getattr(tokenizer, "pad_id", None)
-    if pad_id is None:
-        pad_id = getattr(tokenizer, "pad_token_id", None)
-    if pad_id is None:
-        text_config = getattr(model_config, "text_config", model_config)
-        pad_id = getattr(text_config, "pad_token_id", None)
-    if pad_id is None:
-        raise ValueError(
-            "dataset.packing_length_fallback: 'pad_token' needs a pad id from state.tokenizer (pad_id / "
-            "pad_token_id) or the model config (pad_token_id); none is set. Enable the dataset mask instead."
-        )
-    _log_once("fallback", f"bridge_thd: no attention mask; lengths = 1 + last position whose id != pad id {pad_id}")
-    is_content = tokens != pad_id
+    is_content = tokens != plan.pad_token_id
     positions = torch.arange(tokens.shape[1], device=tokens.device)
     real_length = torch.where(is_content, positions + 1, 0).amax(dim=1)
     return positions[None, :] < real_length[:, None], []
@@ -180,8 +144,7 @@ def truncate_to_seq_length(
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[DeferredCheck]]:
     """Keep each sample's first ``seq_length`` real tokens, unless that would cut an image.
 
-    ``uncuttable_ids``: the family's token ids truncation must not cut (its adapter's
-    ``uncuttable_token_ids``: image and video placeholders).
+    ``uncuttable_ids``: the family's token ids truncation must not cut (image and video placeholders).
 
     Returns:
         keep: ``(B, T)`` the truncated keep mask.
@@ -195,7 +158,7 @@ def truncate_to_seq_length(
     rank = keep.cumsum(dim=1) - 1
     kept = keep & (rank < seq_length)
     dropped = keep & ~kept
-    is_vision = torch.isin(tokens, torch.tensor(list(uncuttable_ids), device=tokens.device))
+    is_vision = functools.reduce(torch.logical_or, (tokens == token_id for token_id in uncuttable_ids))
     cut_vision = (dropped & is_vision).any(dim=1)
     check = DeferredCheck(
         cut_vision.any(),
@@ -229,68 +192,9 @@ def relay_right_padded(values: torch.Tensor, keep: torch.Tensor, width: int, fil
     return row.reshape(*values.shape[:-2], batch_size, width)
 
 
-@dataclass
-class StepSettings:
-    """What the step needs to know of the configuration and the process groups."""
-
-    sizes: dict[str, int]
-    seq_length: int
-    variable_seq_lengths: bool
-    fp8: bool
-    sequence_parallel: bool
-    layout: str
-    micro_batch_size: int | None
-    # thd_static under global-batch packing: the run's fixed row (dataset.global_batch_packing.row_length,
-    # set by configure or chosen from the lengths scan when the loader is built); None: sized from the batch.
-    row_length: int | None = None
-
-
-def _step_settings(state, model_config, pg_collection) -> StepSettings:
-    sizes = _sizes(pg_collection)
-    seq_length = _model_setting(model_config, state, "seq_length") or _cfg(state, "dataset", "seq_length")
-    if seq_length is None:
-        raise ValueError("model.seq_length: not set; the step needs it to bound sample lengths")
-    variable_seq_lengths = bool(_model_setting(model_config, state, "variable_seq_lengths", False))
-    return StepSettings(
-        sizes=sizes,
-        seq_length=seq_length,
-        variable_seq_lengths=variable_seq_lengths,
-        fp8=bool(_model_setting(model_config, state, "fp8", None)),  # Megatron: a recipe name or None
-        sequence_parallel=bool(_model_setting(model_config, state, "sequence_parallel", False)),
-        layout=resolve_layout(state, sizes["pp"], variable_seq_lengths),
-        micro_batch_size=_cfg(state, "train", "micro_batch_size", None),
-        row_length=getattr(_cfg(state, "dataset", "global_batch_packing", None), "row_length", None),
-    )
-
-
-def _batch_on_device(batch: dict, device, is_last_stage: bool):
-    """tokens ``(B, T)``, labels (last stage only), loss_mask, visual inputs, copied without
-    blocking the host (the data loader pins them)."""
-    if batch.get("cu_seqlens_q") is not None or batch.get("cu_seqlens") is not None:
-        raise ValueError(
-            "batch: this step packs the micro-batch itself; use an unpacked collate (no cu_seqlens in the batch)"
-        )
-    tokens = batch.get("tokens")
-    if tokens is None:
-        tokens = batch.get("input_ids")
-    if tokens is None or tokens.dim() != 2:
-        raise ValueError("batch: expected 'tokens' or 'input_ids' of shape (B, T)")
-    tokens = tokens.to(device, non_blocking=True)
-    labels = batch.get("labels")
-    labels = labels.to(device, non_blocking=True) if labels is not None and is_last_stage else None
-    loss_mask = batch.get("loss_mask")
-    loss_mask = (
-        loss_mask.to(device, non_blocking=True) if loss_mask is not None else torch.ones_like(tokens, dtype=torch.float)
-    )
-    visual = batch.get("visual_inputs")
-    multi_modal = visual.normalized_for_model() if visual is not None else {}
-    multi_modal = {k: v.to(device, non_blocking=True) for k, v in multi_modal.items() if v is not None}
-    return tokens, labels, loss_mask, multi_modal
-
-
 def _read_now(checks: list[DeferredCheck], truncated: torch.Tensor | None) -> list[int] | None:
-    """One host read of every deferred check and the truncation counts (layouts without the
-    packer's read); nothing at all when there is nothing to read."""
+    """One read of every deferred check and the truncation counts (layouts without the packer's read); nothing
+    at all when there is nothing to read. Free when the batch is on the host."""
     if not checks and truncated is None:
         return None
     flags = [check.failed.to(torch.int64).reshape(1) for check in checks]
@@ -299,21 +203,100 @@ def _read_now(checks: list[DeferredCheck], truncated: torch.Tensor | None) -> li
     return host[len(checks) :] if truncated is not None else None
 
 
-def _bshd_forward_args(tokens, labels, loss_mask, mrope, keep, width: int) -> tuple[dict, dict]:
-    """The padded layout: samples re-laid right-padded (causal-safe) in ``(B, width)``."""
-    loss_mask = relay_right_padded(loss_mask, keep, width, 0)
+@dataclass
+class _Captured:
+    """What every layout starts from: the micro-batch where it arrived, its keep mask after truncation, the
+    family's positions and the checks still to read."""
+
+    inputs: _Inputs
+    keep: torch.Tensor  # (B, T) bool, real tokens after truncation
+    positions: torch.Tensor | None  # (3, B, T) or (B, T); None: the model computes its own
+    truncated: torch.Tensor | None  # (B,) real tokens cut, None when nothing can be cut
+    mask_checks: list[DeferredCheck]
+    truncation_checks: list[DeferredCheck]
+    position_checks: list[DeferredCheck]
+
+    @property
+    def batch_size(self) -> int:
+        return self.inputs.tokens.shape[0]
+
+
+@dataclass
+class _Built:
+    """What a layout hands back."""
+
+    forward_args: dict
+    extras: dict
+    attention_work: torch.Tensor  # 0-dim, sum of s_i^2 the attention computes
+
+
+def _capture(inputs: _Inputs, plan: StepPlan) -> _Captured:
+    """Keep mask (before any pad/truncate helper could drop a 2D mask), truncation, the family's positions."""
+    keep, mask_checks = capture_keep_mask(inputs, plan)
+    keep, truncated, truncation_checks = truncate_to_seq_length(keep, inputs.tokens, plan.seq_length,
+                                                                plan.tokens.uncuttable)
+    positions, position_checks = plan.adapter.position_ids(inputs.tokens, keep, inputs.multi_modal, plan.tokens)
+    position_checks = position_checks + plan.adapter.data_checks(plan.layout, keep)
+    return _Captured(inputs, keep, positions, truncated, mask_checks, truncation_checks, position_checks)
+
+
+def _padded_width(c: _Captured, plan: StepPlan) -> int:
+    return bshd_width(c.inputs.tokens.shape[1], seq_length=plan.seq_length, tp=plan.tp, cp=plan.cp, pp=plan.pp,
+                      ep=plan.ep)
+
+
+def _build_padded(c: _Captured, plan: StepPlan) -> _Built:
+    """``bshd``: the padded batch as Megatron-Bridge's own step lays it out, samples re-laid right-padded
+    (causal-safe) in ``(B, W)``; one read of the checks."""
+    width, inputs, keep = _padded_width(c, plan), c.inputs, c.keep
+    if plan.fixed_p2p_shapes and c.batch_size != (plan.micro_batch_size or c.batch_size):
+        raise ValueError(
+            f"batch: {c.batch_size} samples for train.micro_batch_size={plan.micro_batch_size}, the batch size of the "
+            "pipeline's fixed buffers (bshd needs exactly that many); set train.micro_batch_size to the data "
+            "loader's batch size, or set model.variable_seq_lengths=True")
+    _log_truncation(_read_now(c.mask_checks + c.truncation_checks + c.position_checks, c.truncated), plan.seq_length)
+    loss_mask = relay_right_padded(inputs.loss_mask, keep, width, 0)
     forward_args = dict(
-        input_ids=relay_right_padded(tokens, keep, width, 0),
-        labels=None if labels is None else relay_right_padded(labels, keep, width, -100),
-        position_ids=None if mrope is None else relay_right_padded(mrope, keep, width, 0),
+        input_ids=relay_right_padded(inputs.tokens, keep, width, 0),
+        labels=None if inputs.labels is None else relay_right_padded(inputs.labels, keep, width, -100),
+        position_ids=None if c.positions is None else relay_right_padded(c.positions, keep, width, 0),
         attention_mask=None,
         packed_seq_params=None,
         loss_mask=loss_mask,
     )
-    return forward_args, {"padding_mask": ~relay_right_padded(keep, keep, width, False)}
+    extras = {"padding_mask": ~relay_right_padded(keep, keep, width, False)}
+    return _Built(forward_args, extras, keep.new_full((), c.batch_size * width**2, dtype=torch.int64))
 
 
-def _thd_forward_args(packed) -> tuple[dict, dict]:
+def _static_row_of(c: _Captured, plan: StepPlan):
+    """The plan's static row, checked to take this micro-batch's samples (a shape: known on the host)."""
+    row = plan.static_row or in_batch_static_row(c.batch_size, plan.seq_length, plan.align)
+    if c.batch_size > row.max_samples:
+        raise ValueError(
+            f"batch: {c.batch_size} samples, but the run's static row ({row.length} slots) has segments for "
+            f"{row.max_samples}; set train.micro_batch_size to the data loader's batch size (in-batch packing), or "
+            "let global-batch packing build the loaders (its rows are sized from the run's draws)")
+    return row
+
+
+def _build_packed(c: _Captured, plan: StepPlan) -> _Built:
+    """``thd`` / ``thd_static``: one THD row; one read (``thd``) or none (``thd_static`` within ``seq_length``:
+    the checks become device asserts)."""
+    inputs, checks = c.inputs, c.mask_checks + c.truncation_checks + c.position_checks
+    row = None
+    if plan.layout == "thd_static":
+        row = _static_row_of(c, plan)
+        if c.truncated is not None:  # a truncating static batch: one read for the report
+            _log_truncation(_read_now(c.truncation_checks, c.truncated), plan.seq_length)
+            checks = c.mask_checks + c.position_checks  # the truncation check was just read
+    packed = pack_bshd_to_thd(
+        inputs.tokens, c.keep, labels=inputs.labels, loss_mask=inputs.loss_mask, position_ids=c.positions,
+        align_to=plan.align, total_length=None if row is None else row.length,
+        segments=None if row is None else row.segments, max_seqlen=None if row is None else row.max_seqlen,
+        # A micro-batch of padding only still reaches the model as one aligned padding segment.
+        min_length=plan.align, checks=checks, host_values=c.truncated if row is None else None,
+    )
+    _log_truncation(packed.host_values, plan.seq_length)
     forward_args = dict(
         input_ids=packed.input_ids,
         labels=packed.labels,
@@ -322,191 +305,68 @@ def _thd_forward_args(packed) -> tuple[dict, dict]:
         packed_seq_params=packed.packed_seq_params,
         loss_mask=packed.loss_mask,
     )
-    return forward_args, {"padding_mask": packed.padding_mask, "rope_cu_seqlens": packed.cu_seqlens_padded}
+    extras = {"padding_mask": packed.padding_mask, "rope_cu_seqlens": packed.cu_seqlens_padded}
+    return _Built(forward_args, extras, (c.keep.sum(dim=1).to(torch.int64) ** 2).sum())
 
 
-def _pass_declared_extras(model, forward_args: dict, extras: dict, layout: str) -> None:
-    """Hand each extra to the model only under a parameter name its ``forward`` declares."""
-    core_model = _unwrap(model)
-    accepted, not_accepted = declared_extras(model)
-    for name in accepted:
-        if name in extras:
-            forward_args[name] = extras[name]
-    _log_once(
-        f"extras:{type(core_model).__name__}:{layout}",
-        f"bridge_thd: layout={layout}; extras passed to {type(core_model).__name__}.forward: {accepted or 'none'}; "
-        f"not declared by it (so not passed, never into **kwargs): {not_accepted or 'none'}"
-        + (
-            " (Megatron-Bridge <= 0.6.2's Qwen3VLModel declares no padding_mask: an MoE router counts padding "
-            "slots as tokens)"
-            if "padding_mask" in not_accepted
-            else ""
-        ),
-    )
+# One row builder per layout (layouts.LAYOUTS names them).
+_BUILDERS = {"thd": _build_packed, "thd_static": _build_packed, "bshd": _build_padded}
 
 
-def uses_seq_aux_loss(config) -> bool:
-    """Whether ``moe_router_load_balancing_type`` (a name or a list of names) includes ``seq_aux_loss``."""
-    balancing = getattr(config, "moe_router_load_balancing_type", None)
-    return "seq_aux_loss" in (balancing if isinstance(balancing, (list, tuple)) else [balancing])
+def _to_device(forward_args: dict, device: torch.device) -> dict:
+    """``forward_args`` on ``device``: one copy per distinct tensor (``PackedSeqParams`` shares its q and kv
+    boundaries), none that blocks the host: a host tensor bound for a GPU is copied from pinned memory (a copy
+    from pageable memory waits for the stream). A tensor already there is not touched."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def move(value):
+        if not isinstance(value, torch.Tensor) or value.device == device:
+            return value
+        if id(value) not in copies:
+            source = value
+            if device.type == "cuda" and source.device.type == "cpu" and not source.is_pinned():
+                source = source.pin_memory()
+            copies[id(value)] = source.to(device, non_blocking=True)
+        return copies[id(value)]
+
+    moved = {}
+    for name, value in forward_args.items():
+        if name == "packed_seq_params" and value is not None:
+            value = replace(value, **{field: move(getattr(value, field)) for field in
+                                      ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")})
+        moved[name] = move(value)
+    return moved
 
 
-def layout_dependent_moe_settings(config) -> list[tuple[str, str]]:
-    """The MoE settings of ``config`` whose result depends on the layout unless the routers see real
-    tokens only, as ``(setting, why)``; empty for a dense model.
+def prepare_with_plan(batch: dict, plan: StepPlan, *, is_last_stage: bool = True) -> PreparedMicroBatch:
+    """Everything between the data iterator and ``model(**forward_args)``, by the run's plan.
 
-    Megatron-Core 0.19.2's token dropping (``moe_expert_capacity_factor``) sizes the capacity from
-    every slot and lets padding compete for it, and its ``seq_aux_loss`` reshapes the router's
-    ``(s, b)`` tokens per sequence, so a THD row (``b = 1``) becomes one whole-row statistic. Both
-    are made layout-independent by :func:`megatron.bridge_thd.moe_padding.with_padding_mask`
-    (docs/moe-routing.md). Read by the step and by ``configure``.
+    Host synchronisations: none when the batch arrives on the host (Megatron-Bridge's loader): the row is
+    built there and copied. A batch already on the model's device: one in ``thd`` (the packer's read carries
+    the row length, every validity flag and the truncation counts), one in ``bshd`` (the flags), none in
+    ``thd_static`` within ``seq_length`` (device asserts), one in a truncating ``thd_static``.
     """
-    if not getattr(config, "num_moe_experts", None):
-        return []
-    settings = []
-    capacity = getattr(config, "moe_expert_capacity_factor", None)
-    if capacity is not None:
-        settings.append((
-            f"model.moe_expert_capacity_factor={capacity}",
-            "padding slots compete with real tokens for expert capacity and the capacity is sized from every slot "
-            "(the thd_static tail is most of the row), so the tokens dropped and the loss depend on the layout",
-        ))
-    if uses_seq_aux_loss(config):
-        settings.append((
-            "model.moe_router_load_balancing_type='seq_aux_loss'",
-            "Megatron-Core computes seq_aux_loss per (s, b) sequence and a THD row is one sequence, so it becomes a "
-            "whole-row statistic instead of a per-sample one",
-        ))
-    return settings
-
-
-def check_moe_routing(model_config, core_model, layout: str) -> None:
-    """Refuse MoE settings whose result would depend on the layout (before the first forward):
-    :func:`layout_dependent_moe_settings` with a THD layout on a model whose routers do not see
-    real tokens only; the padded layout (what Megatron-Bridge's own step runs) only logs it."""
-    settings = layout_dependent_moe_settings(model_config)
-    if not settings or getattr(core_model, "bridge_thd_routes_real_tokens_only", False):
-        return
-    setting, why = settings[0]
-    if layout == "bshd":
-        _log_once("moe_routing_bshd", f"bridge_thd: {setting} with the padded layout: padding counts as tokens ({why}); "
-                  "register megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook to exclude it", logging.WARNING)
-        return
-    raise ValueError(
-        f"{setting} with dataset.packing_layout={layout!r}: {why} (measured on the tiny MoE model in "
-        "docs/moe-routing.md). Register megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook "
-        "(cfg.model.register_pre_wrap_hook) so the routers see real tokens only, or set dataset.packing_layout='bshd'."
+    inputs = _read_batch(batch, is_last_stage)
+    captured = _capture(inputs, plan)
+    built = _BUILDERS[plan.layout](captured, plan)
+    forward_args = built.forward_args
+    forward_args.update(inputs.multi_modal)
+    forward_args.update({name: built.extras[name] for name in plan.extras if name in built.extras})
+    forward_args = _to_device(forward_args, plan.device)
+    batch_size = captured.batch_size
+    width = _padded_width(captured, plan)
+    stats = PackingStats(
+        layout=plan.layout,
+        real_tokens=captured.keep.sum(),
+        processed_tokens=forward_args["input_ids"].numel(),
+        padded_tokens=batch_size * width,
+        attention_work=built.attention_work,
+        padded_attention_work=batch_size * width**2,
+        truncated_tokens=(captured.keep.new_zeros((), dtype=torch.int64) if captured.truncated is None
+                          else captured.truncated.sum()),
     )
-
-
-@dataclass
-class _Captured:
-    """What every layout strategy starts from: the micro-batch on the device, its keep mask after
-    truncation, the family's positions and the checks still to read."""
-
-    tokens: torch.Tensor  # (B, T)
-    labels: torch.Tensor | None  # (B, T), last pipeline stage only
-    loss_mask: torch.Tensor  # (B, T)
-    keep: torch.Tensor  # (B, T) bool, real tokens after truncation
-    positions: torch.Tensor | None  # (3, B, T) or (B, T); None: the model computes its own
-    truncated: torch.Tensor | None  # (B,) real tokens cut, None when nothing can be cut
-    mask_checks: list[DeferredCheck]
-    truncation_checks: list[DeferredCheck]
-    position_checks: list[DeferredCheck]
-    settings: StepSettings
-    multi_modal: dict  # the visual inputs, on the device, as the model takes them
-
-    @property
-    def batch_size(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def fixed_p2p_shapes(self) -> bool:
-        return self.settings.sizes["pp"] > 1 and not self.settings.variable_seq_lengths
-
-
-@dataclass
-class _Built:
-    """What a layout strategy hands back."""
-
-    forward_args: dict
-    extras: dict
-    attention_work: torch.Tensor  # 0-dim, sum of s_i^2 the attention computes
-    p2p_micro_batch_size: int | None = None
-
-
-def _padded_width(c: _Captured) -> int:
-    sizes = c.settings.sizes
-    return bshd_width(c.tokens.shape[1], seq_length=c.settings.seq_length, tp=sizes["tp"], cp=sizes["cp"],
-                      pp=sizes["pp"], ep=sizes["ep"])
-
-
-def _build_padded(c: _Captured) -> _Built:
-    """``bshd``: the padded batch as Megatron-Bridge's own step lays it out; one host read."""
-    width, seq_length = _padded_width(c), c.settings.seq_length
-    if c.fixed_p2p_shapes:
-        _check_static_pipeline_row(c.batch_size, c.settings.micro_batch_size or c.batch_size, seq_length,
-                                   bshd_alignment(c.settings.sizes["tp"], c.settings.sizes["cp"]), "bshd")
-    checks = c.mask_checks + c.truncation_checks + c.position_checks
-    _log_truncation(_read_now(checks, c.truncated), seq_length)
-    forward_args, extras = _bshd_forward_args(c.tokens, c.labels, c.loss_mask, c.positions, c.keep, width)
-    return _Built(forward_args, extras, torch.tensor(c.batch_size * width**2, device=c.tokens.device))
-
-
-def _build_packed(c: _Captured) -> _Built:
-    """``thd`` / ``thd_static``: one THD row; one host read (``thd``) or none (``thd_static`` within
-    ``seq_length``: the checks become device asserts)."""
-    settings, sizes, seq_length = c.settings, c.settings.sizes, c.settings.seq_length
-    # TransformerEngine issue 2186 (docs/te-cp-padding.md): refused before any row is built on
-    # Hopper with cuDNN < 9.18; detected once, nothing at all when cp = 1.
-    check_te_cp_padding(sizes["cp"])
-    align = thd_alignment(sizes["tp"], sizes["cp"], sequence_parallel=settings.sequence_parallel, fp8=settings.fp8)
-    checks = c.mask_checks + c.truncation_checks + c.position_checks
-    total_length, p2p_micro_batch_size = None, None
-    if settings.layout == "thd_static":
-        micro_batch_size = settings.micro_batch_size or c.batch_size
-        if c.fixed_p2p_shapes:
-            p2p_micro_batch_size = micro_batch_size
-            _check_static_pipeline_row(c.batch_size, micro_batch_size, seq_length, align, "thd_static",
-                                       settings.row_length)
-        total_length = static_row_length(c.batch_size, seq_length=seq_length, align=align,
-                                         micro_batch_size=micro_batch_size, row_length=settings.row_length)
-        if c.truncated is not None:  # a truncating static batch: one read for the report
-            _log_truncation(_read_now(c.truncation_checks, c.truncated), seq_length)
-            checks = c.mask_checks + c.position_checks  # the truncation check was just read
-    packed = pack_bshd_to_thd(
-        c.tokens, c.keep, labels=c.labels, loss_mask=c.loss_mask, position_ids=c.positions, align_to=align,
-        total_length=total_length,
-        # A micro-batch of padding only still reaches the model as one aligned padding segment.
-        min_length=align,
-        checks=checks, host_values=c.truncated if total_length is None else None,
-    )
-    _log_truncation(packed.host_values, seq_length)
-    forward_args, extras = _thd_forward_args(packed)
-    return _Built(forward_args, extras, (c.keep.sum(dim=1).to(torch.int64) ** 2).sum(), p2p_micro_batch_size)
-
-
-# One strategy per layout (layouts.LAYOUTS names them).
-_STRATEGIES = {"thd": _build_packed, "thd_static": _build_packed, "bshd": _build_padded}
-
-
-def _capture(batch: dict, model, state, pg_collection, is_last_stage: bool, adapter: ModelAdapter) -> _Captured:
-    """batch -> device tensors, keep mask (before any pad/truncate helper could drop a 2D mask),
-    truncation, the family's positions."""
-    core_model = _unwrap(model)
-    model_config = getattr(core_model, "config", None)
-    tokens, labels, loss_mask, multi_modal = _batch_on_device(batch, next(core_model.parameters()).device, is_last_stage)
-    settings = _step_settings(state, model_config, pg_collection)
-    check_moe_routing(model_config, core_model, settings.layout)
-    adapter.check_supported(settings.layout, settings.sizes)
-    keep, mask_checks = capture_keep_mask(batch, tokens, state, model_config)
-    keep, truncated, truncation_checks = truncate_to_seq_length(
-        keep, tokens, settings.seq_length, adapter.uncuttable_token_ids(model_config)
-    )
-    positions, position_checks = adapter.position_ids(tokens, keep, multi_modal, model_config)
-    position_checks = position_checks + adapter.data_checks(settings.layout, keep)
-    return _Captured(tokens, labels, loss_mask, keep, positions, truncated, mask_checks, truncation_checks,
-                     position_checks, settings, multi_modal)
+    return PreparedMicroBatch(forward_args=forward_args, loss_mask=forward_args["loss_mask"], stats=stats,
+                              p2p_micro_batch_size=plan.p2p_micro_batch_size)
 
 
 def prepare_micro_batch(
@@ -517,79 +377,33 @@ def prepare_micro_batch(
     *,
     is_last_stage: bool = True,
     adapter: ModelAdapter = QWEN3_VL,
+    plan: StepPlan | None = None,
 ) -> PreparedMicroBatch:
-    """Everything between the data iterator and ``model(**forward_args)``.
-
-    Host synchronisations: one in ``thd`` (the packer's read carries the row length, every
-    validity flag — mask, positions vs grids, truncation — and the truncation counts), none in
-    ``thd_static`` when the batch is no wider than ``seq_length`` (checks become device asserts),
-    one in ``bshd`` and in a truncating ``thd_static``.
+    """:func:`prepare_with_plan` with the plan built here (one-off calls; the forward step builds its plan once
+    per run, :func:`plan_for`).
 
     Args:
         batch: Megatron-Bridge's VLM micro-batch dict: ``tokens``/``input_ids`` ``(B, T)``,
             ``labels``, ``loss_mask``, ``attention_mask`` (2D keep mask or 4D), ``position_ids``,
             ``visual_inputs`` (with ``normalized_for_model()``).
-        model: the model chunk (or its DDP / Float16Module wrapper); its device and ``forward``
-            signature are used.
-        state: Megatron-Bridge ``GlobalState`` (only ``state.cfg`` and ``state.tokenizer`` are read).
+        model: the model chunk (or its DDP / Float16Module wrapper).
+        state: Megatron-Bridge ``GlobalState`` (``state.cfg``, ``state.tokenizer``, ``state.train_state``).
         pg_collection: process groups (``tp``, ``cp``, ``pp``, ``ep``).
         adapter: the model family (:mod:`megatron.bridge_thd.adapters`).
+        plan: a plan built already; None builds one.
     """
-    captured = _capture(batch, model, state, pg_collection, is_last_stage, adapter)
-    built = _STRATEGIES[captured.settings.layout](captured)
-    forward_args = built.forward_args
-    forward_args.update(captured.multi_modal)
-    _pass_declared_extras(model, forward_args, built.extras, captured.settings.layout)
-    width, batch_size = _padded_width(captured), captured.batch_size
-    lengths = captured.keep.sum(dim=1)
-    stats = PackingStats(
-        layout=captured.settings.layout,
-        real_tokens=lengths.sum(),
-        processed_tokens=forward_args["input_ids"].numel(),
-        padded_tokens=batch_size * width,
-        attention_work=built.attention_work,
-        padded_attention_work=batch_size * width**2,
-        truncated_tokens=(captured.keep.new_zeros((), dtype=torch.int64) if captured.truncated is None
-                          else captured.truncated.sum()),
-    )
-    return PreparedMicroBatch(forward_args=forward_args, loss_mask=forward_args["loss_mask"], stats=stats,
-                              p2p_micro_batch_size=built.p2p_micro_batch_size)
+    _read_batch(batch, is_last_stage)  # a malformed batch is named before anything else
+    plan = plan if plan is not None else build_step_plan(state, model, pg_collection, adapter)
+    return prepare_with_plan(batch, plan, is_last_stage=is_last_stage)
 
 
-def _check_static_pipeline_row(batch_size: int, micro_batch_size: int, seq_length: int, align: int,
-                               layout: str, row_length: int | None = None) -> None:
-    """What a stage sends must fill Megatron-Core's p2p buffers exactly (checked before the first
-    model forward, so before any send: a mismatch would otherwise fail on the receiving stage, or
-    hang it on NCCL).
-
-    Without ``variable_seq_lengths`` every stage allocates its receive buffer as
-    ``(seq_length / cp [/ tp with SP], micro_batch_size, H)`` (``pipeline_parallel/schedules.py``,
-    ``get_tensor_shapes``), so a static row must hold exactly ``micro_batch_size * seq_length``
-    slots (each CP rank then sends its ``1 / cp`` of them), and the padded layout exactly
-    ``micro_batch_size`` samples of ``seq_length``. Under global-batch packing (``row_length`` set)
-    a row holds any number of samples, so the row length itself must be that many slots.
-    """
-    if row_length is not None and round_up(row_length, align) != micro_batch_size * round_up(seq_length, align):
-        raise ValueError(
-            f"dataset.global_batch_packing.row_length: {row_length} slots, but without variable_seq_lengths the "
-            f"pipeline's fixed buffers hold train.micro_batch_size * model.seq_length = {micro_batch_size} x "
-            f"{seq_length} slots; set row_length to {micro_batch_size * round_up(seq_length, align)} (or leave it "
-            "unset), or set model.variable_seq_lengths=True"
-        )
-    if seq_length % align:
-        what = "a static row" if layout != "bshd" else "the padded (B, seq_length) layout"
-        raise ValueError(
-            f"model.seq_length: {seq_length} is not a multiple of the {layout} alignment {align} (TP/CP/SP/FP8), so "
-            f"{what} cannot fill the pipeline's fixed (seq_length, micro_batch_size, H) buffers; set seq_length to "
-            f"{math.ceil(seq_length / align) * align}, or set model.variable_seq_lengths=True"
-        )
-    if row_length is None and (batch_size > micro_batch_size or (layout == "bshd" and batch_size != micro_batch_size)):
-        raise ValueError(
-            f"batch: {batch_size} samples for train.micro_batch_size={micro_batch_size}, the batch size of the "
-            f"pipeline's fixed buffers ({layout} needs "
-            + ("exactly that many" if layout == "bshd" else "at most that many")
-            + "); set train.micro_batch_size to the data loader's batch size, or set model.variable_seq_lengths=True"
-        )
+def plan_for(state, model, pg_collection, adapter: ModelAdapter) -> StepPlan:
+    """The run's plan, built at its first micro-batch and kept on ``state`` (one per model family)."""
+    plan = getattr(state, PLAN_ATTRIBUTE, None)
+    if plan is None or plan.adapter is not adapter:
+        plan = build_step_plan(state, model, pg_collection, adapter)
+        setattr(state, PLAN_ATTRIBUTE, plan)
+    return plan
 
 
 def _view_received_row_as_thd(decoder) -> None:
@@ -714,17 +528,16 @@ def _forward_step(
     # As Megatron-Bridge's step: "batch-generator" and the straggler timer's data phase cover
     # fetching the batch and its (non-blocking) device copies, here with the packing that
     # follows them.
+    plan = plan_for(state, model, pg_collection, adapter)
     with _timer(state, "batch-generator"), _straggler_timer(state, bdata=True):
         batch = next(data_iterator)
-        prepared = prepare_micro_batch(batch, model, state, pg_collection, is_last_stage=is_last_stage,
-                                       adapter=adapter)
+        prepared = prepare_with_plan(batch, plan, is_last_stage=is_last_stage)
     accumulate_flops(state, model, prepared.forward_args)
     stats_log = getattr(state, "bridge_thd_stats", None)
     if isinstance(stats_log, list):
         stats_log.append(prepared.stats)
 
-    check_nan = bool(_cfg(state, "rerun_state_machine", "check_for_nan_in_loss", True))
-    check_spiky = bool(_cfg(state, "rerun_state_machine", "check_for_spiky_loss", False))
+    check_nan, check_spiky = plan.check_nan, plan.check_spiky
     loss_mask = prepared.loss_mask
     args = prepared.forward_args
     if return_schedule_plan:
@@ -733,7 +546,7 @@ def _forward_step(
                 "return_schedule_plan: MoE overlap schedule plans take the padded layout; set "
                 "dataset.packing_layout='bshd' with overlap_moe_expert_parallel_comm"
             )
-        core_model = _unwrap(model)
+        core_model = unwrap_model(model)
         if not hasattr(core_model, "build_schedule_plan"):
             raise ValueError(
                 f"return_schedule_plan: {type(core_model).__name__} has no build_schedule_plan (Megatron-Core's "
@@ -746,7 +559,7 @@ def _forward_step(
         return plan, losses.create_masked_next_token_loss_function(loss_mask, check_nan, check_spiky)
 
     if prepared.p2p_micro_batch_size is not None:
-        _view_received_row_as_thd(adapter.p2p_decoder(_unwrap(model)))
+        _view_received_row_as_thd(adapter.p2p_decoder(unwrap_model(model)))
     with _straggler_timer(state):
         output = model(**args)
     if isinstance(output, tuple):

@@ -41,8 +41,8 @@ class GlobalBatchPacking:
             tokens-and-attention proxy ``s + s^2 / 24576`` (no vision term).
         row_length: ``thd_static``: the run's fixed row in slots, checked against every loader's whole
             run when the loaders are built; None: the smallest row that fits every loader's whole run
-            (training and evaluation), chosen then and written back here, where the step reads it; a
-            resumed run chooses the same. ``thd``: ``micro_batch_size * seq_length``, checked likewise.
+            (training and evaluation), chosen then (never written back here: the step's plan reads it from
+            ``train_state``); a resumed run chooses the same. ``thd``: ``micro_batch_size * seq_length``, checked likewise.
         sizes_cache: directory for the one-time lengths scan (default ``~/.cache/bridge_thd/sizes``); a
             directory shared by a node's ranks lets one scan serve them.
         seed: tie-breaking seed of the placement.
@@ -236,6 +236,23 @@ def run_row_length(plans: list[LoaderPlan], *, settings: GlobalBatchPacking, ali
     return row
 
 
+def run_static_row(plans: list[LoaderPlan], *, row_length: int, align: int, seq_length: int):
+    """``thd_static``'s :class:`~megatron.bridge_thd.step_plan.StaticRow` for the run: ``row_length`` slots; as
+    many segments as the most samples one row can hold (the run's shortest drawn samples, aligned, until the row
+    is full; at most a whole step), plus the tail; ``max_seqlen`` ``round_up(seq_length, align)`` (a sample is at
+    most ``seq_length`` long once collated), at most the row."""
+    import torch
+
+    from megatron.bridge_thd.step_plan import StaticRow
+
+    drawn = [plan.sizes.take(plan.draws.reshape(-1).unique())[0] for plan in plans if len(plan.draws)]
+    slots = round_up(torch.cat(drawn), align).clamp(min=1).sort().values if drawn else torch.ones(1, dtype=torch.int64)
+    fitting = int((slots.cumsum(0) <= row_length).sum())
+    step_samples = max(plan.micro_batch_size * plan.num_micro_batches * plan.dp_size for plan in plans)
+    most = max(1, min(fitting, step_samples))
+    return StaticRow(length=row_length, segments=most + 1, max_seqlen=min(row_length, round_up(seq_length, align)))
+
+
 def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_length: int, static: bool, align: int,
                         cost, global_batch_size: int):
     """Megatron-Bridge's loader rebuilt around a :class:`.sampler.GlobalBatchSampler` (same dataset,
@@ -308,7 +325,11 @@ def _wrap(original):
         capacity = mbs * round_up(cfg.model.seq_length, align)
         row = run_row_length(plans, settings=settings, align=align, capacity=capacity, cost=cost, static=static)
         if static:
-            settings.row_length = row  # where the step reads the run's fixed row
+            from megatron.bridge_thd.step_plan import ROWS_ATTRIBUTE, GlobalBatchRows
+
+            # Where the step's plan reads the run's row: Megatron-Bridge's runtime state, not the user's config.
+            setattr(train_state, ROWS_ATTRIBUTE, GlobalBatchRows(run_static_row(
+                plans, row_length=row, align=align, seq_length=cfg.model.seq_length)))
         built = {plan.label: global_batch_loader(plan, settings=settings, row_length=row, static=static, align=align,
                                                  cost=cost, global_batch_size=groups[plan.label][1]) for plan in plans}
         return built.get("train"), built.get("valid"), built.get("test")

@@ -50,6 +50,7 @@ def minimal_state(
     skip_getting_attention_mask_from_dataset: bool = False,
     tokenizer=None,
     global_batch_packing=None,
+    static_row=None,
     **model_settings,
 ) -> SimpleNamespace:
     """The parts of Megatron-Bridge's ``GlobalState`` the step reads.
@@ -59,8 +60,9 @@ def minimal_state(
         micro_batch_size: ``train.micro_batch_size``.
         packing: ``dataset.pack_sequences_in_batch``.
         packing_layout: ``dataset.packing_layout`` (None = the default, ``"thd"``).
-        global_batch_packing: ``dataset.global_batch_packing`` (a ``batching.bridge.GlobalBatchPacking``;
-            the step reads its ``row_length``).
+        global_batch_packing: ``dataset.global_batch_packing`` (a ``batching.bridge.GlobalBatchPacking``).
+        static_row: a ``step_plan.StaticRow`` recorded as global-batch packing records its run's row
+            (``train_state.bridge_thd_rows``), where the step's plan reads it.
         model_settings: extra ``cfg.model`` attributes (``variable_seq_lengths``, ``fp8``,
             ``sequence_parallel``).
 
@@ -82,4 +84,9 @@ def minimal_state(
         train=SimpleNamespace(micro_batch_size=micro_batch_size),
         rerun_state_machine=SimpleNamespace(check_for_nan_in_loss=True, check_for_spiky_loss=False),
     )
-    return SimpleNamespace(cfg=cfg, tokenizer=tokenizer, timers=None, bridge_thd_stats=[])
+    train_state = SimpleNamespace()
+    if static_row is not None:
+        from megatron.bridge_thd.step_plan import ROWS_ATTRIBUTE, GlobalBatchRows
+
+        setattr(train_state, ROWS_ATTRIBUTE, GlobalBatchRows(static_row))
+    return SimpleNamespace(cfg=cfg, tokenizer=tokenizer, timers=None, bridge_thd_stats=[], train_state=train_state)

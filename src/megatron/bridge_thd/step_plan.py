@@ -1,0 +1,259 @@
+"""The step's plan: everything decided once per run, as one frozen record (docs/step-plan.md).
+
+In the spirit of Megatron-Core's ``PackedSeqParams``: data only. :func:`build_step_plan` reads the config, the
+built model (its config, its ``forward`` signature, its MoE routing), the process groups and the model family's
+adapter once, runs the refusal rules (:mod:`megatron.bridge_thd.rules`) and returns a :class:`StepPlan`. The
+per-micro-batch path (:mod:`megatron.bridge_thd.step`) reads only the plan: no config lookups, no signature
+inspection, no re-validation.
+
+What global-batch packing decides when the loaders are built (the run's static row) reaches the plan through
+:class:`GlobalBatchRows`, recorded on Megatron-Bridge's ``state.train_state`` (runtime state, not the user's
+config) by :mod:`megatron.bridge_thd.batching.bridge`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron.bridge_thd.layouts import layout_for, static_row_length
+from megatron.bridge_thd.packing import round_up
+from megatron.bridge_thd.rules import layout_dependent_moe_settings, read_setup, requested_layout, step_problems
+
+__all__ = ["StaticRow", "GlobalBatchRows", "StepPlan", "build_step_plan", "in_batch_static_row", "OPTIONAL_MODEL_EXTRAS",
+           "ROWS_ATTRIBUTE"]
+
+logger = logging.getLogger(__name__)
+
+# Extras a model may take under these exact parameter names; never passed into **kwargs.
+OPTIONAL_MODEL_EXTRAS = ("padding_mask", "rope_cu_seqlens")
+# Where global-batch packing records its rows: an attribute of Megatron-Bridge's TrainState.
+ROWS_ATTRIBUTE = "bridge_thd_rows"
+
+
+@dataclass(frozen=True)
+class StaticRow:
+    """A THD row that is static for CUDA graphs: the same in every micro-batch of a run.
+
+    Attributes:
+        length: N, the row's token slots.
+        segments: S, the number of segments; ``cu_seqlens`` and ``cu_seqlens_padded`` always have S + 1
+            entries. A micro-batch of B samples fills B segments, the row's tail one more, and the rest are
+            zero-length segments at N (what Megatron-Core's ``pad_thd_for_cuda_graph`` does).
+        max_seqlen: ``max_seqlen_q`` / ``max_seqlen_kv``, a bound of every real segment (a multiple of the
+            alignment).
+    """
+
+    length: int
+    segments: int
+    max_seqlen: int
+
+    @property
+    def max_samples(self) -> int:
+        """The most samples a micro-batch may carry (one segment is the tail)."""
+        return self.segments - 1
+
+
+def in_batch_static_row(micro_batch_size: int, seq_length: int, align: int) -> StaticRow:
+    """``thd_static`` with Megatron-Bridge's own placement: ``micro_batch_size`` slots of ``round_up(seq_length,
+    align)``, one segment per sample plus the tail."""
+    length = static_row_length(micro_batch_size, seq_length=seq_length, align=align)  # the planner's count too
+    return StaticRow(length=length, segments=micro_batch_size + 1, max_seqlen=round_up(seq_length, align))
+
+
+@dataclass(frozen=True)
+class GlobalBatchRows:
+    """What global-batch packing decided for ``thd_static`` when the loaders were built: the run's one row."""
+
+    row: StaticRow
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything the per-micro-batch path needs, decided once (:func:`build_step_plan`).
+
+    Attributes:
+        layout: the layout that runs (``"thd"``, ``"thd_static"`` or ``"bshd"``).
+        tp, cp, pp, ep: the process-group sizes.
+        seq_length: what samples are truncated to.
+        align: every THD slot's alignment, or the padded layout's width divisor.
+        micro_batch_size: ``train.micro_batch_size`` (None outside a trainer).
+        static_row: ``thd_static``: the row every micro-batch gets; None otherwise.
+        fixed_p2p_shapes: pipeline stages exchange fixed-shape buffers (PP>1 without ``variable_seq_lengths``).
+        p2p_micro_batch_size: ``thd_static`` with fixed p2p shapes: the batch size of those buffers.
+        extras: the optional extras the model's ``forward`` declares (passed); ``extras_refused``: the others.
+        tokens: the family's constants (the adapter's ``tokens(model_config)``: vision token ids, merge size).
+        adapter: the model family (:mod:`megatron.bridge_thd.adapters`).
+        pad_token_id: the pad id lengths fall back to without a mask (``dataset.packing_length_fallback=
+            "pad_token"``), or None (a batch without a mask is refused).
+        check_nan, check_spiky: Megatron-Bridge's loss checks (``rerun_state_machine``).
+        device: where the model's parameters are.
+        model_name: the model's class name (logs).
+    """
+
+    layout: str
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    seq_length: int
+    align: int
+    micro_batch_size: int | None
+    static_row: StaticRow | None
+    fixed_p2p_shapes: bool
+    p2p_micro_batch_size: int | None
+    extras: tuple[str, ...]
+    extras_refused: tuple[str, ...]
+    tokens: Any
+    adapter: Any
+    pad_token_id: int | None
+    check_nan: bool
+    check_spiky: bool
+    device: torch.device
+    model_name: str
+
+    @property
+    def packed(self) -> bool:
+        return self.layout != "bshd"
+
+
+def unwrap_model(model):
+    """The model inside its DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def declared_extras(model) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Which optional extras the model's ``forward`` declares by name, and which it cannot take.
+
+    A name that would only land in ``**kwargs`` counts as not accepted: Megatron-Bridge's ``Qwen3VLModel.forward``
+    hands its ``**kwargs`` on to the language model, which raises ``TypeError`` on a name it does not declare.
+    """
+    parameters = inspect.signature(unwrap_model(model).forward).parameters
+    named = {name for name, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    accepted = tuple(name for name in OPTIONAL_MODEL_EXTRAS if name in named)
+    return accepted, tuple(name for name in OPTIONAL_MODEL_EXTRAS if name not in named)
+
+
+def _sizes(pg_collection) -> dict[str, int]:
+    def size(name):
+        group = getattr(pg_collection, name, None)
+        return group.size() if group is not None else 1
+
+    return {name: size(name) for name in ("tp", "cp", "pp", "ep")}
+
+
+def _fallback_pad_id(state, model_config) -> int | None:
+    """The pad id of ``dataset.packing_length_fallback="pad_token"`` (tokenizer, then model config), or None
+    when the fallback is off."""
+    dataset = getattr(state.cfg, "dataset", None)
+    if getattr(dataset, "packing_length_fallback", None) != "pad_token":
+        return None
+    tokenizer = getattr(state, "tokenizer", None)
+    pad_id = getattr(tokenizer, "pad_id", None)
+    if pad_id is None:
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_id is None:
+        pad_id = getattr(getattr(model_config, "text_config", model_config), "pad_token_id", None)
+    if pad_id is None:
+        raise ValueError(
+            "dataset.packing_length_fallback: 'pad_token' needs a pad id from state.tokenizer (pad_id / "
+            "pad_token_id) or the model config (pad_token_id); none is set. Enable the dataset mask instead."
+        )
+    logger.info("bridge_thd: without an attention mask, lengths = 1 + last position whose id != pad id %d", pad_id)
+    return pad_id
+
+
+def _static_row(state, layout: str, micro_batch_size: int | None, seq_length: int, align: int) -> StaticRow | None:
+    """``thd_static``'s row: global-batch packing's (recorded when the loaders were built), else the in-batch one.
+    None for the other layouts, and outside a trainer without a micro-batch size (sized per batch then)."""
+    if layout != "thd_static":
+        return None
+    rows = getattr(getattr(state, "train_state", None), ROWS_ATTRIBUTE, None)
+    if isinstance(rows, GlobalBatchRows):
+        return rows.row
+    if micro_batch_size is None:
+        return None
+    return in_batch_static_row(micro_batch_size, seq_length, align)
+
+
+def _resolved_layout(cfg, sizes: dict[str, int], variable_seq_lengths: bool) -> str:
+    requested = requested_layout(cfg.dataset)
+    layout = layout_for(requested, pp=sizes["pp"], variable_seq_lengths=variable_seq_lengths)
+    if layout != requested:
+        # Pipeline stages exchange fixed-shape buffers; a row whose length changes every micro-batch would make
+        # send and recv disagree and hang.
+        logger.warning(
+            "bridge_thd: pipeline parallelism without model.variable_seq_lengths: switching packing_layout %r -> %r "
+            "(fixed row length). Set variable_seq_lengths=True to keep 'thd'.", requested, layout)
+    return layout
+
+
+def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
+    """Decide everything once: the layout, the sizes, the static row, the extras, the family's constants; refuse
+    (``ValueError`` listing every problem) what the rules refuse.
+
+    Args:
+        state: Megatron-Bridge ``GlobalState`` (``state.cfg``, ``state.tokenizer``, ``state.train_state``).
+        model: the model chunk (or its wrappers).
+        pg_collection: process groups (``tp``, ``cp``, ``pp``, ``ep``).
+        adapter: the model family (:mod:`megatron.bridge_thd.adapters`).
+    """
+    core = unwrap_model(model)
+    model_config = getattr(core, "config", None)
+    cfg = state.cfg
+    sizes = _sizes(pg_collection)
+    probe = read_setup(cfg, "bshd", model_config=model_config, sizes=sizes)
+    layout = _resolved_layout(cfg, sizes, probe.variable_seq_lengths)
+    static_rows = getattr(getattr(state, "train_state", None), ROWS_ATTRIBUTE, None)
+    setup = read_setup(cfg, layout, model_config=model_config, sizes=sizes, adapter=adapter,
+                       routes_real_tokens_only=bool(getattr(core, "bridge_thd_routes_real_tokens_only", False)),
+                       row_length=static_rows.row.length if isinstance(static_rows, GlobalBatchRows) else None)
+    problems = step_problems(setup)
+    if problems:
+        raise ValueError("bridge_thd: the configuration cannot run this step:\n- " + "\n- ".join(problems))
+    _warn_padded_moe_routing(setup)
+    if layout != "bshd" and setup.cp > 1:
+        from megatron.bridge_thd.te_compat import check_te_cp_padding
+
+        check_te_cp_padding(setup.cp)  # TransformerEngine issue 2186 (docs/te-cp-padding.md), detected once
+    extras, refused = declared_extras(model)
+    static_row = _static_row(state, layout, setup.micro_batch_size, setup.seq_length, setup.align)
+    rerun = getattr(cfg, "rerun_state_machine", None)
+    plan = StepPlan(
+        layout=layout, tp=setup.tp, cp=setup.cp, pp=setup.pp, ep=setup.ep, seq_length=setup.seq_length,
+        align=setup.align, micro_batch_size=setup.micro_batch_size, static_row=static_row,
+        fixed_p2p_shapes=setup.fixed_p2p_shapes,
+        p2p_micro_batch_size=setup.micro_batch_size if layout == "thd_static" and setup.fixed_p2p_shapes else None,
+        extras=extras, extras_refused=refused, tokens=adapter.tokens(model_config), adapter=adapter,
+        pad_token_id=_fallback_pad_id(state, model_config),
+        check_nan=bool(getattr(rerun, "check_for_nan_in_loss", True)),
+        check_spiky=bool(getattr(rerun, "check_for_spiky_loss", False)),
+        device=next(core.parameters()).device, model_name=type(core).__name__,
+    )
+    _log_plan(plan)
+    return plan
+
+
+def _warn_padded_moe_routing(setup) -> None:
+    """The padded layout with layout-dependent MoE settings: what Megatron-Bridge's own step runs, so only logged."""
+    settings = layout_dependent_moe_settings(setup.model)
+    if setup.layout == "bshd" and settings and not setup.routes_real_tokens_only:
+        setting, why = settings[0]
+        logger.warning("bridge_thd: %s with the padded layout: padding counts as tokens (%s); register "
+                       "megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook to exclude it", setting, why)
+
+
+def _log_plan(plan: StepPlan) -> None:
+    logger.info(
+        "bridge_thd: step plan: layout=%s (TP=%d CP=%d PP=%d EP=%d), seq_length=%d, align=%d, static row %s; extras "
+        "passed to %s.forward: %s; not declared by it (so not passed, never into **kwargs): %s%s",
+        plan.layout, plan.tp, plan.cp, plan.pp, plan.ep, plan.seq_length, plan.align, plan.static_row,
+        plan.model_name, list(plan.extras) or "none", list(plan.extras_refused) or "none",
+        " (Megatron-Bridge's Qwen3VLModel declares no padding_mask: an MoE router counts padding slots as tokens)"
+        if "padding_mask" in plan.extras_refused else "")

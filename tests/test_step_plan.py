@@ -1,0 +1,320 @@
+"""The step's plan (decided once), the rules ``configure`` and the step share, the row that is static in
+everything the decoder sees, and the host path (no host synchronisation when the batch arrives on the host).
+
+The model is Megatron-Bridge's real tiny ``Qwen3VLModel``. "A GPU" is stood in for by the ``meta`` device:
+a model whose parameters are on ``meta`` makes the step copy its row there, and any read of a ``meta``
+tensor on the host raises, so a step that completes read nothing from the device; the ops dispatched
+on ``meta`` tensors are the ops a GPU would launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _real_model import FakeGroup, receipt_batch, trimmed, video_receipt_batch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron.bridge_thd import step
+from megatron.bridge_thd.adapters import QWEN3_VL
+from megatron.bridge_thd.configure import configure
+from megatron.bridge_thd.qwen3_vl_step import forward_step, prepare_micro_batch, prepare_with_plan
+from megatron.bridge_thd.rules import STEP_RULES, read_setup, step_problems
+from megatron.bridge_thd.step_plan import StaticRow, StepPlan, build_step_plan, in_batch_static_row
+from megatron.bridge_thd.testbed.data import select_samples, synthetic_receipt_batch
+from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd.testbed.stack import cpu_stack
+from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state
+
+SEQ = 2048
+MBS = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    pg = init_single_process_groups()
+    with cpu_stack():
+        model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=SEQ), seed=0)
+    model.pg_collection = pg
+    return model
+
+
+@pytest.fixture(scope="module")
+def meta_model():
+    """The same model with its parameters on ``meta``: the step's stand-in for a GPU."""
+    pg = init_single_process_groups()
+    with cpu_stack():
+        model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=SEQ), seed=0)
+    model = model.to("meta")
+    model.pg_collection = pg
+    return model
+
+
+def signature(forward_args: dict) -> dict:
+    """What a CUDA-graph manager compares: every tensor's shape and dtype, every other value, of what the
+    decoder sees (the token-level inputs and each ``PackedSeqParams`` field)."""
+    def describe(value):
+        return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
+
+    seen = {name: describe(forward_args[name]) for name in ("input_ids", "position_ids", "labels", "loss_mask")}
+    params = forward_args["packed_seq_params"]
+    seen.update({field.name: describe(getattr(params, field.name)) for field in dataclasses.fields(params)})
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan: decided once, read per micro-batch
+
+
+def test_the_forward_step_builds_its_plan_once(model, monkeypatch):
+    built = []
+    original = step.build_step_plan
+    monkeypatch.setattr(step, "build_step_plan", lambda *args: built.append(1) or original(*args))
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd")
+    batches = [receipt_batch("right", seed=seed) for seed in (1, 2, 3)]
+    with cpu_stack():
+        for batch in batches:
+            forward_step(state, iter([batch]), model)
+    assert len(built) == 1
+    assert isinstance(state.bridge_thd_plan, StepPlan)
+
+
+def test_the_micro_batch_path_reads_no_config_and_inspects_no_signature(model, monkeypatch):
+    """Once the plan exists, the step runs with a config that raises on any read and with
+    ``inspect.signature`` broken: the per-micro-batch path reads only the plan."""
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd_static")
+    with cpu_stack():
+        forward_step(state, iter([receipt_batch("right")]), model)  # builds the plan
+
+    class Unreadable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the micro-batch path read cfg.{name}")
+
+    state.cfg = Unreadable()
+    monkeypatch.setattr(inspect, "signature", lambda *a, **k: (_ for _ in ()).throw(AssertionError("signature")))
+    with cpu_stack():
+        output, _ = forward_step(state, iter([receipt_batch("left", seed=2)]), model)
+    assert output.shape[:2] == (1, MBS * SEQ)
+
+
+def test_a_changed_config_is_a_new_plan(model):
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd_static")
+    first = build_step_plan(state, model, model.pg_collection, QWEN3_VL)
+    assert build_step_plan(state, model, model.pg_collection, QWEN3_VL) == first  # same inputs, same record
+    state.cfg.train.micro_batch_size = MBS + 1
+    second = build_step_plan(state, model, model.pg_collection, QWEN3_VL)
+    assert second.static_row == in_batch_static_row(MBS + 1, SEQ, 1) != first.static_row
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.layout = "thd"
+
+
+def test_the_plan_records_what_the_model_takes(model):
+    plan = build_step_plan(minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd"), model,
+                           model.pg_collection, QWEN3_VL)
+    # Megatron-Bridge's Qwen3VLModel declares neither optional extra: both refused, none passed.
+    assert plan.extras == () and set(plan.extras_refused) == {"padding_mask", "rope_cu_seqlens"}
+    config = model.config
+    assert (plan.tokens.image_token_id, plan.tokens.video_token_id) == (config.image_token_id, config.video_token_id)
+    assert plan.static_row is None and plan.layout == "thd" and plan.device == torch.device("cpu")
+
+
+def test_global_batch_rows_reach_the_plan_from_the_train_state(model):
+    row = StaticRow(length=1000, segments=7, max_seqlen=1000)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd_static", static_row=row)
+    assert build_step_plan(state, model, model.pg_collection, QWEN3_VL).static_row == row
+
+
+# ---------------------------------------------------------------------------------------------
+# one set of rules for configure and the step
+
+
+def _moe_capacity(cfg_model):
+    cfg_model.num_moe_experts = 4
+    cfg_model.moe_expert_capacity_factor = 1.0
+
+
+def _hybridep_graphs(cfg_model):
+    cfg_model.num_moe_experts = 4
+    cfg_model.moe_token_dispatcher_type, cfg_model.moe_flex_dispatcher_backend = "flex", "hybridep"
+    cfg_model.cuda_graph_impl = "local"
+
+
+def _graphs(cfg_model):
+    cfg_model.cuda_graph_impl = "local"
+
+
+@pytest.mark.parametrize("change", [_moe_capacity, _hybridep_graphs, _graphs], ids=["moe-capacity", "hybridep-graphs",
+                                                                                     "graphs"])
+def test_configure_and_the_step_refuse_with_the_same_words(change):
+    """The same combination, judged by ``configure`` before the model exists and by the step's plan
+    afterwards: both refuse, and the step's problems are among configure's, word for word."""
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd")
+    state.cfg.dataset.enable_in_batch_packing = True
+    change(state.cfg.model)
+    sizes = dict(tp=1, cp=1, pp=1, ep=1)
+    step_side = step_problems(read_setup(state.cfg, "thd", model_config=state.cfg.model, sizes=sizes,
+                                         adapter=QWEN3_VL))
+    assert step_side
+    with pytest.raises(ValueError) as refused:
+        configure(state.cfg, "thd")
+    for problem in step_side:
+        assert problem in str(refused.value)
+
+
+def test_the_step_refuses_at_its_plan_what_configure_refuses(model):
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd")
+    original = model.config.cuda_graph_impl
+    model.config.cuda_graph_impl = "local"
+    try:
+        with pytest.raises(ValueError, match="layout: 'thd' gives a row whose length changes"):
+            build_step_plan(state, model, model.pg_collection, QWEN3_VL)
+    finally:
+        model.config.cuda_graph_impl = original
+
+
+def test_every_step_rule_is_a_configure_rule():
+    from megatron.bridge_thd import rules
+
+    source = inspect.getsource(rules.configure_problems)
+    # The static pipeline row and the seq_length presence depend on facts final only once the model is built
+    # (Megatron-Bridge's finalize sets variable_seq_lengths); every other step rule is configure's too.
+    step_only = {"_static_pipeline_problems", "_seq_length_set_problems"}
+    assert {rule.__name__ for rule in STEP_RULES} - step_only <= {
+        name for name in dir(rules) if name.endswith("_problems") and f"{name}(" in source}
+
+
+# ---------------------------------------------------------------------------------------------
+# thd_static: static in everything the decoder sees
+
+
+def _static_signatures(model, batches, state, *, plan=None):
+    plan = plan or build_step_plan(state, model, model.pg_collection, QWEN3_VL)
+    return [signature(prepare_with_plan(batch, plan).forward_args) for batch in batches]
+
+
+def test_in_batch_static_rows_have_one_signature(model):
+    """Micro-batches of 1 to 3 samples and of different widths (the collate pads each to its own longest):
+    one row length, one cu_seqlens count, one max_seqlen."""
+    right, left = receipt_batch("right"), receipt_batch("left", seed=2)
+    lengths = [int(n) for n in right["attention_mask"].sum(1)]
+    batches = [right, left, trimmed(right, lengths), select_samples(right, [0]), select_samples(left, [1, 2]),
+               video_receipt_batch("right")]
+    assert len({b["tokens"].shape for b in batches}) >= 4  # the widths and batch sizes really differ
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd_static")
+    signatures = _static_signatures(model, batches, state)
+    assert all(s == signatures[0] for s in signatures), signatures
+    row = in_batch_static_row(MBS, SEQ, 1)
+    assert signatures[0]["input_ids"][0] == (1, row.length)
+    assert signatures[0]["cu_seqlens_q"][0] == (MBS + 2,) and signatures[0]["max_seqlen_q"] == SEQ
+
+
+def test_global_batch_static_rows_have_one_signature(model):
+    """Global-batch packing's micro-batches hold 1 to N samples in one row: one signature."""
+    batch = synthetic_receipt_batch(8, seed=3)
+    lengths = batch["attention_mask"].sum(1)
+    row = StaticRow(length=int(lengths.sum()), segments=9, max_seqlen=SEQ)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_row=row)
+    micro_batches = [select_samples(batch, rows) for rows in ([0], [1, 2], [3, 4, 5, 6], list(range(8)))]
+    signatures = _static_signatures(model, micro_batches, state)
+    assert all(s == signatures[0] for s in signatures), signatures
+    assert signatures[0]["cu_seqlens_q_padded"][0] == (10,) and signatures[0]["input_ids"][0] == (1, row.length)
+
+
+def test_zero_length_segments_sit_at_the_row_end(model):
+    batch = select_samples(synthetic_receipt_batch(4, seed=3), [0, 1])
+    lengths = [int(n) for n in batch["attention_mask"].sum(1)]
+    row = StaticRow(length=sum(lengths) + 10, segments=6, max_seqlen=SEQ)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_row=row)
+    params = prepare_micro_batch(batch, model, state, model.pg_collection).forward_args["packed_seq_params"]
+    real = [0, lengths[0], sum(lengths)]
+    assert params.cu_seqlens_q.tolist() == real + [sum(lengths)] * 4
+    assert params.cu_seqlens_q_padded.tolist() == real + [row.length] * 4
+
+
+def test_a_micro_batch_with_more_samples_than_the_row_has_segments_is_refused(model):
+    row = StaticRow(length=8 * SEQ, segments=3, max_seqlen=SEQ)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_row=row)
+    with pytest.raises(ValueError, match=r"batch: 3 samples, but the run's static row .* has segments for 2"):
+        prepare_micro_batch(receipt_batch("right"), model, state, model.pg_collection)
+
+
+# ---------------------------------------------------------------------------------------------
+# the host path: a batch on the host, a model on the device
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts the ops that touch a ``meta`` tensor (what a GPU would launch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = list(args) + list((kwargs or {}).values())
+        result = func(*args, **(kwargs or {}))
+        outputs = result if isinstance(result, (tuple, list)) else [result]
+        if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in flat + list(outputs)):
+            self.ops.append(func.overloadpacket.__name__)
+        return result
+
+
+@pytest.mark.parametrize("layout", ["thd", "thd_static", "bshd"])
+@pytest.mark.parametrize("videos", [False, True], ids=["images", "videos"])
+def test_a_host_batch_costs_no_host_sync_and_only_copies(meta_model, layout, videos):
+    batch = (video_receipt_batch if videos else receipt_batch)("left")
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout=layout)
+    plan = build_step_plan(state, meta_model, meta_model.pg_collection, QWEN3_VL)
+    assert plan.device.type == "meta"
+    with _DeviceOps() as device:
+        prepared = prepare_with_plan(batch, plan)  # any host read of a meta tensor would raise
+    tensors = [v for v in prepared.forward_args.values() if isinstance(v, torch.Tensor)]
+    assert tensors and all(t.device.type == "meta" for t in tensors)
+    assert set(device.ops) == {"_to_copy"}, device.ops
+    assert len(device.ops) <= 12
+
+
+def test_the_host_path_builds_the_row_the_device_path_builds(model, meta_model):
+    """The same batch prepared for a CPU model (everything on one device) and for the ``meta`` model (built on
+    the host, then copied): the same shapes and the same host-side values."""
+    batch = video_receipt_batch("left")
+    for layout in ("thd", "thd_static", "bshd"):
+        state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout=layout)
+        on_cpu = prepare_micro_batch(batch, model, state, model.pg_collection)
+        on_meta = prepare_micro_batch(batch, meta_model, state, meta_model.pg_collection)
+        for name, value in on_cpu.forward_args.items():
+            other = on_meta.forward_args[name]
+            if isinstance(value, torch.Tensor):
+                assert value.shape == other.shape and value.dtype == other.dtype, name
+        assert int(on_cpu.stats.real_tokens) == int(on_meta.stats.real_tokens)
+
+
+def test_sizes_other_than_one_come_from_the_process_groups(model):
+    pg = SimpleNamespace(tp=FakeGroup(2), cp=FakeGroup(2), pp=FakeGroup(1), ep=FakeGroup(1))
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd_static", sequence_parallel=True)
+    plan = build_step_plan(state, model, pg, QWEN3_VL)
+    # The built model's config is read before cfg.model: its sequence_parallel=False wins, so 2 * cp.
+    assert model.config.sequence_parallel is False
+    assert (plan.tp, plan.cp, plan.align) == (2, 2, 4)
+    assert plan.static_row == StaticRow(length=MBS * SEQ, segments=MBS + 1, max_seqlen=SEQ)
+
+
+def test_configure_lets_the_loader_pin_the_visual_inputs(monkeypatch):
+    """PyTorch's loader pins (in its pin thread) what has a ``pin_memory()``; after ``configure`` Megatron-Bridge's
+    ``GenericVisualInputs`` has one, so its pixels reach the step pinned."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from megatron.bridge_thd.upstream import load_bridge_module
+
+    visual_class = load_bridge_module("training.utils.visual_inputs").GenericVisualInputs
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd")
+    configure(state.cfg, "thd")
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args: pinned.append(self) or self.clone())
+    visual = visual_class(pixel_values=torch.ones(4, 6), image_grid_thw=torch.tensor([[1, 2, 2]]))
+    batch = pin_memory({"tokens": torch.ones(2, 3), "visual_inputs": visual})
+    assert isinstance(batch["visual_inputs"], visual_class)
+    assert any(t is visual.pixel_values for t in pinned) and any(t is visual.image_grid_thw for t in pinned)
+    assert torch.equal(batch["visual_inputs"].pixel_values, visual.pixel_values)
