@@ -18,6 +18,7 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_pack.py
+	$(PYTHON) $(QUIET_IMPORTS) benchmarks/step_host_time.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/parity_report.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_verl.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/edge_cases_report.py

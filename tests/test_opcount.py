@@ -186,3 +186,14 @@ def test_counts_ops_per_dispatch():
     x = torch.randn(3)
     counts = _count(lambda: (x + 1) * 2)
     assert counts.ops == 2 and counts.by_op["add"] == 1 and counts.by_op["mul"] == 1
+
+
+def test_each_sync_names_its_caller():
+    def read_it(t):
+        return t.item()
+
+    counts = _count(lambda: (read_it(torch.tensor(1)), torch.arange(torch.tensor(2))))
+    assert len(counts.sync_locations) == counts.host_syncs == 2
+    assert "test_opcount.py:" in counts.sync_locations[0]
+    assert counts.sync_locations[0].endswith("(read_it)")
+    assert counts.sync_locations[1].endswith("(<lambda>)")

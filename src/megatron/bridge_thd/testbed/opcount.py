@@ -33,6 +33,8 @@ host-to-device copy on a GPU: those are listed in :attr:`OpCounts.device_constru
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -74,6 +76,8 @@ class OpCounts:
         device_constructors: ``torch.tensor`` / ``as_tensor`` / ``asarray`` calls from host data
             with an explicit CPU ``device=``: each one a blocking host-to-device copy when that
             device is a GPU (not in ``host_syncs``: on the CPU nothing is copied).
+        sync_locations: where each counted synchronisation was made, parallel to ``sync_sites``:
+            ``"path:line (function)"`` of the innermost caller outside torch.
     """
 
     ops: int = 0
@@ -81,6 +85,7 @@ class OpCounts:
     by_op: Counter = field(default_factory=Counter)
     sync_sites: list[str] = field(default_factory=list)
     device_constructors: int = 0
+    sync_locations: list[str] = field(default_factory=list)
 
 
 class _State:
@@ -95,6 +100,27 @@ class _State:
     def sync(self, site: str, n: int = 1) -> None:
         self.counts.host_syncs += n
         self.counts.sync_sites.extend([site] * n)
+        self.counts.sync_locations.extend([_caller()] * n)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _short_path(path: str) -> str:
+    for marker in ("site-packages" + os.sep, os.sep + "src" + os.sep):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+def _caller() -> str:
+    """``"path:line (function)"`` of the innermost frame outside torch and this module."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{_short_path(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 def _device_of(value) -> torch.device | None:
