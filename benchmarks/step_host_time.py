@@ -11,8 +11,11 @@ videos) it reports:
   default, for stability); the three layouts of a (B, T, media) are timed interleaved, one call
   each per round in a rotating order, so drift of the machine's load hits them alike. The median
   process CPU time (``time.process_time``) is stored too: with one thread it is the call's own
-  compute, largely insensitive to other processes taking the cores;
-* ops and host syncs of one call (``testbed.opcount.count_ops``: aten ops dispatched; host reads,
+  compute, largely insensitive to other processes taking the cores. A fixed calibration workload
+  (:func:`calibration_workload`) is timed in the same rounds: host ms / calibration ms compares runs
+  made at different times, under different loads (``--label before`` and ``--label after``);
+* ops, kernels and host syncs of one call (``testbed.opcount.count_ops``: aten ops dispatched; of
+  them the ones that would launch a GPU kernel (views, allocations, wrapped numbers left out); host reads,
   data-sized ops and blocking copies between devices, each once), and the tensor constructors
   given host data and an explicit device (``device_constructors``: each a blocking host-to-device
   copy when the device is a GPU, invisible as a copy on the CPU);
@@ -83,7 +86,7 @@ warnings.filterwarnings("ignore", category=UserWarning, message=r".*(Transformer
 from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch  # noqa: E402
 from megatron.bridge_thd.testbed import attention as test_attention  # noqa: E402
 from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config  # noqa: E402
-from megatron.bridge_thd.testbed.opcount import count_ops  # noqa: E402
+from megatron.bridge_thd.testbed.opcount import _NO_KERNEL_OPS, count_ops  # noqa: E402
 from megatron.bridge_thd.testbed.stack import QWEN3_VL_MODEL_MODULE, cpu_stack  # noqa: E402
 from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state  # noqa: E402
 from megatron.bridge_thd.testbed.vlm_batches import MEDIA, vlm_batch  # noqa: E402
@@ -170,6 +173,7 @@ def measure_step(model, batch: dict, width: int, repeats: int, warmup: int) -> d
             prepared = call(model, batch, states[layout])
         out[layout] = dict(
             ops=counts.ops,
+            kernels=counts.kernels,
             host_syncs=counts.host_syncs,
             sync_sites=describe_sites(counts.sync_sites),
             sync_locations=describe_sites(counts.sync_locations),
@@ -264,6 +268,7 @@ def count_forward(model, forward_args: dict) -> dict:
 def _model_counts(counts, attention: _AttentionCounts, seconds: float) -> dict:
     return dict(
         ops=counts.ops - attention.ops,
+        kernels_with_test_attention=counts.kernels,
         host_syncs=counts.host_syncs - attention.host_syncs,
         test_attention=dict(calls=attention.calls, ops=attention.ops, host_syncs=attention.host_syncs),
         sync_sites=describe_sites(counts.sync_sites),
@@ -291,14 +296,18 @@ class _OpsByFunction(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.ops, self.seconds = Counter(), defaultdict(float)
+        self.ops, self.kernels, self.seconds = Counter(), Counter(), defaultdict(float)
+        self.by_op = defaultdict(Counter)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         owner = _package_frame(sys._getframe(1)) or "(outside bridge_thd)"
         t0 = time.perf_counter()
         result = func(*args, **(kwargs or {}))
         self.seconds[owner] += time.perf_counter() - t0
+        name = func.overloadpacket.__name__
         self.ops[owner] += 1
+        self.kernels[owner] += name not in _NO_KERNEL_OPS
+        self.by_op[owner][name] += 1
         return result
 
 
@@ -324,22 +333,25 @@ def breakdown(model, batch: dict, layout: str, seq_length: int, repeats: int) ->
             key = f"{Path(filename).name}:{name}"
             inclusive[key] = inclusive.get(key, 0.0) + cumulative * 1e3 / repeats
     functions = sorted(set(attribution.ops) | set(inclusive), key=lambda k: -inclusive.get(k, 0.0))
-    by_file = defaultdict(lambda: [0, 0.0])
+    by_file = defaultdict(lambda: [0, 0.0, 0])
     for key, n in attribution.ops.items():
         by_file[key.split(":")[0]][0] += n / repeats
         by_file[key.split(":")[0]][1] += attribution.seconds[key] * 1e3 / repeats
+        by_file[key.split(":")[0]][2] += attribution.kernels[key] / repeats
     return dict(
         layout=layout, seq_length=seq_length, repeats=repeats,
         host_syncs=counts.host_syncs, sync_sites=describe_sites(counts.sync_sites),
         sync_locations=describe_sites(counts.sync_locations), device_constructors=counts.device_constructors,
-        ops=counts.ops,
+        ops=counts.ops, kernels=counts.kernels,
         functions=[
             dict(function=key, ops=attribution.ops.get(key, 0) / repeats,
+                 kernels=attribution.kernels.get(key, 0) / repeats,
+                 by_op={op: n / repeats for op, n in attribution.by_op[key].most_common()},
                  op_ms=attribution.seconds.get(key, 0.0) * 1e3 / repeats,
                  inclusive_ms=inclusive.get(key))
             for key in functions
         ],
-        files=[dict(file=k, ops=v[0], op_ms=v[1]) for k, v in sorted(by_file.items(), key=lambda kv: -kv[1][1])],
+        files=[dict(file=k, ops=v[0], op_ms=v[1], kernels=v[2]) for k, v in sorted(by_file.items(), key=lambda kv: -kv[1][1])],
     )
 
 
@@ -387,10 +399,11 @@ def render(results: dict) -> str:
         "time). host / cal.: host ms over the median time of a fixed torch workload (150 small ops on (8, 2048) "
         "tensors) timed in the same rounds: compare labels by this ratio when the machine's load differed "
         "between their runs. On the CPU the device is the CPU, "
-        "so these include the kernels' compute (it grows with B x T); on a GPU an op is a kernel launch and a "
-        "host sync stalls the host. ops / syncs: `testbed.opcount.count_ops` of one call. H2D ctors: "
+        "so these include the kernels' compute (it grows with B x T); on a GPU each kernel is a launch (a few "
+        "microseconds of host time) and each host sync stalls the host until the device has caught up. ops / syncs: `testbed.opcount.count_ops` of one call. H2D ctors: "
         "`torch.tensor(host data, device=...)` calls (a blocking host-to-device copy each when the device is a "
-        "GPU; not in the syncs). ViT syncs / ops: the model's own vision tower (`reorganize_inputs` + "
+        "GPU; not in the syncs). kernels: the ops that would launch a GPU kernel (`OpCounts.kernels`: views, "
+        "allocations and wrapped Python numbers left out). ViT syncs / ops: the model's own vision tower (`reorganize_inputs` + "
         f"`vision_model`, the CPU attention stand-in's reads left out) on the pixel inputs of the T={VISION_WIDTH} "
         "batch of the same B and media, the same for every layout (its reads are per image and per video frame: "
         "they depend on B and the media, not on T). "
@@ -402,7 +415,8 @@ def render(results: dict) -> str:
     def cols(name):
         return [f"{name} ({label})" for label in labels] if len(labels) > 1 else [name]
 
-    header = ["layout", "B", "T", "media", *cols("host ms"), *cols("host / cal."), *cols("ops"), *cols("syncs"),
+    header = ["layout", "B", "T", "media", *cols("host ms"), *cols("host / cal."), *cols("ops"), *cols("kernels"),
+              *cols("syncs"),
               *cols("H2D ctors"), "ViT syncs", "ViT ops"]
     by_label = {label: {_key(r): r for r in runs[label]["configs"]} for label in labels}
     vision = {}  # (B, T, media) and (B, media) -> the first label's count
@@ -417,7 +431,8 @@ def render(results: dict) -> str:
     rows = []
     for key in keys:
         cells = [key[0], str(key[1]), str(key[2]), key[3]]
-        for metric, spec in (("host_ms", ".1f"), ("host_over_calibration", ".2f"), ("ops", "d"), ("host_syncs", "d"),
+        for metric, spec in (("host_ms", ".1f"), ("host_over_calibration", ".2f"), ("ops", "d"), ("kernels", "d"),
+                             ("host_syncs", "d"),
                              ("device_constructors", "d")):
             cells += [_fmt(by_label[label].get(key, {}).get(metric), spec) for label in labels]
         v = vision.get(key[1:]) or vision.get((key[1], key[3]))
@@ -472,20 +487,22 @@ def render(results: dict) -> str:
     for label in labels:
         for name, item in runs[label].get("breakdown", {}).items():
             lines += [
-                f"Breakdown ({label}): {name}: {item['ops']} ops, {item['host_syncs']} host syncs "
+                f"Breakdown ({label}): {name}: {item['ops']} ops ({item['kernels']} kernels), {item['host_syncs']} host syncs "
                 f"({'; '.join(f'{k} x{v}' for k, v in item['sync_locations'].items()) or 'none'}), "
                 f"{item['device_constructors']} H2D ctors. Per bridge_thd function (innermost frame of the package): "
-                "ops it dispatched and their summed run time (ms, mean of "
+                "ops and kernels it dispatched and their summed run time (ms, mean of "
                 f"{item['repeats']} calls), and its inclusive wall time under cProfile (ms; cProfile adds overhead "
-                "to every Python call).",
+                "to every Python call, and on a loaded machine a preemption lands on whatever function runs: read "
+                "small figures loosely).",
                 "",
-                markdown(["file", "ops", "op ms", "share of op time"],
-                         [[f["file"], f"{f['ops']:.0f}", f"{f['op_ms']:.2f}",
+                markdown(["file", "ops", "kernels", "op ms", "share of op time"],
+                         [[f["file"], f"{f['ops']:.0f}", f"{f['kernels']:.0f}", f"{f['op_ms']:.2f}",
                            f"{100 * f['op_ms'] / max(sum(g['op_ms'] for g in item['files']), 1e-9):.0f}%"]
                           for f in item["files"]]),
                 "",
-                markdown(["function", "ops", "op ms", "inclusive ms (cProfile)"],
-                         [[f["function"], f"{f['ops']:.0f}", f"{f['op_ms']:.2f}", _fmt(f["inclusive_ms"], ".2f")]
+                markdown(["function", "ops", "kernels", "op ms", "inclusive ms (cProfile)"],
+                         [[f["function"], f"{f['ops']:.0f}", f"{f['kernels']:.0f}", f"{f['op_ms']:.2f}",
+                           _fmt(f["inclusive_ms"], ".2f")]
                           for f in item["functions"] if f["ops"] or (f["inclusive_ms"] or 0) >= 0.05]),
                 "",
             ]

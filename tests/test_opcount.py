@@ -186,6 +186,15 @@ def test_counts_ops_per_dispatch():
     x = torch.randn(3)
     counts = _count(lambda: (x + 1) * 2)
     assert counts.ops == 2 and counts.by_op["add"] == 1 and counts.by_op["mul"] == 1
+    assert counts.kernels == 2
+
+
+def test_views_and_wrapped_numbers_launch_no_kernel():
+    x, keep = torch.randn(4, 6), torch.rand(4, 6) > 0.5
+    counts = _count(lambda: (x.view(-1), x[1:3], x[0], x.unsqueeze(0), x.t(), x.expand(2, 4, 6), torch.empty(3)))
+    assert counts.ops == 7 and counts.kernels == 0, counts.by_op
+    counts = _count(lambda: torch.where(keep, x, 0.0))
+    assert counts.kernels == 1, counts.by_op
 
 
 def test_each_sync_names_its_caller():

@@ -55,6 +55,14 @@ _SYNCING_ATEN_OPS = {
 }
 # Aten copies that block the host when they cross devices without non_blocking.
 _COPY_OPS = {"_to_copy", "copy_", "_copy_from"}
+# Aten ops that launch no kernel on a GPU: views and other metadata-only ops, allocations without a
+# fill, reads (counted as syncs), and Python numbers wrapped as 0-dim CPU tensors (``scalar_tensor``).
+_NO_KERNEL_OPS = {
+    "view", "_unsafe_view", "_reshape_alias", "expand", "slice", "select", "unsqueeze", "squeeze", "permute",
+    "transpose", "t", "as_strided", "alias", "detach", "unbind", "split", "split_with_sizes", "chunk", "narrow",
+    "diagonal", "unfold", "view_as_real", "view_as_complex", "lift_fresh", "empty", "empty_like", "empty_strided",
+    "new_empty", "new_empty_strided", "set_", "resize_", "_local_scalar_dense", "scalar_tensor",
+}
 # Tensor constructors that take host data and may copy it to a device.
 _CONSTRUCTORS = {"tensor", "as_tensor", "asarray"}
 # How deep to look into nested lists for tensors inside constructor data.
@@ -67,6 +75,9 @@ class OpCounts:
 
     Attributes:
         ops: total aten ops dispatched.
+        kernels: the ops that would launch a kernel on a GPU: ``ops`` less views and other
+            metadata-only ops, allocations without a fill, scalar reads and Python numbers wrapped
+            as 0-dim CPU tensors (an estimate: a composite op may launch several).
         host_syncs: host synchronisations (module docstring), each counted once.
         by_op: aten op name -> count.
         sync_sites: what each counted synchronisation was, in order: a method name (``"item"``),
@@ -81,6 +92,7 @@ class OpCounts:
     """
 
     ops: int = 0
+    kernels: int = 0
     host_syncs: int = 0
     by_op: Counter = field(default_factory=Counter)
     sync_sites: list[str] = field(default_factory=list)
@@ -166,6 +178,7 @@ class _DispatchCounter(TorchDispatchMode):
         counts = self.state.counts
         name = func.overloadpacket.__name__
         counts.ops += 1
+        counts.kernels += name not in _NO_KERNEL_OPS
         counts.by_op[name] += 1
         if self.state.depth == 0:  # underneath a counted read: part of that read
             site = self._sync_site(name, args, kwargs)
