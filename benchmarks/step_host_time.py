@@ -84,6 +84,13 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core"
 warnings.filterwarnings("ignore", category=UserWarning, message=r".*(Transformer Engine|Apex|absl).*")
 
 from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch  # noqa: E402
+
+try:  # the step's plan and its host path (issue 24); absent on the "before" commit
+    from megatron.bridge_thd.adapters import QWEN3_VL  # noqa: E402
+    from megatron.bridge_thd.step import prepare_with_plan  # noqa: E402
+    from megatron.bridge_thd.step_plan import build_step_plan  # noqa: E402
+except ImportError:
+    prepare_with_plan = build_step_plan = QWEN3_VL = None
 from megatron.bridge_thd.testbed import attention as test_attention  # noqa: E402
 from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config  # noqa: E402
 from megatron.bridge_thd.testbed.opcount import _NO_KERNEL_OPS, count_ops  # noqa: E402
@@ -122,13 +129,51 @@ def build_model():
 
 
 def make_state(model, batch: dict, layout: str, seq_length: int):
-    """The step reads ``seq_length`` from the model's config first: set it for this configuration."""
+    """The step reads ``seq_length`` from the model's config first: set it for this configuration. Where the step
+    has a plan (``step_plan``), it is built here, once, as the forward step builds it once per run."""
     model.config.seq_length = seq_length
-    return minimal_state(seq_length=seq_length, micro_batch_size=batch["tokens"].shape[0], packing_layout=layout)
+    state = minimal_state(seq_length=seq_length, micro_batch_size=batch["tokens"].shape[0], packing_layout=layout)
+    if prepare_with_plan is not None:
+        state.bench_plan = build_step_plan(state, model, model.pg_collection, QWEN3_VL)
+    return state
 
 
 def call(model, batch: dict, state):
+    if prepare_with_plan is not None:
+        return prepare_with_plan(batch, state.bench_plan)
     return prepare_micro_batch(batch, model, state, model.pg_collection)
+
+
+class _MetaOps(TorchDispatchMode):
+    """The ops that touch a ``meta`` tensor: with the model on ``meta`` and the batch on the host, what a GPU
+    would launch (a host read of a ``meta`` tensor raises, so a call that completes made no host sync)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        values = list(args) + list((kwargs or {}).values()) + [result]
+        if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in values):
+            self.ops[func.overloadpacket.__name__] += 1
+        return result
+
+
+def measure_host_batch(meta_model, batch: dict, layout: str, width: int) -> dict:
+    """The batch on the host, the model on ``meta`` (Megatron-Bridge's loader and a GPU): host syncs and device
+    ops of one call; None where the step predates its host path."""
+    if prepare_with_plan is None:
+        return dict(host_batch_syncs=None, host_batch_device_ops=None)
+    state = make_state(meta_model, batch, layout, width)
+    with _MetaOps() as meta:
+        try:
+            call(meta_model, batch, state)
+            syncs = 0
+        except (RuntimeError, NotImplementedError):  # a host read of a device tensor
+            syncs = None
+    return dict(host_batch_syncs=syncs, host_batch_device_ops=sum(meta.ops.values()),
+                host_batch_device_op_names=dict(meta.ops))
 
 
 def describe_sites(sites: list[str]) -> dict[str, int]:
@@ -403,7 +448,11 @@ def render(results: dict) -> str:
         "microseconds of host time) and each host sync stalls the host until the device has caught up. ops / syncs: `testbed.opcount.count_ops` of one call. H2D ctors: "
         "`torch.tensor(host data, device=...)` calls (a blocking host-to-device copy each when the device is a "
         "GPU; not in the syncs). kernels: the ops that would launch a GPU kernel (`OpCounts.kernels`: views, "
-        "allocations and wrapped Python numbers left out). ViT syncs / ops: the model's own vision tower (`reorganize_inputs` + "
+        "allocations and wrapped Python numbers left out). These columns are the batch already on the model's "
+        "device (here the CPU: VERL, custom iterators); where the step has a plan (`after`) it is built once, as "
+        "the forward step builds it once per run. host batch: the batch on the host as Megatron-Bridge's loader "
+        "yields it and the model on `meta` (a GPU's stand-in: a host read of a `meta` tensor raises, so 0 syncs "
+        "means the call completed; device ops: the ops on `meta` tensors, the copies). ViT syncs / ops: the model's own vision tower (`reorganize_inputs` + "
         f"`vision_model`, the CPU attention stand-in's reads left out) on the pixel inputs of the T={VISION_WIDTH} "
         "batch of the same B and media, the same for every layout (its reads are per image and per video frame: "
         "they depend on B and the media, not on T). "
@@ -417,7 +466,7 @@ def render(results: dict) -> str:
 
     header = ["layout", "B", "T", "media", *cols("host ms"), *cols("host / cal."), *cols("ops"), *cols("kernels"),
               *cols("syncs"),
-              *cols("H2D ctors"), "ViT syncs", "ViT ops"]
+              *cols("H2D ctors"), *cols("host batch: syncs"), *cols("host batch: device ops"), "ViT syncs", "ViT ops"]
     by_label = {label: {_key(r): r for r in runs[label]["configs"]} for label in labels}
     vision = {}  # (B, T, media) and (B, media) -> the first label's count
     for label in labels:
@@ -433,7 +482,8 @@ def render(results: dict) -> str:
         cells = [key[0], str(key[1]), str(key[2]), key[3]]
         for metric, spec in (("host_ms", ".1f"), ("host_over_calibration", ".2f"), ("ops", "d"), ("kernels", "d"),
                              ("host_syncs", "d"),
-                             ("device_constructors", "d")):
+                             ("device_constructors", "d"), ("host_batch_syncs", "d"),
+                             ("host_batch_device_ops", "d")):
             cells += [_fmt(by_label[label].get(key, {}).get(metric), spec) for label in labels]
         v = vision.get(key[1:]) or vision.get((key[1], key[3]))
         cells += [_fmt(v and v["host_syncs"], "d"), _fmt(v and v["ops"], "d")]
@@ -526,6 +576,8 @@ def run(args) -> dict:
     logging.getLogger("megatron.bridge_thd").setLevel(logging.WARNING)
     started, load_start = time.perf_counter(), os.getloadavg()[0]
     model = build_model()
+    meta_model = build_model().to("meta")
+    meta_model.pg_collection = model.pg_collection
     grid = [(8, 2048)] if args.quick else [FLOOR] + [(b, t) for b in BATCH_SIZES for t in WIDTHS]
     configs, vision_rows, forward_rows = [], [], []
     for batch_size, width in grid:
@@ -535,6 +587,7 @@ def run(args) -> dict:
             for layout in LAYOUTS:
                 row = measured[layout]
                 prepared = row.pop("prepared")
+                row.update(measure_host_batch(meta_model, batch, layout, width))
                 configs.append(dict(layout=layout, batch_size=batch_size, width=width, media=media,
                                     real_tokens=int(batch["attention_mask"].sum()), **row))
                 print(f"B={batch_size:<3d} T={width} {media:6s} {layout:10s} host {row['host_ms']:7.2f} ms "
