@@ -222,3 +222,21 @@ def test_global_batch_packing_keeps_its_row_and_step_count_across_a_resume(ranks
         assert slots == per_iteration * 2 * row
         assert record["flops_tokens"] == per_iteration * row
     assert not ranks[1]["thd_static_global_first"]["placements"]  # one log, on global rank 0
+
+
+def test_thd_static_is_static_in_everything_the_decoder_sees_inside_finetune(ranks):
+    """Every micro-batch Megatron-Bridge's trainer hands our ``thd_static`` step, training and evaluation, gives
+    the decoder one signature per run (``step.decoder_signature``: token inputs' shapes and dtypes, every
+    ``PackedSeqParams`` field, the ``cu_seqlens`` count and ``max_seqlen`` included): in-batch, and under
+    global-batch packing, whose micro-batches hold different numbers of samples, across its stop and resume."""
+    for rank in ranks:
+        for names in (("thd_static",), ("thd_static_per_token",),
+                      ("thd_static_global_first", "thd_static_global_resumed")):
+            batches = [batch for name in names for batch in rank[name]["micro_batches"]]
+            assert batches and any(not batch["training"] for batch in batches), names  # evaluation is in it
+            signatures = {batch["signature"] for batch in batches}
+            assert len(signatures) == 1, (names, signatures)
+        global_batches = rank["thd_static_global_first"]["micro_batches"]
+        assert len({batch["samples"] for batch in global_batches}) > 1  # 1 to N samples per micro-batch
+    # The control: thd's row follows its micro-batch, so its signature changes.
+    assert len({batch["signature"] for batch in ranks[0]["thd_first"]["micro_batches"]}) > 1

@@ -39,7 +39,7 @@ from megatron.bridge_thd.step_plan import (
 from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
 
 __all__ = ["make_forward_step", "forward_step", "PackingStats", "LAYOUTS", "prepare_micro_batch", "PreparedMicroBatch",
-           "prepare_with_plan", "plan_for"]
+           "prepare_with_plan", "plan_for", "decoder_signature"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class PackingStats:
             (``B * T_bshd ** 2`` for BSHD).
         padded_attention_work: int, ``B * T_bshd ** 2``, what the padded layout computes.
         truncated_tokens: 0-dim, real tokens cut because a sample exceeded ``seq_length``.
+        signature: what a CUDA-graph manager compares of what the decoder sees (:func:`decoder_signature`);
+            in ``thd_static`` the same for every micro-batch of a run.
     """
 
     layout: str
@@ -70,6 +72,24 @@ class PackingStats:
     attention_work: torch.Tensor
     padded_attention_work: int
     truncated_tokens: torch.Tensor
+    signature: tuple = ()
+
+
+_DECODER_INPUTS = ("input_ids", "position_ids", "labels", "loss_mask")
+_PACKED_SEQ_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+                      "max_seqlen_q", "max_seqlen_kv", "pad_between_seqs")
+
+
+def decoder_signature(forward_args: dict) -> tuple:
+    """``((name, value), ...)`` of the token-level inputs and each ``PackedSeqParams`` field: a tensor as
+    ``(shape, dtype)``, anything else as it is. Megatron-Core's CUDA-graph managers replay a captured graph only
+    for arguments equal in exactly these (docs/cuda-graphs.md). Host metadata only: no device read."""
+    def describe(value):
+        return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
+
+    params = forward_args.get("packed_seq_params")
+    return (tuple((name, describe(forward_args.get(name))) for name in _DECODER_INPUTS)
+            + tuple((name, describe(getattr(params, name, None))) for name in _PACKED_SEQ_FIELDS))
 
 
 @dataclass
@@ -364,6 +384,7 @@ def prepare_with_plan(batch: dict, plan: StepPlan, *, is_last_stage: bool = True
         padded_attention_work=batch_size * width**2,
         truncated_tokens=(captured.keep.new_zeros((), dtype=torch.int64) if captured.truncated is None
                           else captured.truncated.sum()),
+        signature=decoder_signature(forward_args),
     )
     return PreparedMicroBatch(forward_args=forward_args, loss_mask=forward_args["loss_mask"], stats=stats,
                               p2p_micro_batch_size=plan.p2p_micro_batch_size)

@@ -447,6 +447,7 @@ class _RealTokenCounter:
                         and parallel_state.get_pipeline_model_parallel_rank() == 0),
             "real_tokens": None if mask is None or mask.dim() != 2 else int(mask.bool().sum()),
             "supervised_tokens": int(batch["loss_mask"].bool().sum()) if "loss_mask" in batch else None,
+            "samples": int(batch["tokens"].shape[0]) if "tokens" in batch else None,
             "training": self.training,  # False: an evaluation's micro-batch
         })
         return batch
@@ -457,15 +458,22 @@ class _RealTokenCounter:
 
 def counting_step(step, counts: list):
     """``step`` with its data iterator wrapped by :class:`_RealTokenCounter` (``counts`` receives one
-    entry per micro-batch this rank takes, training or evaluation, as the model's mode says); same
-    signature, so the trainer injects the same arguments."""
+    entry per micro-batch this rank takes, training or evaluation, as the model's mode says, with the
+    decoder's signature when the step is ours); same signature, so the trainer injects the same arguments."""
     import functools
 
     @functools.wraps(step)
     def counted(state, data_iterator, model, *args, **kwargs):
         if data_iterator is not None:
             data_iterator = _RealTokenCounter(data_iterator, counts, training=bool(getattr(model, "training", True)))
-        return step(state, data_iterator, model, *args, **kwargs)
+        if not isinstance(getattr(state, "bridge_thd_stats", None), list):
+            state.bridge_thd_stats = []  # our step appends each micro-batch's PackingStats here
+        before = len(state.bridge_thd_stats)
+        result = step(state, data_iterator, model, *args, **kwargs)
+        if data_iterator is not None and len(state.bridge_thd_stats) > before:
+            # What the decoder saw (step.decoder_signature): in thd_static one value for the whole run.
+            counts[-1]["signature"] = repr(state.bridge_thd_stats.pop().signature)
+        return result
 
     return counted
 
