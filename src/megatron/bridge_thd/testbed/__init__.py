@@ -3,8 +3,8 @@
 (``launcher``, ``standalone``), parity checks (``parity``, ``pipeline``, ``verl_support``), the
 Hugging Face reference (``reference``), synthetic receipts (``data``), a cord_v2-shaped dataset and a
 tiny Qwen3-VL processor made locally (``cord_v2``), Megatron-Bridge imported whole and its recipes,
-trainer and checkpoints run on the CPU (``bridge_package``, ``hf_hub``, ``training``), op counting (``opcount``)
-and the demo (``demo``, ``make demo``). Docs: docs/testbed.md.
+trainer and checkpoints run on the CPU (``bridge_package``, ``hf_hub``, ``training``), op counting
+(``opcount``), Megatron-Core's CUDA-graph bookkeeping run on the CPU (``graphs``) and the demo (``demo``, ``make demo``). Docs: docs/testbed.md.
 
 Never imported by the runtime (the step, the packer, the opt-ins); nothing is patched at import.
 """
