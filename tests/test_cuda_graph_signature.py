@@ -23,7 +23,7 @@ from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch
 from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
 from megatron.bridge_thd.testbed.graphs import (
     decoder_kwargs,
-    decoder_signature,
+    mcore_decoder_signature,
     mcore_graph_inputs,
     mcore_replay_mismatches,
     signature_differences,
@@ -111,9 +111,9 @@ def test_megatron_core_rejects_what_a_thd_row_can_vary(change):
     assert len(errors) == len(expected), errors
     for fragment in expected:
         assert any(fragment in e for e in errors), (fragment, errors)
-    # decoder_signature sees the same change (on the step's names for these inputs).
+    # mcore_decoder_signature sees the same change (on the step's names for these inputs).
     a, b = _step_args(**CAPTURED), _step_args(**call)
-    assert signature_differences(decoder_signature(a), decoder_signature(b))
+    assert signature_differences(mcore_decoder_signature(a), mcore_decoder_signature(b))
     assert mcore_replay_mismatches(decoder_kwargs(a), decoder_kwargs(b))
 
 
@@ -151,7 +151,7 @@ def test_a_process_group_in_packed_seq_params_is_refused_outright():
 
 
 def test_decoder_signature_keeps_only_what_the_decoder_sees():
-    sig = decoder_signature(_step_args(**CAPTURED))
+    sig = mcore_decoder_signature(_step_args(**CAPTURED))
     fields = [f.name for f in dataclasses.fields(_psp(**CAPTURED))]
     assert list(sig) == ["input_ids", "position_ids", "labels", "loss_mask",
                          *(f"packed_seq_params.{f}" for f in fields)]
@@ -162,7 +162,7 @@ def test_decoder_signature_keeps_only_what_the_decoder_sees():
     assert sig["packed_seq_params.seq_idx"] == ("value", "NoneType", None)
     # The visual inputs change with the images and run outside the decoder's graphs.
     other_images = dict(_step_args(**CAPTURED), pixel_values=torch.zeros(99, 96))
-    assert decoder_signature(other_images) == sig
+    assert mcore_decoder_signature(other_images) == sig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,40 +201,27 @@ def _pairs():
 
 
 PAIRS = _pairs()
-# What issue 24 makes static: the cu_seqlens entry count (padded with zero-length segments) and
-# max_seqlen (from the run's plan). Anything else differing would be a different bug.
-PLANNED_FIELDS = {f"packed_seq_params.{f}" for f in (*CU_FIELDS, "max_seqlen_q", "max_seqlen_kv")}
-
-
-class StaticSignatureMismatch(Exception):
-    """The expected failure until issue 24 lands: only the planned fields differ."""
 
 
 @pytest.mark.parametrize("case", list(PAIRS))
-def test_thd_static_rows_already_share_their_row_tensors(model, case):
-    """The row itself is static today: ``max(micro_batch_size, B) * seq_length`` slots, whatever
-    the batch's width or sample count."""
-    first, second = (decoder_signature(_prepared(model, b)) for b in PAIRS[case])
+def test_thd_static_rows_share_their_row_tensors(model, case):
+    """The row itself: ``max(micro_batch_size, B) * seq_length`` slots, whatever the batch's width or sample
+    count."""
+    first, second = (mcore_decoder_signature(_prepared(model, b)) for b in PAIRS[case])
     differing = signature_differences(first, second)
     assert first["input_ids"] == ("tensor", "Tensor", (1, MICRO_BATCH_SIZE * SEQ_LENGTH), "torch.int64", "cpu")
     assert not {"input_ids", "position_ids", "labels", "loss_mask"} & set(differing), differing
 
 
-@pytest.mark.xfail(strict=True, raises=StaticSignatureMismatch, reason="static signature lands with issue 24")
 @pytest.mark.parametrize("case", list(PAIRS))
 def test_thd_static_micro_batches_share_the_decoder_signature(model, case):
-    """A graph captured on one thd_static micro-batch must replay every other one. Today
-    ``max_seqlen`` follows the batch width (``width``) and the cu_seqlens count the number of
-    samples (``samples``); either makes Megatron-Core's local manager refuse the replay."""
+    """A graph captured on one thd_static micro-batch replays every other one: the cu_seqlens count is padded
+    with zero-length segments to the plan's fixed count and max_seqlen comes from the plan, so neither follows the
+    batch width (``width``) or the number of samples (``samples``), and Megatron-Core's local manager finds no
+    mismatch."""
     first, second = (_prepared(model, b) for b in PAIRS[case])
-    differing = signature_differences(decoder_signature(first), decoder_signature(second))
-    # Failing for the right reason: nothing but the planned fields may differ (a plain
-    # AssertionError here is a real failure, not the expected one).
-    assert set(differing) <= PLANNED_FIELDS, differing
-    errors = mcore_replay_mismatches(decoder_kwargs(first), decoder_kwargs(second))
-    assert bool(errors) == bool(differing), (errors, differing)  # our view agrees with Megatron-Core's
-    if differing:
-        raise StaticSignatureMismatch("\n".join(errors))
+    assert signature_differences(mcore_decoder_signature(first), mcore_decoder_signature(second)) == {}
+    assert mcore_replay_mismatches(decoder_kwargs(first), decoder_kwargs(second)) == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ __all__ = [
     "DECODER_INPUTS",
     "arg_signature",
     "decoder_kwargs",
-    "decoder_signature",
+    "mcore_decoder_signature",
     "mcore_graph_inputs",
     "mcore_replay_mismatches",
     "signature_differences",
@@ -75,7 +75,7 @@ def decoder_kwargs(forward_args: dict) -> dict:
     return {name: forward_args.get(name) for name in DECODER_INPUTS}
 
 
-def decoder_signature(forward_args: dict) -> dict[str, tuple]:
+def mcore_decoder_signature(forward_args: dict) -> dict[str, tuple]:
     """Megatron-Core 0.19.2's metadata view of what the decoder sees, one entry per tensor and per
     ``PackedSeqParams`` field.
 
