@@ -318,3 +318,38 @@ def test_configure_lets_the_loader_pin_the_visual_inputs(monkeypatch):
     assert isinstance(batch["visual_inputs"], visual_class)
     assert any(t is visual.pixel_values for t in pinned) and any(t is visual.image_grid_thw for t in pinned)
     assert torch.equal(batch["visual_inputs"].pixel_values, visual.pixel_values)
+
+
+@pytest.mark.parametrize("impl, modules, micro_batch_size, refused", [
+    ("local", None, MBS, None),
+    ("local", ["attn"], MBS, None),
+    ("transformer_engine", None, MBS, "asserts packed_seq_params is None"),
+    ("transformer_engine", ["attn"], 1, "asserts packed_seq_params is None"),
+    ("transformer_engine", ["mlp"], MBS, "matches only for one sample of seq_length"),
+    ("transformer_engine", ["mlp"], 1, None),
+    ("full_iteration", None, MBS, "replays without comparing its arguments"),
+])
+def test_cuda_graph_implementations_that_cannot_replay_a_static_row_are_refused(impl, modules, micro_batch_size,
+                                                                               refused):
+    """docs/cuda-graphs.md: Megatron-Core's local manager compares every argument and takes the static row;
+    Transformer Engine's asserts with attention in the graph and captures (seq_length, micro_batch_size, H)
+    beside it; the full-iteration graph compares nothing. configure and the step's plan say the same."""
+    state = minimal_state(seq_length=SEQ, micro_batch_size=micro_batch_size, packing_layout="thd_static")
+    state.cfg.dataset.enable_in_batch_packing = True
+    state.cfg.model.cuda_graph_impl = impl
+    if modules is not None:
+        state.cfg.model.cuda_graph_modules = modules
+    step_side = step_problems(read_setup(state.cfg, "thd_static", model_config=state.cfg.model,
+                                         sizes=dict(tp=1, cp=1, pp=1, ep=1), adapter=QWEN3_VL))
+    if refused is None:
+        assert step_side == []
+        if micro_batch_size == 1:  # the step takes it; configure refuses micro-batch 1 (Megatron-Bridge does)
+            with pytest.raises(ValueError, match=r"^[^\n]*\n- train\.micro_batch_size=1: [^\n]*$"):
+                configure(state.cfg, "thd_static")
+        else:
+            configure(state.cfg, "thd_static")
+        return
+    assert len(step_side) == 1 and refused in step_side[0]
+    with pytest.raises(ValueError) as error:
+        configure(state.cfg, "thd_static")
+    assert step_side[0] in str(error.value)

@@ -284,6 +284,7 @@ def configure_problems(s: Setup) -> tuple[list[str], list[str]]:
         *_cuda_graphs_pipeline_problems(s),
         *_hybridep_problems(s),
         *_cuda_graphs_layout_problems(s),
+        *_cuda_graphs_scope_problems(s),
         *_variable_seq_lengths_problems(s, notes),
         *_moe_allgather_problems(s),
         *_moe_overlap_problems(s),
@@ -445,6 +446,54 @@ def _cuda_graphs_layout_problems(s: Setup) -> list[str]:
         "layout: 'thd' gives a row whose length changes every micro-batch, which CUDA graphs cannot replay; use "
         "layout='thd_static' (row padded to micro_batch_size * seq_length) or turn CUDA graphs off"
     ]
+
+
+def _graph_modules(model: Any) -> set[str]:
+    """``cuda_graph_modules`` (or the deprecated ``cuda_graph_scope``) as lower-case names; empty = the whole layer
+    (Megatron-Core's default ``"full"`` becomes ``[]`` in its post-init)."""
+    value = getattr(model, "cuda_graph_modules", None) or getattr(model, "cuda_graph_scope", None) or []
+    items = value if isinstance(value, (list, tuple)) else [value]
+    names = set()
+    for item in items:
+        for name in (item.split(",") if isinstance(item, str) else [getattr(item, "name", str(item))]):
+            name = name.strip().lower()
+            if name and name != "full":
+                names.add(name)
+    return names
+
+
+def _cuda_graphs_scope_problems(s: Setup) -> list[str]:
+    """``thd_static`` with a CUDA-graph implementation or scope that cannot replay a THD row (docs/cuda-graphs.md).
+
+    Megatron-Core's Transformer-Engine path asserts ``packed_seq_params is None`` when attention is inside the
+    graph (``transformer_layer.py``, ``_te_cuda_graph_replay``); with attention outside it captures the hidden
+    states as ``(seq_length, micro_batch_size, H)``, which a THD row ``(N, 1, H)`` matches only for one sample of
+    ``seq_length``. ``full_iteration`` replays the whole iteration without comparing any argument (and captures
+    the vision tower, which reads the host). ``"local"`` compares every argument and takes the static row.
+    """
+    # "thd" with graphs and PP>1 with graphs are refused by their own rules.
+    if not s.graphs or s.layout != "thd_static" or s.pipeline_graphs:
+        return []
+    impl, modules = s.graph_impl, _graph_modules(s.model)
+    if impl == "full_iteration":
+        return ["model.cuda_graph_impl='full_iteration' with layout 'thd_static': the full-iteration graph replays "
+                "without comparing its arguments, so a micro-batch's THD metadata would not be its own, and it "
+                "captures the vision tower, which reads the host; set model.cuda_graph_impl='local' (it compares "
+                "every argument and replays the static row), or layout='bshd'"]
+    if impl != "transformer_engine":
+        return []
+    if not modules or "attn" in modules:
+        return [f"model.cuda_graph_impl='transformer_engine' with cuda_graph_modules={sorted(modules) or 'full'} and "
+                "layout 'thd_static': Megatron-Core's Transformer-Engine graph path asserts packed_seq_params is None "
+                "when attention is inside the graph (transformer_layer.py _te_cuda_graph_replay); set "
+                "model.cuda_graph_impl='local', or model.cuda_graph_modules=['mlp'] with train.micro_batch_size=1, "
+                "or layout='bshd'"]
+    if s.micro_batch_size not in (None, 1) or s.global_batch is not None or s.row_length is not None:
+        return [f"model.cuda_graph_impl='transformer_engine' with cuda_graph_modules={sorted(modules)} and layout "
+                "'thd_static': the graphs capture the hidden states as (seq_length, micro_batch_size, hidden), which "
+                "a THD row (N, 1, hidden) matches only for one sample of seq_length; set train.micro_batch_size=1 "
+                "(without global-batch packing), or model.cuda_graph_impl='local', or layout='bshd'"]
+    return []
 
 
 def _variable_seq_lengths_problems(s: Setup, notes: list[str]) -> list[str]:
@@ -611,6 +660,7 @@ STEP_RULES = (
     _seq_length_set_problems,
     _hybridep_problems,
     _cuda_graphs_layout_problems,
+    _cuda_graphs_scope_problems,
     _moe_allgather_problems,
     _moe_routing_problems,
     _static_pipeline_problems,
