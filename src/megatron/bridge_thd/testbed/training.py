@@ -447,7 +447,7 @@ class _RealTokenCounter:
                         and parallel_state.get_pipeline_model_parallel_rank() == 0),
             "real_tokens": None if mask is None or mask.dim() != 2 else int(mask.bool().sum()),
             "supervised_tokens": int(batch["loss_mask"].bool().sum()) if "loss_mask" in batch else None,
-            "samples": int(batch["tokens"].shape[0]) if "tokens" in batch else None,
+            "samples": int(next(batch[k] for k in ("tokens", "input_ids") if k in batch).shape[0]),
             "training": self.training,  # False: an evaluation's micro-batch
         })
         return batch
