@@ -246,6 +246,8 @@ CONTRADICTIONS = {
     "graphs_local_pp2_thd_static": ("qwen3_vl_8b", PP2, "thd_static", graphs_local, {}),
     "graphs_local_pp2_bshd": ("qwen3_vl_8b", PP2, "bshd", graphs_local, {}),
     "graphs_te_pp1_thd": ("qwen3_vl_8b", {}, "thd", graphs_te, {}),
+    "graphs_te_pp1_thd_static": ("qwen3_vl_8b", {}, "thd_static", graphs_te, {}),
+    "graphs_local_pp1_thd_static": ("qwen3_vl_8b", {}, "thd_static", graphs_local, {}),
     "graphs_declared_pp1_thd": ("qwen3_vl_8b", {}, "thd", None, {"cuda_graphs": True}),
     "graphs_denied_but_on": ("qwen3_vl_8b", {}, "thd_static", graphs_local, {"cuda_graphs": False}),
     "seq_length_mismatch": ("qwen3_vl_8b", {}, "thd", seq_length_mismatch, {}),
@@ -270,7 +272,6 @@ ALLOWED = {
     # cannot tell it from "not set" (docs/configure.md, the one blind spot) and sets it back to True.
     "defer_off_equal_to_default": ("qwen3_vl_8b", {}, "thd", defer_off, {}),
     "defer_off_explicit_forced": ("qwen3_vl_8b", {}, "thd", defer_off, {"force": True}),
-    "graphs_te_pp1_thd_static": ("qwen3_vl_8b", {}, "thd_static", graphs_te, {}),
     "graphs_te_pp1_bshd": ("qwen3_vl_8b", {}, "bshd", graphs_te, {}),
     "allgather_ep8_thd_static": ("qwen3_vl_30b_a3b", {}, "thd_static", allgather_dispatcher, {}),
     "seq_aux_loss_bshd": ("qwen3_vl_30b_a3b", {}, "bshd", seq_aux_loss, {}),
@@ -375,6 +376,12 @@ REFUSALS = {
                               "only for full-iteration CUDA graphs"),
     "graphs_te_pp1_thd": ("configure", "layout: 'thd' gives a row whose length changes every micro-batch, which "
                           "CUDA graphs cannot replay", None),
+    "graphs_te_pp1_thd_static": ("configure", "Megatron-Core's Transformer-Engine graph path asserts "
+                                 "packed_seq_params is None when attention is inside the graph", None),
+    # Megatron-Core's local graphs take the static row, configure accepts them, and Megatron-Bridge's validate()
+    # allows "local" only as full-iteration graphs (which check no argument): no graph runs a THD row in its loop.
+    "graphs_local_pp1_thd_static": ("validate", 'supports model.cuda_graph_impl="local" only for full-iteration',
+                                    'supports model.cuda_graph_impl="local" only for full-iteration'),
     "graphs_declared_pp1_thd": ("configure", "which CUDA graphs cannot replay; use layout='thd_static'", None),
     "graphs_denied_but_on": ("configure", "cuda_graphs: False was passed, but the model config enables CUDA graphs",
                              "only for full-iteration CUDA graphs"),
@@ -392,8 +399,8 @@ REFUSALS = {
                             None),
     "allgather_ep8_thd": ("configure", "layout: 'thd' with MoE moe_token_dispatcher_type='allgather' and "
                           "expert_model_parallel_size=8", None),
-    "seq_aux_loss_thd": ("configure", "model.moe_router_load_balancing_type='seq_aux_loss' with layout='thd'", None),
-    "expert_capacity_thd_static": ("configure", "model.moe_expert_capacity_factor=1.0 with layout='thd_static'",
+    "seq_aux_loss_thd": ("configure", "model.moe_router_load_balancing_type='seq_aux_loss' with dataset.packing_layout='thd'", None),
+    "expert_capacity_thd_static": ("configure", "model.moe_expert_capacity_factor=1.0 with dataset.packing_layout='thd_static'",
                                    None),
     "hybridep_graphs_thd_static": ("configure", "layout: 'thd_static' with HybridEP", "Found no NVIDIA driver"),
     "unknown_layout": ("configure", "layout: 'sbhd' is not one of ('thd', 'thd_static', 'bshd')", None),
