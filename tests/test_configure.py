@@ -748,7 +748,9 @@ def test_thd_with_cuda_graphs_is_refused(model, argument):
 
 @pytest.mark.parametrize("layout", ["thd_static", "bshd"])
 def test_static_layouts_with_cuda_graphs_fix_the_collate_width(layout):
-    cfg = make_bridge_like_cfg(model=dict(cuda_graph_impl="transformer_engine"))
+    # thd_static takes Megatron-Core's local graphs only (docs/cuda-graphs.md); bshd any.
+    impl = "local" if layout == "thd_static" else "transformer_engine"
+    cfg = make_bridge_like_cfg(model=dict(cuda_graph_impl=impl))
     configure(cfg, layout)
     assert cfg.dataset.pad_to_max_length is True
     assert cfg.dataset.packing_layout == layout
@@ -858,7 +860,8 @@ def test_cuda_graphs_with_pipeline_parallelism_are_refused_for_every_layout(layo
 
 @pytest.mark.parametrize("layout", ["thd_static", "bshd"])
 def test_cuda_graphs_without_pipeline_parallelism_are_accepted(layout):
-    configure(make_cfg(model=dict(cuda_graph_impl="transformer_engine")), layout)
+    impl = "local" if layout == "thd_static" else "transformer_engine"  # docs/cuda-graphs.md
+    configure(make_cfg(model=dict(cuda_graph_impl=impl)), layout)
 
 
 def test_cuda_graphs_declared_by_argument_only_are_not_the_pipeline_refusal():
@@ -905,7 +908,8 @@ def test_pipeline_graph_refusal_is_exactly_qwen3_vl_models_assert(
         builds = False
 
     try:
-        configure(config(), "thd_static")
+        # bshd: the pipeline refusal holds for every layout, and bshd meets no other graph rule.
+        configure(config(), "bshd")
         accepted = True
     except ValueError as error:
         assert "modelling_qwen3_vl/model.py:388" in str(error)
@@ -1213,8 +1217,8 @@ def test_configured_config_passes_bridges_packing_validation(
 ):
     """configure, then the packing part of Bridge 0.6.2's validate (incl. the real model finalize).
 
-    Combinations configure refuses (CUDA graphs with PP>1, any layout; CUDA graphs with 'thd';
-    HybridEP + CUDA graphs with a THD layout) are checked to be refused; for the rest, Bridge's
+    Combinations configure refuses (CUDA graphs with PP>1, any layout; Transformer Engine graphs with a
+    THD layout, docs/cuda-graphs.md) are checked to be refused; for the rest, Bridge's
     checks pass, Qwen3VLModel's build-time check on the language model config passes, the step
     resolves the requested layout, Bridge changes none of the flags configure set, and a second
     configure call after Bridge's validate changes nothing.
@@ -1228,8 +1232,8 @@ def test_configured_config_passes_bridges_packing_validation(
                            r"model.pipeline_model_parallel_size=2: .*modelling_qwen3_vl/model.py:388"):
             configure(cfg, layout)
         return
-    if with_graphs and (layout == "thd" or (model_kind == "hybridep" and layout != "bshd")):
-        with pytest.raises(ValueError, match="CUDA graphs"):
+    if with_graphs and (layout != "bshd"):  # thd; thd_static with Transformer Engine graphs; HybridEP
+        with pytest.raises(ValueError, match="CUDA graphs|Transformer-Engine graph path"):
             configure(cfg, layout)
         return
     configure(cfg, layout)
