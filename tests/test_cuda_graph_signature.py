@@ -182,6 +182,12 @@ def model():
     return model
 
 
+def _prepared_args(model, batch, micro_batch_size: int) -> dict:
+    """The step's forward arguments for ``batch`` (thd_static), prepared with CUDA graphs off."""
+    state = minimal_state(seq_length=SEQ_LENGTH, micro_batch_size=micro_batch_size, packing_layout="thd_static")
+    return prepare_micro_batch(batch, model, state, model.pg_collection).forward_args
+
+
 def _prepared(model, batch) -> dict:
     state = minimal_state(seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE, packing_layout="thd_static")
     return prepare_micro_batch(batch, model, state, model.pg_collection).forward_args
@@ -234,10 +240,15 @@ def test_te_graphs_around_attention_refuse_a_thd_row(model, modules):
     """Attention inside the graph: ``_te_cuda_graph_replay`` asserts ``packed_seq_params is None``
     (``transformer_layer.py:1225``); Megatron-Bridge 0.6.2's language block passes it to every layer."""
     batch = synthetic_receipt_batch(1, seed=1)
+    args = _prepared_args(model, batch, 1)  # the row, prepared before the graphs are switched on
     with cpu_stack(), te_replay_stand_in(model.language_model, modules, seq_length=SEQ_LENGTH,
                                          micro_batch_size=1) as calls:
-        with pytest.raises(AssertionError, match="packed_seq_params are excluded from input list"):
+        # The step's plan refuses this setting (rules._cuda_graphs_scope_problems) ...
+        with pytest.raises(ValueError, match="asserts packed_seq_params is None"):
             step_run(model, batch, "thd_static", seq_length=SEQ_LENGTH, micro_batch_size=1)
+        # ... because Megatron-Core's replay path would assert on the THD row.
+        with pytest.raises(AssertionError, match="packed_seq_params are excluded from input list"):
+            model(**args)
     assert calls == []
 
 
@@ -260,7 +271,12 @@ def test_te_graphs_beside_attention_refuse_a_row_of_several_samples(model):
     """``micro_batch_size`` 3: TE captured ``(seq_length, 3, hidden)``; the THD row is
     ``(3 * seq_length, 1, hidden)`` and the copy into the captured buffer fails."""
     batch = receipt_batch("right")
+    args = _prepared_args(model, batch, MICRO_BATCH_SIZE)
     with cpu_stack(), te_replay_stand_in(model.language_model, ["mlp"], seq_length=SEQ_LENGTH,
                                          micro_batch_size=MICRO_BATCH_SIZE):
-        with pytest.raises(RuntimeError, match="must match the size"):
+        # The step's plan refuses this setting (rules._cuda_graphs_scope_problems) ...
+        with pytest.raises(ValueError, match="matches only for one sample of seq_length"):
             step_run(model, batch, "thd_static", seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH_SIZE)
+        # ... because the copy into the captured buffer fails.
+        with pytest.raises(RuntimeError, match="must match the size"):
+            model(**args)
