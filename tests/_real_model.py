@@ -135,3 +135,19 @@ def all_padding_batch(width: int = 64) -> dict:
         "position_ids": torch.arange(width).expand(2, -1).clone(),
         "visual_inputs": VisualInputs(),
     }
+
+
+def tiny_real_model(seq_length: int, *, device: str | None = None):
+    """Megatron-Bridge's real tiny ``Qwen3VLModel`` (single-process groups attached as ``pg_collection``), built
+    on the CPU; ``device="meta"`` moves its parameters there (the step's stand-in for a GPU)."""
+    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd.testbed.stack import cpu_stack
+    from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+
+    pg = init_single_process_groups()
+    with cpu_stack():
+        model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=seq_length), seed=0)
+    if device is not None:
+        model = model.to(device)
+    model.pg_collection = pg
+    return model

@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from _real_model import receipt_batch
+from _real_model import receipt_batch, tiny_real_model
 
 from megatron.bridge_thd.packing import thd_packed_seq_params
 from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch
@@ -29,7 +29,6 @@ from megatron.bridge_thd.testbed.graphs import (
     signature_differences,
     te_replay_stand_in,
 )
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.testbed.parity import step_run
 from megatron.bridge_thd.testbed.stack import cpu_stack
 from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state
@@ -175,11 +174,7 @@ MICRO_BATCH_SIZE = 3
 
 @pytest.fixture(scope="module")
 def model():
-    pg = init_single_process_groups()
-    with cpu_stack():
-        model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=SEQ_LENGTH), seed=0)
-    model.pg_collection = pg
-    return model
+    return tiny_real_model(SEQ_LENGTH)
 
 
 def _prepared_args(model, batch, micro_batch_size: int) -> dict:

@@ -11,24 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _real_model import receipt_batch, trimmed, video_receipt_batch
+from _real_model import receipt_batch, tiny_real_model, trimmed, video_receipt_batch
 
 from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.testbed.opcount import count_ops
-from megatron.bridge_thd.testbed.stack import cpu_stack
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state
+from megatron.bridge_thd.testbed.standalone import minimal_state
 
 SEQ_LENGTH = 2048
 
 
 @pytest.fixture(scope="module")
 def model():
-    pg = init_single_process_groups()
-    with cpu_stack():
-        model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=SEQ_LENGTH), seed=0)
-    model.pg_collection = pg
-    return model
+    return tiny_real_model(SEQ_LENGTH)
 
 
 def _syncs(model, batch, layout, seq_length=SEQ_LENGTH):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _real_model import FakeGroup, receipt_batch, trimmed, video_receipt_batch
+from _real_model import FakeGroup, receipt_batch, tiny_real_model, trimmed, video_receipt_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.bridge_thd import step
@@ -25,9 +25,8 @@ from megatron.bridge_thd.qwen3_vl_step import forward_step, prepare_micro_batch,
 from megatron.bridge_thd.rules import STEP_RULES, read_setup, step_problems
 from megatron.bridge_thd.step_plan import StaticRow, StepPlan, build_step_plan, in_batch_static_row
 from megatron.bridge_thd.testbed.data import select_samples, synthetic_receipt_batch
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.testbed.stack import cpu_stack
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state
+from megatron.bridge_thd.testbed.standalone import minimal_state
 
 SEQ = 2048
 MBS = 3
@@ -35,22 +34,13 @@ MBS = 3
 
 @pytest.fixture(scope="module")
 def model():
-    pg = init_single_process_groups()
-    with cpu_stack():
-        model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=SEQ), seed=0)
-    model.pg_collection = pg
-    return model
+    return tiny_real_model(SEQ)
 
 
 @pytest.fixture(scope="module")
 def meta_model():
     """The same model with its parameters on ``meta``: the step's stand-in for a GPU."""
-    pg = init_single_process_groups()
-    with cpu_stack():
-        model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=SEQ), seed=0)
-    model = model.to("meta")
-    model.pg_collection = pg
-    return model
+    return tiny_real_model(SEQ, device="meta")
 
 
 def signature(forward_args: dict) -> dict:
