@@ -133,13 +133,19 @@ def synthetic_receipt_batch(
         keep[i, columns] = True
     grids = torch.tensor([grid for _, _, grid in samples], dtype=torch.long)
     pixel_values = torch.randn(int(grids.prod(-1).sum()), spec.patch_features, generator=generator)
+    return batch_dict(tokens, labels, loss_mask, keep, VisualInputs(pixel_values=pixel_values, image_grid_thw=grids))
+
+
+def batch_dict(tokens, labels, loss_mask, keep, visual_inputs) -> dict:
+    """Megatron-Bridge's VLM micro-batch dict of ``(B, T)`` tensors, with its plain ``position_ids``."""
+    batch_size, width = tokens.shape
     return {
         "tokens": tokens,
         "labels": labels,
         "loss_mask": loss_mask,
         "attention_mask": keep,
         "position_ids": torch.arange(width).expand(batch_size, -1).clone(),
-        "visual_inputs": VisualInputs(pixel_values=pixel_values, image_grid_thw=grids),
+        "visual_inputs": visual_inputs,
     }
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.bridge_thd.testbed.data import ReceiptSpec, VisualInputs
+from megatron.bridge_thd.testbed.data import ReceiptSpec, VisualInputs, batch_dict
 
 __all__ = ["MEDIA", "VIDEO_TOKEN_ID", "TIMESTAMP_TOKENS", "vlm_batch"]
 
@@ -111,11 +111,4 @@ def vlm_batch(batch_size: int, width: int, *, media: str = "images", seed: int =
         visual.pixel_values_videos = torch.randn(int(video_grids.prod(-1).sum()), spec.patch_features,
                                                  generator=generator)
         visual.video_grid_thw = video_grids
-    return {
-        "tokens": tokens,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "attention_mask": keep,
-        "position_ids": torch.arange(width).expand(batch_size, -1).clone(),
-        "visual_inputs": visual,
-    }
+    return batch_dict(tokens, labels, loss_mask, keep, visual)
