@@ -228,7 +228,8 @@ def test_thd_static_is_static_in_everything_the_decoder_sees_inside_finetune(ran
     """Every micro-batch Megatron-Bridge's trainer hands our ``thd_static`` step, training and evaluation, gives
     the decoder one signature per run (``step.decoder_signature``: token inputs' shapes and dtypes, every
     ``PackedSeqParams`` field, the ``cu_seqlens`` count and ``max_seqlen`` included): in-batch, and under
-    global-batch packing, whose micro-batches hold different numbers of samples, across its stop and resume."""
+    global-batch packing across its stop and resume (its rows have segments for the most samples a row can hold;
+    micro-batches of 1 to 8 samples in one row are in tests/test_step_plan.py)."""
     for rank in ranks:
         for names in (("thd_static",), ("thd_static_per_token",),
                       ("thd_static_global_first", "thd_static_global_resumed")):
@@ -236,7 +237,5 @@ def test_thd_static_is_static_in_everything_the_decoder_sees_inside_finetune(ran
             assert batches and any(not batch["training"] for batch in batches), names  # evaluation is in it
             signatures = {batch["signature"] for batch in batches}
             assert len(signatures) == 1, (names, signatures)
-        global_batches = rank["thd_static_global_first"]["micro_batches"]
-        assert len({batch["samples"] for batch in global_batches}) > 1  # 1 to N samples per micro-batch
     # The control: thd's row follows its micro-batch, so its signature changes.
     assert len({batch["signature"] for batch in ranks[0]["thd_first"]["micro_batches"]}) > 1
