@@ -1,12 +1,19 @@
 """Run a function on N real processes over gloo with Megatron-Core's model-parallel groups.
 
-Parallelism on the CPU is tested with real process groups: :func:`run_on_gloo` spawns
-``world_size`` processes (``torch.multiprocessing``, spawn), each initialises
-``torch.distributed`` with the gloo backend and Megatron-Core's ``parallel_state`` with the
-requested TP / CP / PP / EP sizes, calls ``fn(*args)`` inside :func:`~megatron.bridge_thd.testbed.stack.cpu_stack`,
-and hands its return value back (``torch.save`` through a temporary folder). Ranks that do not import
-Megatron-Bridge whole start without NVIDIA ModelOpt (:func:`without_modelopt`). A rank that fails
-raises in the caller with its traceback; a rank that hangs is killed after ``timeout`` seconds.
+Parallelism on the CPU is tested with real process groups: :func:`run_on_gloo` starts
+``world_size`` processes, each initialises ``torch.distributed`` with the gloo backend and
+Megatron-Core's ``parallel_state`` with the requested TP / CP / PP / EP sizes, calls ``fn(*args)``
+inside :func:`~megatron.bridge_thd.testbed.stack.cpu_stack`, and hands its return value back
+(``torch.save`` through a temporary folder). Ranks that do not import Megatron-Bridge whole start
+without NVIDIA ModelOpt (:func:`without_modelopt`). A rank that fails raises in the caller with its
+traceback; a rank that hangs is killed after ``timeout`` seconds.
+
+The ranks are forked by multiprocessing's forkserver, a fresh interpreter that imported torch and
+Megatron-Core once (:mod:`~megatron.bridge_thd.testbed.forkserver_preload`): a spawned rank spent
+5-10 s of a two-core machine on those imports, a 4-rank world about 20 s before its first line. Each rank is a fresh process still: it takes the caller's current
+environment and import path, imports the test's function, Megatron-Bridge and Megatron's training
+package itself, under its patches, and creates its own process groups. The forkserver holds no
+process group and starts no thread.
 """
 
 from __future__ import annotations
@@ -39,9 +46,22 @@ def without_modelopt() -> Patch:
                  "(megatron.training.checkpointing guards it), ~5 s of imports per process nothing there uses")
 
 
-def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize):
+def _context():
+    """The forkserver, with :mod:`~megatron.bridge_thd.testbed.forkserver_preload` imported once for every world
+    of this process."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["megatron.bridge_thd.testbed.forkserver_preload"])
+    return context
+
+
+def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize, environment, path_entries):
     path = os.path.join(folder, f"rank{rank}.pt")
     try:
+        # The caller's environment and import path as they are now (a forked rank would otherwise see the
+        # forkserver's, taken when it started), as a spawned rank sees them.
+        os.environ.clear()
+        os.environ.update(environment)
+        sys.path[:] = path_entries
         # torchrun's variables, for code that initialises the process group itself (Megatron-Bridge).
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
@@ -111,21 +131,22 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
         raise ValueError(f"ep: {ep} must divide dp * cp = {dp * cp} (Megatron-Core carves expert parallelism out of them)")
     world_size = tp * cp * pp * dp
     sizes = dict(tp=tp, cp=cp, pp=pp, ep=ep)
-    context = mp.get_context("spawn")
+    context = _context()
     payload = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="bridge_thd_gloo_") as folder:
         port = free_port()
         processes = [
             context.Process(target=_worker, daemon=False,
-                            args=(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize))
+                            args=(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize,
+                                  dict(os.environ), list(sys.path)))
             for rank in range(world_size)
         ]
+        # One deadline for the whole world, its start included: a hang anywhere (a stage waiting on a
+        # peer's p2p, a collective a rank never joins) becomes a failure after `timeout` seconds, never
+        # a stuck suite.
+        deadline = time.monotonic() + timeout
         for process in processes:
             process.start()
-        # One deadline for the whole world: a hang anywhere (a stage waiting on a peer's p2p, a
-        # collective a rank never joins) becomes a failure after `timeout` seconds, never a
-        # stuck suite.
-        deadline = time.monotonic() + timeout
         for process in processes:
             process.join(max(0.0, deadline - time.monotonic()))
         hung = [rank for rank, process in enumerate(processes) if process.is_alive()]

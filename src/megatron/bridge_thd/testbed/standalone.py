@@ -7,6 +7,7 @@ up real Megatron-Core process groups of world size 1 and the few parts of Megatr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from types import SimpleNamespace
@@ -18,9 +19,18 @@ __all__ = ["init_single_process_groups", "minimal_state"]
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a gloo rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1, all free at once (held together while they are chosen): one
+    rendezvous per process group a world creates in turn. A port next to a free one may be taken (by another
+    process, or by gloo's own connections): never count up from one."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def init_single_process_groups():

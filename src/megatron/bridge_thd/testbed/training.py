@@ -565,7 +565,7 @@ def _log_lines(name: str):
         target.setLevel(level)
 
 
-def _run_in_order(paths: dict, runs: list, start_method: str = "fork") -> dict:
+def _run_in_order(paths: dict, runs: list, ports: list, start_method: str = "fork") -> dict:
     """One rank's side of :func:`run_on_cpu`: each ``(key, recipe, layout, settings)`` in turn, with
     the data loader workers started by ``start_method``. The test bed's ranks are spawned, and a
     spawned process inherits its parent's ``spawn``; a rank torchrun starts is a fresh interpreter
@@ -574,9 +574,9 @@ def _run_in_order(paths: dict, runs: list, start_method: str = "fork") -> dict:
 
     multiprocessing.set_start_method(start_method, force=True)
     results = {}
-    for index, (key, recipe, layout, settings) in enumerate(runs):
-        if index:  # each finetune() makes and destroys its own process group: a fresh rendezvous port
-            os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+    for (key, recipe, layout, settings), port in zip(runs, ports, strict=True):
+        # Each finetune() makes and destroys its own process group: a fresh rendezvous port, the same on every rank.
+        os.environ["MASTER_PORT"] = str(port)
         results[key] = run_recipe_on_cpu(recipe, paths, layout, **settings)
     return results
 
@@ -597,11 +597,12 @@ def run_on_cpu(runs: list, *, workdir, world_size: int = 2, timeout: float = 600
     """
     from megatron.bridge_thd.testbed.hf_hub import offline_hub
     from megatron.bridge_thd.testbed.launcher import run_on_gloo
+    from megatron.bridge_thd.testbed.standalone import free_ports
 
     paths = paths or prepare_cpu_run(workdir)
     with offline_hub():
-        return run_on_gloo(_run_in_order, paths, runs, start_method, dp=world_size, whole_bridge=True, initialize=False,
-                           timeout=timeout)
+        return run_on_gloo(_run_in_order, paths, runs, free_ports(len(runs)), start_method, dp=world_size,
+                           whole_bridge=True, initialize=False, timeout=timeout)
 
 
 def training_loop_runs(recipe: str = "qwen3_vl_8b_sft_2gpu_h100_bf16_config", *, iterations: int = 20,
