@@ -14,6 +14,10 @@ videos) it reports:
   compute, largely insensitive to other processes taking the cores. A fixed calibration workload
   (:func:`calibration_workload`) is timed in the same rounds: host ms / calibration ms compares runs
   made at different times, under different loads (``--label before`` and ``--label after``);
+* host batch: the same call with the batch on the host, as Megatron-Bridge's loader yields it, and the
+  model on ``meta`` (a GPU's stand-in): its median wall time in the same rounds (all the host work of
+  a GPU run's step: the row built on the host, then copied), its host syncs (a host read of a
+  ``meta`` tensor raises) and its ops on ``meta`` tensors (the copies);
 * ops, kernels and host syncs of one call (``testbed.opcount.count_ops``: aten ops dispatched; of
   them the ones that would launch a GPU kernel (views, allocations, wrapped numbers left out); host reads,
   data-sized ops and blocking copies between devices, each once), and the tensor constructors
@@ -204,9 +208,19 @@ def calibration_workload() -> None:
         keep.any(1)
 
 
-def measure_step(model, batch: dict, width: int, repeats: int, warmup: int) -> dict[str, dict]:
+HOST_BATCH = "host batch: "  # prefix of the timed calls with the batch on the host and the model on meta
+
+
+def measure_step(model, batch: dict, width: int, repeats: int, warmup: int, meta_model=None) -> dict[str, dict]:
+    """Per layout: ops, syncs and host time of the batch already on the model's device; with ``meta_model`` (where
+    the step has its host path) also the host time of the batch on the host bound for the model on ``meta``, what
+    Megatron-Bridge's loader and a GPU give the step; all timed in the same interleaved rounds."""
     states = {layout: make_state(model, batch, layout, width) for layout in LAYOUTS}
     calls = {layout: (lambda s=states[layout]: call(model, batch, s)) for layout in LAYOUTS}
+    if meta_model is not None and prepare_with_plan is not None:
+        for layout in LAYOUTS:
+            meta_state = make_state(meta_model, batch, layout, width)
+            calls[HOST_BATCH + layout] = lambda s=meta_state: call(meta_model, batch, s)
     calls[CALIBRATION] = calibration_workload
     for _ in range(warmup):
         calibration_workload()
@@ -230,11 +244,16 @@ def measure_step(model, batch: dict, width: int, repeats: int, warmup: int) -> d
     gc.collect()
     gc.disable()
     try:
-        names = (*LAYOUTS, CALIBRATION)
+        names = tuple(calls)
+        for name in names:
+            for _ in range(warmup):
+                calls[name]()
         for round_ in range(repeats):
             order = names[round_ % len(names):] + names[: round_ % len(names)]
             for layout in order:
                 model.config.seq_length = width
+                if meta_model is not None:
+                    meta_model.config.seq_length = width
                 c0, t0 = time.process_time(), time.perf_counter()
                 calls[layout]()
                 t1, c1 = time.perf_counter(), time.process_time()
@@ -249,6 +268,9 @@ def measure_step(model, batch: dict, width: int, repeats: int, warmup: int) -> d
         out[layout].update(host_ms=host_ms, host_ms_quartiles=[q[0], q[2]],
                            host_cpu_ms=statistics.median(cpu[layout]), calibration_ms=calibration_ms,
                            host_over_calibration=host_ms / calibration_ms)
+        if HOST_BATCH + layout in wall:
+            host_batch_ms = statistics.median(wall[HOST_BATCH + layout])
+            out[layout].update(host_batch_ms=host_batch_ms, host_batch_over_calibration=host_batch_ms / calibration_ms)
     return out
 
 
@@ -452,7 +474,9 @@ def render(results: dict) -> str:
         "device (here the CPU: VERL, custom iterators); where the step has a plan (`after`) it is built once, as "
         "the forward step builds it once per run. host batch: the batch on the host as Megatron-Bridge's loader "
         "yields it and the model on `meta` (a GPU's stand-in: a host read of a `meta` tensor raises, so 0 syncs "
-        "means the call completed; device ops: the ops on `meta` tensors, the copies). ViT syncs / ops: the model's own vision tower (`reorganize_inputs` + "
+        "means the call completed; device ops: the ops on `meta` tensors, the copies; host ms: the median wall "
+        "time of that call, timed in the same rounds, which is all the host work a GPU run's step does: the row "
+        "is built on the host, MRoPE positions by the host code (`mrope`, `on_host`), then copied). ViT syncs / ops: the model's own vision tower (`reorganize_inputs` + "
         f"`vision_model`, the CPU attention stand-in's reads left out) on the pixel inputs of the T={VISION_WIDTH} "
         "batch of the same B and media, the same for every layout (its reads are per image and per video frame: "
         "they depend on B and the media, not on T). "
@@ -466,7 +490,8 @@ def render(results: dict) -> str:
 
     header = ["layout", "B", "T", "media", *cols("host ms"), *cols("host / cal."), *cols("ops"), *cols("kernels"),
               *cols("syncs"),
-              *cols("H2D ctors"), *cols("host batch: syncs"), *cols("host batch: device ops"), "ViT syncs", "ViT ops"]
+              *cols("H2D ctors"), *cols("host batch: host ms"), *cols("host batch: host / cal."),
+              *cols("host batch: syncs"), *cols("host batch: device ops"), "ViT syncs", "ViT ops"]
     by_label = {label: {_key(r): r for r in runs[label]["configs"]} for label in labels}
     vision = {}  # (B, T, media) and (B, media) -> the first label's count
     for label in labels:
@@ -482,7 +507,8 @@ def render(results: dict) -> str:
         cells = [key[0], str(key[1]), str(key[2]), key[3]]
         for metric, spec in (("host_ms", ".1f"), ("host_over_calibration", ".2f"), ("ops", "d"), ("kernels", "d"),
                              ("host_syncs", "d"),
-                             ("device_constructors", "d"), ("host_batch_syncs", "d"),
+                             ("device_constructors", "d"), ("host_batch_ms", ".1f"),
+                             ("host_batch_over_calibration", ".2f"), ("host_batch_syncs", "d"),
                              ("host_batch_device_ops", "d")):
             cells += [_fmt(by_label[label].get(key, {}).get(metric), spec) for label in labels]
         v = vision.get(key[1:]) or vision.get((key[1], key[3]))
@@ -583,7 +609,7 @@ def run(args) -> dict:
     for batch_size, width in grid:
         for media in MEDIA:
             batch = vlm_batch(batch_size, width, media=media, seed=batch_size + width)
-            measured = measure_step(model, batch, width, args.repeats, args.warmup)
+            measured = measure_step(model, batch, width, args.repeats, args.warmup, meta_model)
             for layout in LAYOUTS:
                 row = measured[layout]
                 prepared = row.pop("prepared")

@@ -7,6 +7,9 @@ into a THD row they must equal Megatron-Bridge 0.6.2's own packed ``get_rope_ind
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import pytest
 import torch
 
@@ -18,7 +21,7 @@ from _vlm_samples import (
     make_batch,
     sample_from_layout,
 )
-from megatron.bridge_thd import pack_bshd_to_thd
+from megatron.bridge_thd import mrope, pack_bshd_to_thd
 from megatron.bridge_thd.mrope import PADDING_POSITION, qwen3_vl_position_ids, qwen3_vl_position_ids_deferred
 from megatron.bridge_thd.testbed.opcount import count_ops
 from megatron.bridge_thd.testbed.reference import ReferenceQwen3VL
@@ -38,6 +41,15 @@ LAYOUTS = {
     "image_and_video": [3, ("image", 8, 4), 2, ("video", 2, 4, 4), 3],
     "video_then_image": [2, ("video", 1, 8, 4), 4, ("image", 12, 12), 2, ("image", 4, 4), 1],
 }
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["device_code", "host_code"])
+def on_host(request, monkeypatch):
+    """Every test runs on both implementations of the one rule: torch ops where the data is (a batch on the
+    model's device), and NumPy on the host (a host batch bound for a GPU)."""
+    for name in ("qwen3_vl_position_ids", "qwen3_vl_position_ids_deferred"):
+        monkeypatch.setattr(sys.modules[__name__], name, functools.partial(getattr(mrope, name), on_host=request.param))
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -245,10 +257,13 @@ def test_padding_hole_between_vision_start_and_image(hf_model):
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
-def test_videos_cost_no_host_sync(hf_model, padding_side):
+def test_videos_cost_no_host_sync(hf_model, padding_side, on_host):
     """Videos of 1-3 frames, images, text-only samples: positions (and the deferred checks) with
     no host read at all, and still Hugging Face's per sample. Hugging Face and Megatron-Bridge
-    split videos per frame with ``repeat_interleave(grid, grid[:, 0])``, a host read."""
+    split videos per frame with ``repeat_interleave(grid, grid[:, 0])``, a host read. (The host code
+    reads host memory by design: it runs only on a batch that is on the host.)"""
+    if on_host:
+        pytest.skip("the device code's property: the host code reads the host memory it runs on")
     batch = make_batch(7, 12, 120, padding_side=padding_side, video_prob=1.0)
     extra = sample_from_layout([2, ("video", 3, 8, 4), 1, ("image", 4, 8), 2, ("video", 2, 4, 4), 1], seed=11)
     batch = collate(batch.samples + [extra], padding_side)

@@ -33,7 +33,7 @@ class ModelAdapter(Protocol):
         """The family's constants, read once from the model config when the step builds its plan."""
 
     def position_ids(self, tokens: torch.Tensor, keep: torch.Tensor, multi_modal: dict,
-                     ids: VisionTokens) -> tuple[torch.Tensor | None, list[DeferredCheck]]:
+                     ids: VisionTokens, *, on_host: bool = False) -> tuple[torch.Tensor | None, list[DeferredCheck]]:
         """Per-sample position ids of the padded batch, each sample starting at 0, or None when the
         model computes them itself from the packed row.
 
@@ -42,6 +42,8 @@ class ModelAdapter(Protocol):
             keep: ``(B, T)`` bool, True at real tokens (after truncation).
             multi_modal: the visual inputs the model gets (``image_grid_thw``, ...).
             ids: the family's constants (:meth:`tokens`).
+            on_host: the batch is on the host and the step copies the finished row to the model's device:
+                compute there with host code (every tensor is on the CPU).
 
         Returns:
             ``(3, B, T)`` MRoPE (or ``(B, T)``) positions or None, and deferred checks read by the
@@ -101,11 +103,12 @@ class Qwen3VLAdapter:
     def tokens(self, model_config) -> VisionTokens:
         return _vision_tokens(model_config)
 
-    def position_ids(self, tokens, keep, multi_modal, ids):
+    def position_ids(self, tokens, keep, multi_modal, ids, *, on_host=False):
         return qwen3_vl_position_ids_deferred(
             tokens, keep, multi_modal.get("image_grid_thw"), multi_modal.get("video_grid_thw"),
             image_token_id=ids.image_token_id, video_token_id=ids.video_token_id,
             vision_start_token_id=ids.vision_start_token_id, spatial_merge_size=ids.spatial_merge_size,
+            on_host=on_host,
         )
 
     def p2p_decoder(self, model):
@@ -136,7 +139,7 @@ class Qwen25VLAdapter:
     def tokens(self, model_config) -> VisionTokens:
         return _vision_tokens(model_config)
 
-    def position_ids(self, tokens, keep, multi_modal, ids):
+    def position_ids(self, tokens, keep, multi_modal, ids, *, on_host=False):
         return None, []
 
     def p2p_decoder(self, model):

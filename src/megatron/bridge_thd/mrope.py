@@ -9,9 +9,16 @@ Qwen3-VL's rule (Hugging Face ``Qwen3VLModel.get_rope_index``, Megatron-Bridge
   ``(p + t_i, p + h_i, p + w_i)`` in raster order over the merged grid
   ``(t, h / merge, w / merge)``; afterwards p += max(h, w) / merge.
 
-Every sample starts at 0. No host synchronisation: every tensor is sized by the token batch or
-by the grids' row counts (videos are never expanded into a per-frame table, whose size
-``sum(t)`` only a host read could give); the validity checks are deferred to the caller's read.
+Every sample starts at 0. Two implementations of the one rule, chosen by where the data is:
+
+* on the device (a batch already on the model's device: VERL, custom iterators): torch ops with no
+  host synchronisation: every tensor is sized by the token batch or by the grids' row counts
+  (videos are never expanded into a per-frame table, whose size ``sum(t)`` only a host read could
+  give); the validity checks are deferred to the caller's read;
+* on the host (``on_host=True``: the batch arrives on the host, as Megatron-Bridge's loader hands it,
+  and the step copies the finished row to the device): NumPy over the vision tokens only, their
+  indices read directly (a read of host memory is no synchronisation), in a handful of array
+  operations, each far cheaper than a dispatched torch op on such small arrays.
 Packed through ``pack_bshd_to_thd`` the result becomes ``(3, 1, N)`` positions that restart per
 sample, never the degenerate 1D expansion (three equal channels) that silently drops the image
 layout.
@@ -19,6 +26,7 @@ layout.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_2d, raise_failed_checks
@@ -105,6 +113,7 @@ def qwen3_vl_position_ids(
     video_token_id: int,
     vision_start_token_id: int,
     spatial_merge_size: int = 2,
+    on_host: bool = False,
 ) -> torch.Tensor:
     """Qwen3-VL MRoPE positions of every sample of a padded batch.
 
@@ -122,7 +131,7 @@ def qwen3_vl_position_ids(
     positions, checks = qwen3_vl_position_ids_deferred(
         input_ids, attention_mask, image_grid_thw, video_grid_thw, image_token_id=image_token_id,
         video_token_id=video_token_id, vision_start_token_id=vision_start_token_id,
-        spatial_merge_size=spatial_merge_size,
+        spatial_merge_size=spatial_merge_size, on_host=on_host,
     )
     raise_failed_checks(checks)
     return positions
@@ -138,6 +147,7 @@ def qwen3_vl_position_ids_deferred(
     video_token_id: int,
     vision_start_token_id: int,
     spatial_merge_size: int = 2,
+    on_host: bool = False,
 ) -> tuple[torch.Tensor, list[DeferredCheck]]:
     """Qwen3-VL MRoPE positions of every sample of a padded batch, checks left to the caller.
 
@@ -149,6 +159,7 @@ def qwen3_vl_position_ids_deferred(
         video_grid_thw: ``(V, 3)`` patch grids of the batch's videos in order of appearance.
         image_token_id, video_token_id, vision_start_token_id: the model config's ids.
         spatial_merge_size: the vision config's patch merge size.
+        on_host: compute with NumPy (every tensor on the CPU); the result is the same.
 
     Returns:
         positions: ``(3, B, T)`` int64 (temporal, height, width); each sample starts at 0;
@@ -173,7 +184,20 @@ def qwen3_vl_position_ids_deferred(
     empty_grid = torch.zeros(0, 3, dtype=torch.int64, device=input_ids.device)
     image_grids = empty_grid if image_grid_thw is None else image_grid_thw
     video_grids = empty_grid if video_grid_thw is None else video_grid_thw
+    if on_host:
+        positions, image_error, video_error, orphan_item = _positions_on_host(
+            input_ids, keep, is_image, is_video, image_grids, video_grids, vision_start_token_id, spatial_merge_size)
+    else:
+        positions, image_error, video_error, orphan_item = _positions_on_device(
+            input_ids, keep, is_image, is_video, image_grids, video_grids, vision_start_token_id, spatial_merge_size)
+    return positions, mask_checks + _checks(is_image, is_video, image_grids, video_grids, image_error, video_error,
+                                            orphan_item, vision_start_token_id, spatial_merge_size)
 
+
+def _positions_on_device(input_ids, keep, is_image, is_video, image_grids, video_grids, vision_start_token_id,
+                         spatial_merge_size):
+    """Torch ops, no host read: ``(3, B, T)`` positions and the three 0-dim bool failure flags (image tokens vs
+    grids, video tokens vs grids, an item without a vision-start token before it)."""
     image_offsets, image_advance, image_first, image_error = _vision_positions(
         is_image, image_grids, spatial_merge_size
     )
@@ -195,12 +219,80 @@ def qwen3_vl_position_ids_deferred(
     firsts = [first for _, _, first in present]
     orphan_item = _orphan_items(input_ids, keep, firsts[0] if len(firsts) == 1 else firsts[0] | firsts[1],
                                 vision_start_token_id) if firsts else keep.new_zeros(())
+    return positions, image_error, video_error, orphan_item
 
+
+def _host_items(is_vision: np.ndarray, grids: np.ndarray, merge: int, frames: bool):
+    """The vision tokens of one modality laid out on the host.
+
+    Args:
+        is_vision: ``(B * T,)`` bool, the real tokens of this modality.
+        grids: ``(K, 3)`` int64 patch grids.
+        frames: place each temporal slice separately (videos).
+
+    Returns:
+        ``(index, offsets, last, moves, first, error)``: the flat indices ``(N,)`` of the tokens, their
+        ``(3, N)`` (t, h, w) offsets, the flat indices of each unit's (item's or frame's) last token and how
+        far it moves the text position, the flat indices of each unit's first token, and whether the
+        tokens do not match the grids (then nothing else is laid out).
+    """
+    index = np.flatnonzero(is_vision)
+    merged = grids[:, 1:] // merge
+    per_frame = merged[:, 0] * merged[:, 1]
+    per_item = grids[:, 0] * per_frame
+    if len(index) != int(per_item.sum()):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, np.zeros((3, 0), dtype=np.int64), empty, empty, empty, True
+    unit_length = per_frame if frames else per_item
+    units = grids[:, 0] if frames else np.ones(len(grids), dtype=np.int64)
+    unit_of_item = np.repeat(np.arange(len(grids)), units)  # (U,) the item of each unit
+    unit_tokens = unit_length[unit_of_item]
+    unit_end = np.cumsum(unit_tokens)
+    unit_start = unit_end - unit_tokens
+    token_unit = np.repeat(np.arange(len(unit_of_item)), unit_tokens)
+    offset = np.arange(len(index)) - unit_start[token_unit]
+    width = merged[unit_of_item, 1][token_unit]
+    area = per_frame[unit_of_item][token_unit]
+    offsets = np.stack([offset // area, offset % area // width, offset % width])
+    moves = merged.max(axis=1)[unit_of_item]
+    return index, offsets, index[unit_end - 1], moves, index[unit_start], False
+
+
+def _positions_on_host(input_ids, keep, is_image, is_video, image_grids, video_grids, vision_start_token_id,
+                       spatial_merge_size):
+    """:func:`_positions_on_device` with NumPy on host tensors: the same ``(3, B, T)`` positions and flags."""
+    batch, width = input_ids.shape
+    keep_flat = keep.numpy().ravel()
+    image = _host_items(is_image.numpy().ravel(), image_grids.numpy().astype(np.int64), spatial_merge_size, False)
+    video = _host_items(is_video.numpy().ravel(), video_grids.numpy().astype(np.int64), spatial_merge_size, True)
+    advance = (keep_flat & ~is_image.numpy().ravel() & ~is_video.numpy().ravel()).astype(np.int64)
+    for _, _, last, moves, _, _ in (image, video):
+        advance[last] += moves
+    advance = advance.reshape(batch, width)
+    start = (np.cumsum(advance, axis=1) - advance).ravel()  # where each token's text run or unit starts
+    positions = np.broadcast_to(start, (3, start.size)).copy()
+    for index, offsets, _, _, _, _ in (image, video):
+        positions[:, index] += offsets
+    positions[:, ~keep_flat] = PADDING_POSITION
+    firsts = np.concatenate([image[4], video[4]])
+    # The token before an item is the previous real token of its sample (padding may sit anywhere).
+    real = np.flatnonzero(keep_flat)
+    rank_of_first = np.searchsorted(real, firsts)
+    previous = real[np.maximum(rank_of_first - 1, 0)]
+    has_previous = (rank_of_first > 0) & (previous // width == firsts // width)
+    ids = input_ids.numpy().ravel()
+    orphan = bool(np.any(~has_previous | (ids[previous] != vision_start_token_id)))
+    return (torch.from_numpy(positions.reshape(3, batch, width)), torch.tensor(image[5]), torch.tensor(video[5]),
+            torch.tensor(orphan))
+
+
+def _checks(is_image, is_video, image_grids, video_grids, image_error, video_error, orphan_item,
+            vision_start_token_id, spatial_merge_size) -> list[DeferredCheck]:
     def tokens_in(grids: torch.Tensor) -> int:
         # Only for the error message: computed once a check has failed, never on the good path.
         return int((grids[:, 0] * (grids[:, 1] // spatial_merge_size) * (grids[:, 2] // spatial_merge_size)).sum())
 
-    checks = mask_checks + [
+    return [
         DeferredCheck(
             image_error,
             "image_grid_thw: the real image tokens of the batch do not match its grids; pass one grid per image in "
@@ -219,4 +311,3 @@ def qwen3_vl_position_ids_deferred(
             "before it; check image_token_id / vision_start_token_id against the model config",
         ),
     ]
-    return positions, checks

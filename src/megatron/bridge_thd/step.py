@@ -255,7 +255,11 @@ def _capture(inputs: _Inputs, plan: StepPlan) -> _Captured:
     keep, mask_checks = capture_keep_mask(inputs, plan)
     keep, truncated, truncation_checks = truncate_to_seq_length(keep, inputs.tokens, plan.seq_length,
                                                                 plan.tokens.uncuttable)
-    positions, position_checks = plan.adapter.position_ids(inputs.tokens, keep, inputs.multi_modal, plan.tokens)
+    # A batch on the host bound for a model elsewhere (Megatron-Bridge's loader and a GPU): host code builds the
+    # positions where the data is; the finished row is copied once (_to_device).
+    on_host = inputs.tokens.device.type == "cpu" and plan.device.type != "cpu"
+    positions, position_checks = plan.adapter.position_ids(inputs.tokens, keep, inputs.multi_modal, plan.tokens,
+                                                           on_host=on_host)
     position_checks = position_checks + plan.adapter.data_checks(plan.layout, keep)
     return _Captured(inputs, keep, positions, truncated, mask_checks, truncation_checks, position_checks)
 
