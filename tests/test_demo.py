@@ -66,3 +66,27 @@ def test_main_writes_the_plot_and_says_where(tmp_path, capsys):
     assert path.stat().st_size > 1000
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {path}" in capsys.readouterr().out
+
+
+def test_the_demo_screen_is_its_report_without_warning_lines(tmp_path):
+    """``make demo``'s command (the Makefile's interpreter flags) in a fresh interpreter: every line on the screen,
+    stdout and stderr, is the demo's own; no library warning (Megatron's, ModelOpt's, torch's) comes first."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    makefile = (root / "Makefile").read_text()
+    flags = re.search(r'^QUIET_IMPORTS := (.*)$', makefile, re.M).group(1)
+    command = [sys.executable, *[part.strip('"') for part in re.findall(r'-W "[^"]*"', flags) for part in
+                                 part.split(" ", 1)],
+               "-m", "megatron.bridge_thd.testbed.demo", "--micro-batches", "1", "--micro-batch-size", "2",
+               "--progress", "off", "--plot", str(tmp_path / "demo.png")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(root / "src")))
+    assert done.returncode == 0, done.stderr[-2000:]
+    screen = (done.stdout + done.stderr).splitlines()
+    assert screen[0].startswith("megatron-bridge-thd demo:"), screen[:3]
+    assert not [line for line in screen if re.search(r"warn", line, re.I)], screen

@@ -49,6 +49,10 @@ def _silence_cpu_build_noise() -> None:
     # Megatron-Core 0.19.2's TransformerConfig.__post_init__: Megatron-Bridge 0.6.2's Qwen3-VL
     # provider still sets the deprecated "full" CUDA-graph scope; no CUDA graph is captured here.
     warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+    # NVIDIA ModelOpt's quantization kernels (modelopt/torch/quantization/tensor_quant.py) are decorated
+    # with torch.jit.script, which this torch deprecates, when Megatron's training package (loaded with
+    # Megatron-Bridge's flop_utils) imports ModelOpt: nothing the demo runs uses them.
+    warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated", category=FutureWarning)
     # hyper_comm_grid.py: absl is optional and not installed.
     warnings.filterwarnings("ignore", message="absl.logging is not installed", category=UserWarning)
     # gpt_model.py logs a deprecation notice (GPTModel -> HybridModel) for every model it builds:
