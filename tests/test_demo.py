@@ -84,8 +84,12 @@ def test_the_demo_screen_is_its_report_without_warning_lines(tmp_path):
                                  part.split(" ", 1)],
                "-m", "megatron.bridge_thd.testbed.demo", "--micro-batches", "1", "--micro-batch-size", "2",
                "--progress", "off", "--plot", str(tmp_path / "demo.png")]
+    # A user's shell: no rendezvous variables (an earlier test of this process may have set MASTER_PORT to a port
+    # its own process group still listens on).
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    environment = {name: value for name, value in os.environ.items() if name not in rendezvous}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=str(root / "src")))
+                          env=dict(environment, PYTHONPATH=str(root / "src")))
     assert done.returncode == 0, done.stderr[-2000:]
     screen = (done.stdout + done.stderr).splitlines()
     assert screen[0].startswith("megatron-bridge-thd demo:"), screen[:3]
