@@ -73,16 +73,15 @@ def test_the_demo_screen_is_its_report_without_warning_lines(tmp_path):
     stdout and stderr, is the demo's own; no library warning (Megatron's, ModelOpt's, torch's) comes first."""
     import os
     import re
+    import shlex
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     makefile = (root / "Makefile").read_text()
-    flags = re.search(r'^QUIET_IMPORTS := (.*)$', makefile, re.M).group(1)
-    command = [sys.executable, *[part.strip('"') for part in re.findall(r'-W "[^"]*"', flags) for part in
-                                 part.split(" ", 1)],
-               "-m", "megatron.bridge_thd.testbed.demo", "--micro-batches", "1", "--micro-batch-size", "2",
+    flags = shlex.split(re.search(r"^QUIET_IMPORTS := (.*)$", makefile, re.M).group(1))
+    command = [sys.executable, *flags, "-m", "megatron.bridge_thd.testbed.demo", "--micro-batches", "1", "--micro-batch-size", "2",
                "--progress", "off", "--plot", str(tmp_path / "demo.png")]
     # A user's shell: no rendezvous variables (an earlier test of this process may have set MASTER_PORT to a port
     # its own process group still listens on).

@@ -48,8 +48,6 @@ def test_a_hanging_world_fails_at_the_deadline():
 def cuda_as_a_rank_sees_it():
     import os
 
-    from megatron.bridge_thd.testbed.stack import cpu_stack  # noqa: F401 - imported by every rank
-
     try:
         torch.cuda.init()
         error = None

@@ -262,10 +262,10 @@ def _positions_on_host(input_ids, keep, is_image, is_video, image_grids, video_g
                        spatial_merge_size):
     """:func:`_positions_on_device` with NumPy on host tensors: the same ``(3, B, T)`` positions and flags."""
     batch, width = input_ids.shape
-    keep_flat = keep.numpy().ravel()
-    image = _host_items(is_image.numpy().ravel(), image_grids.numpy().astype(np.int64), spatial_merge_size, False)
-    video = _host_items(is_video.numpy().ravel(), video_grids.numpy().astype(np.int64), spatial_merge_size, True)
-    advance = (keep_flat & ~is_image.numpy().ravel() & ~is_video.numpy().ravel()).astype(np.int64)
+    keep_flat, image_flat, video_flat = (mask.numpy().ravel() for mask in (keep, is_image, is_video))
+    image = _host_items(image_flat, image_grids.numpy().astype(np.int64), spatial_merge_size, False)
+    video = _host_items(video_flat, video_grids.numpy().astype(np.int64), spatial_merge_size, True)
+    advance = (keep_flat & ~image_flat & ~video_flat).astype(np.int64)
     for _, _, last, moves, _, _ in (image, video):
         advance[last] += moves
     advance = advance.reshape(batch, width)

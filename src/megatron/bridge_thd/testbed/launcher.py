@@ -10,9 +10,10 @@ traceback; a rank that hangs is killed after ``timeout`` seconds.
 
 The ranks are forked by multiprocessing's forkserver, a fresh interpreter that imported torch and
 Megatron-Core once (:mod:`~megatron.bridge_thd.testbed.forkserver_preload`): a spawned rank spent
-5-10 s of a two-core machine on those imports, a 4-rank world about 20 s before its first line. Each rank is a fresh process still: it takes the caller's current
-environment and import path, imports the test's function, Megatron-Bridge and Megatron's training
-package itself, under its patches, and creates its own process groups. The forkserver holds no
+5-10 s of a two-core machine on those imports, a 4-rank world about 20 s before its first line.
+Each rank is a fresh process still: it takes the caller's current environment and import path,
+imports the test's function, Megatron-Bridge and Megatron's training package itself, under its
+patches, and creates its own process groups. The forkserver holds no
 process group and starts no thread.
 """
 

@@ -567,9 +567,10 @@ def _log_lines(name: str):
 
 def _run_in_order(paths: dict, runs: list, ports: list, start_method: str = "fork") -> dict:
     """One rank's side of :func:`run_on_cpu`: each ``(key, recipe, layout, settings)`` in turn, with
-    the data loader workers started by ``start_method``. The test bed's ranks are spawned, and a
-    spawned process inherits its parent's ``spawn``; a rank torchrun starts is a fresh interpreter
-    whose workers Linux forks, the setting the recipes' loader workers meet in a real run."""
+    the data loader workers started by ``start_method``, set here explicitly: the test bed's ranks come
+    from a forkserver and would otherwise take whatever start method their parent process chose; a rank
+    torchrun starts is a fresh interpreter whose workers Linux forks, the setting the recipes' loader
+    workers meet in a real run. ``ports``: one rendezvous port per run (``standalone.free_ports``)."""
     import multiprocessing
 
     multiprocessing.set_start_method(start_method, force=True)
