@@ -78,7 +78,7 @@ def dp_worker(full_state_dict, batch, placements):
         micro_batches = [select_samples(batch, rows) for rows in assignment[rank]]
         row = None if row_length is None else _static_row(row_length, len(batch["tokens"]))
         result = pipeline_step(full_state_dict, micro_batches, layout, False, num_layers=DP_NUM_LAYERS,
-                               micro_batch_size=DP_MICRO_BATCH_SIZE, seq_length=SEQ_LENGTH, static_row=row)
+                               micro_batch_size=DP_MICRO_BATCH_SIZE, seq_length=SEQ_LENGTH, static_rows=() if row is None else (row,))
         loss, tokens, grads = _reduced(result)
         totals = torch.tensor([loss, float(tokens)], dtype=torch.float64)
         torch.distributed.all_reduce(totals, group=group)
@@ -141,7 +141,7 @@ def pp_worker(full_state_dict, batch, placements):
     for name, (assignment, row) in placements.items():
         micro_batches = [select_samples(batch, rows) for rows in assignment[0]]
         out[name] = pipeline_step(full_state_dict, micro_batches, "thd_static", False, num_layers=NUM_LAYERS,
-                                  micro_batch_size=PP_MICRO_BATCH_SIZE, seq_length=SEQ_LENGTH, static_row=row)
+                                  micro_batch_size=PP_MICRO_BATCH_SIZE, seq_length=SEQ_LENGTH, static_rows=() if row is None else (row,))
     return out
 
 

@@ -113,7 +113,7 @@ def test_the_plan_records_what_the_model_takes(model):
 
 def test_global_batch_rows_reach_the_plan_from_the_train_state(model):
     row = StaticRow(length=1000, segments=7, max_seqlen=1000)
-    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd_static", static_row=row)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd_static", static_rows=(row,))
     assert build_step_plan(state, model, model.pg_collection, QWEN3_VL).static_row == row
 
 
@@ -170,8 +170,9 @@ def test_every_step_rule_is_a_configure_rule():
 
     source = inspect.getsource(rules.configure_problems)
     # The static pipeline row and the seq_length presence depend on facts final only once the model is built
-    # (Megatron-Bridge's finalize sets variable_seq_lengths); every other step rule is configure's too.
-    step_only = {"_static_pipeline_problems", "_seq_length_set_problems"}
+    # (Megatron-Bridge's finalize sets variable_seq_lengths); the recorded rows exist only once the loaders are built
+    # (configure judges the row_buckets setting instead); every other step rule is configure's too.
+    step_only = {"_static_pipeline_problems", "_seq_length_set_problems", "_row_lengths_problems"}
     assert {rule.__name__ for rule in STEP_RULES} - step_only <= {
         name for name in dir(rules) if name.endswith("_problems") and f"{name}(" in source}
 
@@ -206,7 +207,7 @@ def test_global_batch_static_rows_have_one_signature(model):
     batch = synthetic_receipt_batch(8, seed=3)
     lengths = batch["attention_mask"].sum(1)
     row = StaticRow(length=int(lengths.sum()), segments=9, max_seqlen=SEQ)
-    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_row=row)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_rows=(row,))
     micro_batches = [select_samples(batch, rows) for rows in ([0], [1, 2], [3, 4, 5, 6], list(range(8)))]
     signatures = _static_signatures(model, micro_batches, state)
     assert all(s == signatures[0] for s in signatures), signatures
@@ -217,7 +218,7 @@ def test_zero_length_segments_sit_at_the_row_end(model):
     batch = select_samples(synthetic_receipt_batch(4, seed=3), [0, 1])
     lengths = [int(n) for n in batch["attention_mask"].sum(1)]
     row = StaticRow(length=sum(lengths) + 10, segments=6, max_seqlen=SEQ)
-    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_row=row)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_rows=(row,))
     params = prepare_micro_batch(batch, model, state, model.pg_collection).forward_args["packed_seq_params"]
     real = [0, lengths[0], sum(lengths)]
     assert params.cu_seqlens_q.tolist() == real + [sum(lengths)] * 4
@@ -226,7 +227,7 @@ def test_zero_length_segments_sit_at_the_row_end(model):
 
 def test_a_micro_batch_with_more_samples_than_the_row_has_segments_is_refused(model):
     row = StaticRow(length=8 * SEQ, segments=3, max_seqlen=SEQ)
-    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_row=row)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_rows=(row,))
     with pytest.raises(ValueError, match=r"batch: 3 samples, but the run's static row .* has segments for 2"):
         prepare_micro_batch(receipt_batch("right"), model, state, model.pg_collection)
 

@@ -13,8 +13,10 @@ counts slots by it: one home, so the three cannot drift. Reasoning: docs/layouts
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from megatron.bridge_thd.packing import required_alignment, round_up
 
@@ -30,6 +32,7 @@ __all__ = [
     "bshd_width",
     "thd_slots",
     "static_row_length",
+    "row_bucket",
 ]
 
 
@@ -117,3 +120,13 @@ def static_row_length(batch_size: int, *, seq_length: int, align: int, micro_bat
     if row_length is not None:
         return round_up(row_length, align)
     return max(micro_batch_size or batch_size, batch_size) * round_up(seq_length, align)
+
+def row_bucket(row_lengths: Sequence[int], slots: int) -> int:
+    """The index of the smallest of ``row_lengths`` (ascending: a run's ``thd_static`` rows) that holds
+    ``slots`` aligned slots; ``len(row_lengths)`` when none does. Every micro-batch takes the smallest row
+    that fits it; global-batch packing chooses the rows (``megatron.bridge_thd.batching``), the step reads them.
+
+    >>> row_bucket((1024, 2048, 4096), 1024), row_bucket((1024, 2048, 4096), 1025), row_bucket((1024,), 2000)
+    (0, 1, 1)
+    """
+    return bisect.bisect_left(row_lengths, slots)

@@ -30,6 +30,9 @@ __all__ = [
     "uses_seq_aux_loss",
     "layout_dependent_moe_settings",
     "requested_layout",
+    "one_row_shape",
+    "row_buckets",
+    "DEFAULT_ROW_BUCKETS",
 ]
 
 # Offline (pre-packed dataset) settings: current names, then the older ``packed_sequence_specs``.
@@ -131,7 +134,7 @@ class Setup:
     micro_batch_size: int | None = None
     routes_real_tokens_only: bool = False  # the MoE routers see real tokens only (the padding-mask hook)
     adapter: Any = None  # the model family (megatron.bridge_thd.adapters), when known
-    row_length: int | None = None  # thd_static under global-batch packing: the run's fixed row
+    row_lengths: tuple[int, ...] = ()  # thd_static under global-batch packing: the run's rows, ascending
 
     @property
     def pipeline_graphs(self) -> bool:
@@ -142,6 +145,11 @@ class Setup:
     def seq_length(self) -> int | None:
         """The model's ``seq_length`` (what the step truncates to and sizes static rows by)."""
         return self.seq_lengths[1] if self.seq_lengths[1] is not None else self.seq_lengths[0]
+
+    @property
+    def row_length(self) -> int | None:
+        """Global-batch packing's longest ``thd_static`` row (the one every micro-batch fits), or None."""
+        return self.row_lengths[-1] if self.row_lengths else None
 
     @property
     def fixed_p2p_shapes(self) -> bool:
@@ -184,12 +192,12 @@ def _setting(model: Any, model_root: Any, name: str, default: Any = None) -> Any
 def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_batch: Any = None, *,
                model_config: Any = None, sizes: dict[str, int] | None = None,
                routes_real_tokens_only: bool | None = None, adapter: Any = None,
-               row_length: int | None = None) -> Setup:
+               row_lengths: tuple[int, ...] = ()) -> Setup:
     """The :class:`Setup` of ``cfg`` for ``layout``.
 
     ``configure`` passes the config alone. The step also passes what only a built model knows: its
     ``model_config`` (read before ``cfg.model``), the process-group ``sizes`` (``tp``, ``cp``, ``pp``, ``ep``),
-    whether its MoE routers see real tokens only, its ``adapter`` and global-batch packing's fixed row.
+    whether its MoE routers see real tokens only, its ``adapter`` and global-batch packing's rows.
     """
     dataset = getattr(cfg, "dataset", None)
     model_root = getattr(cfg, "model", None)
@@ -234,7 +242,7 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
         micro_batch_size=getattr(getattr(cfg, "train", None), "micro_batch_size", None),
         routes_real_tokens_only=bool(routes_real_tokens_only),
         adapter=adapter,
-        row_length=row_length,
+        row_lengths=tuple(row_lengths),
     )
 
 
@@ -300,6 +308,39 @@ def step_problems(s: Setup) -> list[str]:
     return [problem for rule in STEP_RULES for problem in rule(s)]
 
 
+# Rows a thd_static run under global-batch packing may use when row_buckets is left unset.
+DEFAULT_ROW_BUCKETS = 4
+
+
+def one_row_shape(s: Setup) -> str | None:
+    """Why this setup can run one ``thd_static`` row shape only (fixed pipeline p2p buffers, CUDA graphs), or
+    None when several can run."""
+    if s.fixed_p2p_shapes:
+        return ("without model.variable_seq_lengths the pipeline stages exchange fixed-shape buffers, which hold one "
+                "row shape")
+    if s.graphs:
+        return ("with CUDA graphs Megatron-Core's graph manager captures its graphs in the first iteration and stops "
+                "the run at a row shape first seen later")
+    return None
+
+
+def row_buckets(s: Setup) -> int:
+    """How many ``thd_static`` rows global-batch packing chooses: ``global_batch_packing.row_buckets``, or unset
+    :data:`DEFAULT_ROW_BUCKETS` (1 where :func:`one_row_shape` says only one can run)."""
+    requested = getattr(s.global_batch, "row_buckets", None)
+    if requested is not None:
+        return requested
+    return 1 if one_row_shape(s) else DEFAULT_ROW_BUCKETS
+
+
+def _row_lengths_problems(s: Setup) -> list[str]:
+    """Several recorded ``thd_static`` rows where only one row shape can run."""
+    if len(s.row_lengths) < 2 or s.layout != "thd_static" or not one_row_shape(s):
+        return []
+    return [f"dataset.global_batch_packing.row_buckets: the loaders chose {len(s.row_lengths)} rows "
+            f"({', '.join(map(str, s.row_lengths))} slots), but {one_row_shape(s)}; set row_buckets=1"]
+
+
 def _global_batch_problems(s: Setup) -> list[str]:
     """Global-batch packing with a layout, a data loader or a setting it cannot work with."""
     g = s.global_batch
@@ -320,6 +361,13 @@ def _global_batch_problems(s: Setup) -> list[str]:
     row = g.row_length
     if row is not None and (isinstance(row, bool) or not isinstance(row, int) or row < 1):
         problems.append(f"global_batch_packing.row_length: {row!r}; expected None (chosen from the data) or an int >= 1")
+    buckets = g.row_buckets
+    if buckets is not None and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1):
+        problems.append(f"global_batch_packing.row_buckets: {buckets!r}; expected None (the default: "
+                        f"{DEFAULT_ROW_BUCKETS}, or 1 where only one row shape can run) or an int >= 1")
+    elif buckets is not None and buckets > 1 and s.layout == "thd_static" and one_row_shape(s):
+        problems.append(f"dataset.global_batch_packing.row_buckets: {buckets} rows, but {one_row_shape(s)}; set "
+                        "row_buckets=1 (or leave it unset: then one row)")
     if g.cost_model is not None:
         from megatron.bridge_thd.batching.cost import sample_cost
 
@@ -664,5 +712,6 @@ STEP_RULES = (
     _moe_allgather_problems,
     _moe_routing_problems,
     _static_pipeline_problems,
+    _row_lengths_problems,
     _adapter_problems,
 )

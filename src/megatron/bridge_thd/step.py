@@ -27,9 +27,9 @@ import torch
 
 from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
 from megatron.bridge_thd.layouts import LAYOUT_NAMES as LAYOUTS
-from megatron.bridge_thd.layouts import bshd_width
+from megatron.bridge_thd.layouts import bshd_width, row_bucket
 from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, raise_failed_checks
-from megatron.bridge_thd.packing import pack_bshd_to_thd, scatter_into_row
+from megatron.bridge_thd.packing import pack_bshd_to_thd, round_up, scatter_into_row
 from megatron.bridge_thd.step_plan import (
     StepPlan,
     build_step_plan,
@@ -292,9 +292,19 @@ def _build_padded(c: _Captured, plan: StepPlan) -> _Built:
     return _Built(forward_args, extras, keep.new_full((), c.batch_size * width**2, dtype=torch.int64))
 
 
+def _row_slots(keep: torch.Tensor, align: int) -> int:
+    """The aligned slots a micro-batch's real tokens take (at least one aligned padding segment): free on the host,
+    one read on a device."""
+    return max(int(round_up(keep.sum(dim=1), align).sum()), align)
+
+
 def _static_row_of(c: _Captured, plan: StepPlan):
-    """The plan's static row, checked to take this micro-batch's samples (a shape: known on the host)."""
-    row = plan.static_row or in_batch_static_row(c.batch_size, plan.seq_length, plan.align)
+    """The plan's static row for this micro-batch: the shortest of the run's rows that holds its aligned tokens
+    (``layouts.row_bucket``; one row: that row, no read), checked to take its samples (a shape: known on the host)."""
+    rows = plan.static_rows or (in_batch_static_row(c.batch_size, plan.seq_length, plan.align),)
+    row = rows[-1]
+    if len(rows) > 1:
+        row = rows[min(row_bucket(plan.static_row_lengths, _row_slots(c.keep, plan.align)), len(rows) - 1)]
     if c.batch_size > row.max_samples:
         raise ValueError(
             f"batch: {c.batch_size} samples, but the run's static row ({row.length} slots) has segments for "
@@ -368,7 +378,8 @@ def prepare_with_plan(batch: dict, plan: StepPlan, *, is_last_stage: bool = True
     Host synchronisations: none when the batch arrives on the host (Megatron-Bridge's loader): the row is
     built there and copied. A batch already on the model's device: one in ``thd`` (the packer's read carries
     the row length, every validity flag and the truncation counts), one in ``bshd`` (the flags), none in
-    ``thd_static`` within ``seq_length`` (device asserts), one in a truncating ``thd_static``.
+    ``thd_static`` within ``seq_length`` with one row (device asserts), one in a truncating ``thd_static`` and one
+    to choose among several rows (global-batch packing's ``row_buckets``).
     """
     inputs = _read_batch(batch, is_last_stage)
     captured = _capture(inputs, plan)

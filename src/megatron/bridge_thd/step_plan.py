@@ -67,9 +67,16 @@ def in_batch_static_row(micro_batch_size: int, seq_length: int, align: int) -> S
 
 @dataclass(frozen=True)
 class GlobalBatchRows:
-    """What global-batch packing decided for ``thd_static`` when the loaders were built: the run's one row."""
+    """What global-batch packing decided for ``thd_static`` when the loaders were built: the run's rows, by
+    ascending length (``dataset.global_batch_packing.row_buckets`` at most); a micro-batch takes the shortest
+    that holds its aligned tokens (``layouts.row_bucket``)."""
 
-    row: StaticRow
+    rows: tuple[StaticRow, ...]
+
+    def __post_init__(self):
+        if not self.rows or list(self.rows) != sorted(self.rows, key=lambda row: row.length) or len(
+                {row.length for row in self.rows}) != len(self.rows):
+            raise ValueError(f"rows: expected distinct StaticRows by ascending length, got {self.rows!r}")
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,9 @@ class StepPlan:
         seq_length: what samples are truncated to.
         align: every THD slot's alignment, or the padded layout's width divisor.
         micro_batch_size: ``train.micro_batch_size`` (None outside a trainer).
-        static_row: ``thd_static``: the row every micro-batch gets; None otherwise.
+        static_rows: ``thd_static``: the run's rows by ascending length (one, unless global-batch packing chose
+            several: each micro-batch takes the shortest that holds it); empty otherwise (and for a static row
+            sized per batch outside a trainer).
         fixed_p2p_shapes: pipeline stages exchange fixed-shape buffers (PP>1 without ``variable_seq_lengths``).
         p2p_micro_batch_size: ``thd_static`` with fixed p2p shapes: the batch size of those buffers.
         extras: the optional extras the model's ``forward`` declares (passed); ``extras_refused``: the others.
@@ -103,7 +112,7 @@ class StepPlan:
     seq_length: int
     align: int
     micro_batch_size: int | None
-    static_row: StaticRow | None
+    static_rows: tuple[StaticRow, ...]
     fixed_p2p_shapes: bool
     p2p_micro_batch_size: int | None
     extras: tuple[str, ...]
@@ -119,6 +128,16 @@ class StepPlan:
     @property
     def packed(self) -> bool:
         return self.layout != "bshd"
+
+    @property
+    def static_row(self) -> StaticRow | None:
+        """The longest of :attr:`static_rows` (the one every micro-batch fits), or None."""
+        return self.static_rows[-1] if self.static_rows else None
+
+    @property
+    def static_row_lengths(self) -> tuple[int, ...]:
+        """The lengths of :attr:`static_rows`, ascending (``layouts.row_bucket`` reads them)."""
+        return tuple(row.length for row in self.static_rows)
 
 
 def unwrap_model(model):
@@ -169,17 +188,18 @@ def _fallback_pad_id(state, model_config) -> int | None:
     return pad_id
 
 
-def _static_row(state, layout: str, micro_batch_size: int | None, seq_length: int, align: int) -> StaticRow | None:
-    """``thd_static``'s row: global-batch packing's (recorded when the loaders were built), else the in-batch one.
+def _static_rows(state, layout: str, micro_batch_size: int | None, seq_length: int,
+                 align: int) -> tuple[StaticRow, ...]:
+    """``thd_static``'s rows: global-batch packing's (recorded when the loaders were built), else the in-batch one.
     None for the other layouts, and outside a trainer without a micro-batch size (sized per batch then)."""
     if layout != "thd_static":
-        return None
+        return ()
     rows = getattr(getattr(state, "train_state", None), ROWS_ATTRIBUTE, None)
     if isinstance(rows, GlobalBatchRows):
-        return rows.row
+        return rows.rows
     if micro_batch_size is None:
-        return None
-    return in_batch_static_row(micro_batch_size, seq_length, align)
+        return ()
+    return (in_batch_static_row(micro_batch_size, seq_length, align),)
 
 
 def _resolved_layout(cfg, sizes: dict[str, int], variable_seq_lengths: bool) -> str:
@@ -210,10 +230,11 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
     sizes = _sizes(pg_collection)
     probe = read_setup(cfg, "bshd", model_config=model_config, sizes=sizes)
     layout = _resolved_layout(cfg, sizes, probe.variable_seq_lengths)
-    static_rows = getattr(getattr(state, "train_state", None), ROWS_ATTRIBUTE, None)
+    recorded = getattr(getattr(state, "train_state", None), ROWS_ATTRIBUTE, None)
+    recorded = recorded.rows if isinstance(recorded, GlobalBatchRows) else ()
     setup = read_setup(cfg, layout, model_config=model_config, sizes=sizes, adapter=adapter,
                        routes_real_tokens_only=bool(getattr(core, "bridge_thd_routes_real_tokens_only", False)),
-                       row_length=static_rows.row.length if isinstance(static_rows, GlobalBatchRows) else None)
+                       row_lengths=tuple(row.length for row in recorded))
     problems = step_problems(setup)
     if problems:
         raise ValueError("bridge_thd: the configuration cannot run this step:\n- " + "\n- ".join(problems))
@@ -223,11 +244,11 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
 
         check_te_cp_padding(setup.cp)  # TransformerEngine issue 2186 (docs/te-cp-padding.md), detected once
     extras, refused = declared_extras(model)
-    static_row = _static_row(state, layout, setup.micro_batch_size, setup.seq_length, setup.align)
+    static_rows = _static_rows(state, layout, setup.micro_batch_size, setup.seq_length, setup.align)
     rerun = getattr(cfg, "rerun_state_machine", None)
     plan = StepPlan(
         layout=layout, tp=setup.tp, cp=setup.cp, pp=setup.pp, ep=setup.ep, seq_length=setup.seq_length,
-        align=setup.align, micro_batch_size=setup.micro_batch_size, static_row=static_row,
+        align=setup.align, micro_batch_size=setup.micro_batch_size, static_rows=static_rows,
         fixed_p2p_shapes=setup.fixed_p2p_shapes,
         p2p_micro_batch_size=setup.micro_batch_size if layout == "thd_static" and setup.fixed_p2p_shapes else None,
         extras=extras, extras_refused=refused, tokens=adapter.tokens(model_config), adapter=adapter,
@@ -251,9 +272,9 @@ def _warn_padded_moe_routing(setup) -> None:
 
 def _log_plan(plan: StepPlan) -> None:
     logger.info(
-        "bridge_thd: step plan: layout=%s (TP=%d CP=%d PP=%d EP=%d), seq_length=%d, align=%d, static row %s; extras "
+        "bridge_thd: step plan: layout=%s (TP=%d CP=%d PP=%d EP=%d), seq_length=%d, align=%d, static rows %s; extras "
         "passed to %s.forward: %s; not declared by it (so not passed, never into **kwargs): %s%s",
-        plan.layout, plan.tp, plan.cp, plan.pp, plan.ep, plan.seq_length, plan.align, plan.static_row,
+        plan.layout, plan.tp, plan.cp, plan.pp, plan.ep, plan.seq_length, plan.align, list(plan.static_rows) or None,
         plan.model_name, list(plan.extras) or "none", list(plan.extras_refused) or "none",
         " (Megatron-Bridge's Qwen3VLModel declares no padding_mask: an MoE router counts padding slots as tokens)"
         if "padding_mask" in plan.extras_refused else "")

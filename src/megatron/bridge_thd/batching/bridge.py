@@ -26,6 +26,7 @@ from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.patches import Patch
 
 __all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "plan_loader", "run_row_length",
+           "run_row_buckets", "run_static_rows",
            "shared_sizes", "check_ranks_agree", "LoaderPlan"]
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,13 @@ class GlobalBatchPacking:
             run when the loaders are built; None: the smallest row that fits every loader's whole run
             (training and evaluation), chosen then (never written back here: the step's plan reads it from
             ``train_state``); a resumed run chooses the same. ``thd``: ``micro_batch_size * seq_length``, checked likewise.
+        row_buckets: ``thd_static``: how many fixed row lengths the run may use. The longest is the row above;
+            up to ``row_buckets - 1`` shorter ones are chosen with it from the same draws, to least padding
+            (:func:`.sampler.optimal_row_lengths`), and each micro-batch takes the shortest that holds it. Each
+            row is static in everything the decoder sees (length, ``cu_seqlens`` count, ``max_seqlen``). 1: one
+            row for the run. None (default): 4, or 1 where only one row shape can run (fixed pipeline p2p
+            shapes, CUDA graphs: ``rules.one_row_shape``), where a value above 1 is refused. ``thd`` ignores
+            it (its row follows each micro-batch).
         sizes_cache: directory for the one-time lengths scan (default ``~/.cache/bridge_thd/sizes``); a
             directory shared by a node's ranks lets one scan serve them.
         seed: tie-breaking seed of the placement.
@@ -51,6 +59,7 @@ class GlobalBatchPacking:
 
     cost_model: Any = None
     row_length: int | None = None
+    row_buckets: int | None = None
     sizes_cache: str | None = None
     seed: int = 0
     log: bool = True
@@ -236,27 +245,45 @@ def run_row_length(plans: list[LoaderPlan], *, settings: GlobalBatchPacking, ali
     return row
 
 
-def run_static_row(plans: list[LoaderPlan], *, row_length: int, align: int, seq_length: int):
-    """``thd_static``'s :class:`~megatron.bridge_thd.step_plan.StaticRow` for the run: ``row_length`` slots; as
-    many segments as the most samples one row can hold (the run's shortest drawn samples, aligned, until the row
-    is full; at most a whole step), plus the tail; ``max_seqlen`` ``round_up(seq_length, align)`` (a sample is at
-    most ``seq_length`` long once collated), at most the row."""
+def run_static_rows(plans: list[LoaderPlan], *, row_lengths, align: int, seq_length: int) -> tuple:
+    """``thd_static``'s :class:`~megatron.bridge_thd.step_plan.StaticRow` for each of the run's ``row_lengths``
+    (ascending): that many slots; as many segments as the most samples such a row can hold (the run's shortest
+    drawn samples, aligned, until the row is full; at most a whole step), plus the tail; ``max_seqlen``
+    ``round_up(seq_length, align)`` (a sample is at most ``seq_length`` long once collated), at most the row."""
     import torch
 
     from megatron.bridge_thd.step_plan import StaticRow
 
     drawn = [plan.sizes.take(plan.draws.reshape(-1).unique())[0] for plan in plans if len(plan.draws)]
     slots = round_up(torch.cat(drawn), align).clamp(min=1).sort().values if drawn else torch.ones(1, dtype=torch.int64)
-    fitting = int((slots.cumsum(0) <= row_length).sum())
+    filled = slots.cumsum(0)
     step_samples = max(plan.micro_batch_size * plan.num_micro_batches * plan.dp_size for plan in plans)
-    most = max(1, min(fitting, step_samples))
-    return StaticRow(length=row_length, segments=most + 1, max_seqlen=min(row_length, round_up(seq_length, align)))
+    rows = []
+    for length in row_lengths:
+        most = max(1, min(int((filled <= length).sum()), step_samples))
+        rows.append(StaticRow(length=length, segments=most + 1, max_seqlen=min(length, round_up(seq_length, align))))
+    return tuple(rows)
+
+
+def run_row_buckets(plans: list[LoaderPlan], *, settings: GlobalBatchPacking, count: int, row_length: int, align: int,
+                    cost) -> tuple[int, ...]:
+    """``thd_static``'s rows for the run, ascending: ``row_length`` (every step fits it) and up to ``count - 1``
+    shorter ones (``count``: ``rules.row_buckets``), chosen from how the sampler places every loader's whole-run
+    steps in rows of ``row_length`` (:func:`.sampler.micro_batch_slots`, :func:`.sampler.row_buckets_for_runs`)."""
+    from megatron.bridge_thd.batching.sampler import micro_batch_slots, row_buckets_for_runs
+
+    if count == 1:
+        return (row_length,)
+    runs = [micro_batch_slots(plan.draws, sizes=plan.sizes, dp_size=plan.dp_size,
+                              num_micro_batches=plan.num_micro_batches, row_length=row_length, align_to=align,
+                              cost=cost, seed=settings.seed) for plan in plans]
+    return row_buckets_for_runs(runs, count=count, largest=row_length, align_to=align)
 
 
 def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_length: int, static: bool, align: int,
-                        cost, global_batch_size: int):
+                        cost, global_batch_size: int, row_lengths=None):
     """Megatron-Bridge's loader rebuilt around a :class:`.sampler.GlobalBatchSampler` (same dataset,
-    collate, workers, pinned memory, prefetch)."""
+    collate, workers, pinned memory, prefetch); ``row_lengths``: ``thd_static``'s rows (the log's padding)."""
     from torch.utils.data import DataLoader
 
     from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, cycles, rank_samplers
@@ -267,12 +294,21 @@ def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_l
                                  static_row=static, align_to=align, seed=settings.seed, cost=cost, log=settings.log,
                                  label=plan.label, cycle=cycles(inner),
                                  first_step=inner.consumed_samples // global_batch_size + 1,
-                                 planned_steps=len(plan.draws))
+                                 planned_steps=len(plan.draws), row_lengths=row_lengths)
     extra = {} if not loader.num_workers else dict(prefetch_factor=loader.prefetch_factor)
     return DataLoader(loader.dataset, batch_sampler=sampler, num_workers=loader.num_workers,
                       pin_memory=loader.pin_memory, collate_fn=loader.collate_fn,
                       persistent_workers=loader.persistent_workers, worker_init_fn=loader.worker_init_fn,
                       multiprocessing_context=loader.multiprocessing_context, timeout=loader.timeout, **extra)
+
+
+def _log_rows(row_lengths: tuple[int, ...], count: int) -> None:
+    from megatron.bridge_thd.batching.sampler import is_global_rank_zero
+
+    if is_global_rank_zero():
+        logger.info("bridge_thd.batching: thd_static rows for the run: %s slots (each micro-batch takes the shortest "
+                    "that holds it; at most %d: dataset.global_batch_packing.row_buckets)",
+                    ", ".join(str(length) for length in row_lengths), count)
 
 
 def _run_steps(cfg) -> dict:
@@ -324,14 +360,21 @@ def _wrap(original):
         cost = sample_cost(settings.cost_model) if settings.cost_model is not None else None
         capacity = mbs * round_up(cfg.model.seq_length, align)
         row = run_row_length(plans, settings=settings, align=align, capacity=capacity, cost=cost, static=static)
+        row_lengths = None
         if static:
             from megatron.bridge_thd.step_plan import ROWS_ATTRIBUTE, GlobalBatchRows
 
-            # Where the step's plan reads the run's row: Megatron-Bridge's runtime state, not the user's config.
-            setattr(train_state, ROWS_ATTRIBUTE, GlobalBatchRows(run_static_row(
-                plans, row_length=row, align=align, seq_length=cfg.model.seq_length)))
+            from megatron.bridge_thd.rules import read_setup, row_buckets
+
+            count = row_buckets(read_setup(cfg, "thd_static", global_batch=settings))
+            row_lengths = run_row_buckets(plans, settings=settings, count=count, row_length=row, align=align, cost=cost)
+            _log_rows(row_lengths, count)
+            # Where the step's plan reads the run's rows: Megatron-Bridge's runtime state, not the user's config.
+            setattr(train_state, ROWS_ATTRIBUTE, GlobalBatchRows(run_static_rows(
+                plans, row_lengths=row_lengths, align=align, seq_length=cfg.model.seq_length)))
         built = {plan.label: global_batch_loader(plan, settings=settings, row_length=row, static=static, align=align,
-                                                 cost=cost, global_batch_size=groups[plan.label][1]) for plan in plans}
+                                                 cost=cost, global_batch_size=groups[plan.label][1],
+                                                 row_lengths=row_lengths) for plan in plans}
         return built.get("train"), built.get("valid"), built.get("test")
 
     build_train_valid_test_data_loaders.__wrapped__ = original

@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 
 from megatron.bridge_thd.batching.cost import SampleCost
+from megatron.bridge_thd.layouts import row_bucket
 
 __all__ = ["Assignment", "assign", "in_batch_assignment", "PlacementStats", "placement_stats", "aligned_lengths",
            "sample_costs", "DoesNotFit"]
@@ -370,18 +371,22 @@ class PlacementStats:
 
 
 def placement_stats(assignment: Assignment, lengths, *, costs=None, row_length: int | None = None,
-                    align_to: int = 1) -> PlacementStats:
+                    row_lengths: Sequence[int] | None = None, align_to: int = 1) -> PlacementStats:
     """Measure an assignment; ``costs`` ``(N,)`` per sample (default: the lengths); ``row_length``
-    set for a static row (slots = row_length per micro-batch), None for ``thd`` (aligned tokens)."""
+    set for a static row (slots = row_length per micro-batch); ``row_lengths`` (ascending) for static
+    rows of several lengths (each micro-batch takes the smallest that holds it, ``layouts.row_bucket``);
+    neither for ``thd`` (aligned tokens)."""
     lengths = torch.as_tensor(lengths, dtype=torch.int64)
     costs = lengths.to(torch.float64) if costs is None else torch.as_tensor(costs, dtype=torch.float64)
     cost_list, slot_list = costs.tolist(), aligned_lengths(lengths, align_to).tolist()
+    rows = (row_length,) if row_length is not None else tuple(row_lengths) if row_lengths is not None else None
     rank_cost, micro_cost, slots = [], [], 0
     for rank in assignment:
         per_micro = [sum(cost_list[i] for i in row) for row in rank]
         micro_cost += per_micro
         rank_cost.append(sum(per_micro))
-        slots += sum(row_length if row_length is not None else sum(slot_list[i] for i in row) for row in rank)
+        taken = [sum(slot_list[i] for i in row) for row in rank]
+        slots += sum(taken if rows is None else [rows[min(row_bucket(rows, n), len(rows) - 1)] for n in taken])
     real = int(lengths.sum())
 
     def imbalance(values):

@@ -31,7 +31,7 @@ from megatron.bridge_thd.packing import round_up
 
 __all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "run_draws", "cycles",
            "choose_row_length", "row_length_for_steps", "row_lower_bound", "first_unfit_step", "distinct_steps",
-           "is_global_rank_zero"]
+           "is_global_rank_zero", "micro_batch_slots", "optimal_row_lengths", "row_buckets_for_runs"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,9 @@ class GlobalBatchSampler:
         num_micro_batches: micro-batches per rank per step.
         row_length: slots of one micro-batch's row.
         sizes: every dataset sample's sizes (:func:`.sizes.dataset_sizes`).
-        static_row: True for ``thd_static`` (padding measured against ``row_length``).
+        static_row: True for ``thd_static`` (padding measured against the rows the micro-batches take).
+        row_lengths: ``thd_static``'s rows, ascending, the last ``row_length`` (:func:`row_buckets_for_runs`);
+            each micro-batch takes the smallest that holds it. None: ``(row_length,)``.
         align_to, seed, cost: as :func:`.policy.assign`.
         log: log one line per step on global rank 0 (``logging``, INFO).
         label: which loader, in the log line and errors (``"train"``, ``"valid"``, ``"test"``).
@@ -168,9 +170,10 @@ class GlobalBatchSampler:
                  sizes: SampleSizes, static_row: bool, align_to: int = 1, seed: int = 0,
                  cost: SampleCost | None = None, log: bool = True, label: str = "train", cycle: bool = False,
                  first_step: int = 1, planned_steps: int | None = None,
-                 setting: str = "dataset.global_batch_packing.row_length"):
+                 setting: str = "dataset.global_batch_packing.row_length", row_lengths: Sequence[int] | None = None):
         self.samplers, self.dp_rank, self.num_micro_batches = list(samplers), dp_rank, num_micro_batches
         self.row_length, self.sizes, self.static_row = row_length, sizes, static_row
+        self.row_lengths = tuple(row_lengths) if row_lengths is not None else (row_length,)
         self.align_to, self.seed, self.cost, self.log, self.label = align_to, seed, cost, log, label
         self.cycle, self.step, self.planned_steps, self.setting = cycle, first_step, planned_steps, setting
         self.history: list[StepPlacement] = []
@@ -203,8 +206,8 @@ class GlobalBatchSampler:
         dp = len(self.samplers)
         lengths, patches, squared = self.sizes.take(index)
         costs = sample_costs(lengths, patches, squared, self.cost)
-        row_length = self.row_length if self.static_row else None
-        stats = placement_stats(placement, lengths, costs=costs, row_length=row_length, align_to=self.align_to)
+        row_lengths = self.row_lengths if self.static_row else None
+        stats = placement_stats(placement, lengths, costs=costs, row_lengths=row_lengths, align_to=self.align_to)
         # Megatron-Bridge's own placement of the same draws (they come in its order: step_draws).
         own = in_batch_assignment(len(index), dp_size=dp, micro_batch_size=len(index) // (dp * self.num_micro_batches))
         in_batch = placement_stats(own, lengths, costs=costs, align_to=self.align_to)
@@ -347,3 +350,102 @@ def choose_row_length(samplers: Sequence, *, num_micro_batches: int, sizes: Samp
         raise ValueError("choose_row_length: the samplers drew no complete step; check global_batch_size and the data")
     return row_length_for_steps(draws, sizes=sizes, dp_size=len(samplers), num_micro_batches=num_micro_batches,
                                 align_to=align_to, upper=upper, cost=cost, seed=seed)
+
+
+def micro_batch_slots(draws: torch.Tensor, *, sizes: SampleSizes, dp_size: int, num_micro_batches: int,
+                      row_length: int, align_to: int = 1, cost: SampleCost | None = None, seed: int = 0,
+                      most_steps: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The aligned slots of every micro-batch :func:`.policy.assign` forms in rows of ``row_length``, as the
+    sampler places the steps of ``draws`` ``(S, N)``, with how many micro-batches of the run each stands for.
+
+    Each distinct step (:func:`distinct_steps`) is placed once and weighs as many steps as repeat it; past
+    ``most_steps`` distinct steps an evenly spaced ``most_steps`` of them stand for all (a run of 10^5 random
+    steps is placed in seconds, not minutes).
+
+    Returns:
+        ``(slots, weights)``: ``(M,)`` int64 and ``(M,)`` float64; ``weights`` sums to ``S * rows``.
+    """
+    rows = dp_size * num_micro_batches
+    if not len(draws):
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
+    _, inverse = torch.unique(sizes.distinct(draws), dim=0, return_inverse=True)
+    repeats = torch.bincount(inverse).to(torch.float64)
+    first = distinct_steps(draws, sizes)  # in order of first occurrence; inverse's ids are sorted otherwise
+    chosen = first if len(first) <= most_steps else first[torch.linspace(0, len(first) - 1, most_steps).round().long()]
+    weight = repeats[inverse[chosen]]
+    weight = weight * (len(draws) / float(weight.sum()))
+    slots, weights = [], []
+    for step, w in zip(chosen.tolist(), weight.tolist()):
+        lengths = aligned_lengths(sizes.take(draws[step])[0], align_to).tolist()
+        placement = _assign_step(sizes, draws[step], dp_size=dp_size, num_micro_batches=num_micro_batches,
+                                 row_length=row_length, align_to=align_to, seed=seed, cost=cost)
+        slots += [sum(lengths[i] for i in micro_batch) for rank in placement for micro_batch in rank]
+        weights += [w] * rows
+    return torch.tensor(slots, dtype=torch.int64), torch.tensor(weights, dtype=torch.float64)
+
+
+def optimal_row_lengths(slots: torch.Tensor, weights: torch.Tensor | None = None, *, count: int, largest: int,
+                        align_to: int = 1, grid: int = 2048) -> tuple[int, ...]:
+    """At most ``count`` row lengths, ascending, the last ``largest``, that minimise the weighted slots of
+    micro-batches each taking the smallest row that holds it (``layouts.row_bucket``): padding, for fixed
+    real tokens.
+
+    Exact over the candidate rows (a 1-D k-medians-like dynamic programme, ``O(count * C^2)``): every
+    shorter row is some micro-batch's slots (a row between two of them wastes slots). Past ``grid``
+    distinct slot counts the candidates are the slots rounded up to a grain of ``largest / grid``
+    (a multiple of ``align_to``), which costs at most that grain per micro-batch.
+
+    Args:
+        slots: ``(M,)`` each micro-batch's aligned slots, at most ``largest``.
+        weights: ``(M,)`` how many micro-batches each stands for (default 1 each).
+        count: the most rows (``count - 1`` below ``largest``); 1 gives ``(largest,)``.
+    """
+    if count < 1:
+        raise ValueError(f"count: expected an int >= 1, got {count!r}")
+    slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
+    if count == 1 or slots.numel() == 0:
+        return (largest,)
+    if int(slots.max()) > largest:
+        raise ValueError(f"slots: a micro-batch of {int(slots.max())} slots does not fit the largest row ({largest})")
+    weights = torch.ones(slots.numel(), dtype=torch.float64) if weights is None else torch.as_tensor(
+        weights, dtype=torch.float64).reshape(-1)
+    values, inverse = torch.unique(slots, return_inverse=True)
+    if len(values) > grid:
+        grain = round_up(-(-largest // grid), align_to)
+        values, inverse = torch.unique(torch.clamp(round_up(slots, grain), max=largest), return_inverse=True)
+    mass = torch.zeros(len(values), dtype=torch.float64).index_add_(0, inverse, weights)
+    m = len(values)
+    v = values.to(torch.float64)
+    n = torch.cat([torch.zeros(1, dtype=torch.float64), mass.cumsum(0)])  # (m + 1,) micro-batches below
+    s = torch.cat([torch.zeros(1, dtype=torch.float64), (mass * v).cumsum(0)])  # (m + 1,) their slots
+    i, j = torch.arange(m + 1)[:, None], torch.arange(m + 1)[None, :]
+    # group(i, j): the micro-batches of values[i:j] in one row of values[j - 1] slots; its padding.
+    group = v[(j - 1).clamp(min=0)] * (n[j] - n[i]) - (s[j] - s[i])
+    group = torch.where(i < j, group, torch.inf)
+    final = largest * (n[m] - n) - (s[m] - s)  # (m + 1,) values[i:] in the largest row
+    # bests[k][j]: the least padding of values[:j] in k rows below the largest; choices[k - 1][j]: where its last
+    # row's group starts.
+    bests = [torch.cat([torch.zeros(1, dtype=torch.float64), torch.full((m,), torch.inf, dtype=torch.float64)])]
+    choices = []
+    for _ in range(count - 1):
+        best, came_from = (bests[-1][:, None] + group).min(dim=0)
+        bests.append(best)
+        choices.append(came_from)
+    totals = [float((best + final).min()) for best in bests]
+    k = min(range(len(totals)), key=lambda k: (totals[k], k))  # ties: fewer rows
+    cut, rows = int(torch.argmin(bests[k] + final)), []
+    for k in range(k, 0, -1):
+        rows.append(int(values[cut - 1]))
+        cut = int(choices[k - 1][cut])
+    return tuple(sorted(set(rows) | {largest}))
+
+
+def row_buckets_for_runs(runs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, count: int, largest: int,
+                         align_to: int = 1) -> tuple[int, ...]:
+    """:func:`optimal_row_lengths` over several loaders' :func:`micro_batch_slots` together (one set of rows
+    serves training and evaluation alike)."""
+    runs = [run for run in runs if len(run[0])]
+    if not runs:
+        return (largest,)
+    return optimal_row_lengths(torch.cat([slots for slots, _ in runs]), torch.cat([w for _, w in runs]),
+                               count=count, largest=largest, align_to=align_to)

@@ -35,7 +35,7 @@ def global_parameter_name(name: str, layer_offset: int) -> str:
 
 def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, variable_seq_lengths: bool, *,
                   num_layers: int = 4, micro_batch_size: int = 2, seq_length: int = 2048,
-                  static_row=None) -> dict:
+                  static_rows=()) -> dict:
     """One step of ``len(batches)`` micro-batches on this rank's pipeline stage (and CP rank).
 
     Args:
@@ -43,8 +43,8 @@ def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, varia
             num_layers=...))``).
         batches: Megatron-Bridge VLM micro-batches, each of ``micro_batch_size`` samples.
         layout, variable_seq_lengths: ``dataset.packing_layout`` and ``model.variable_seq_lengths``.
-        static_row: global-batch packing's ``step_plan.StaticRow`` for ``thd_static`` (micro-batches
-            may then hold any number of samples, up to its segments).
+        static_rows: global-batch packing's ``step_plan.StaticRow``s for ``thd_static`` (ascending; micro-batches
+            may then hold any number of samples, up to a row's segments, each taking the shortest row that holds it).
 
     Returns:
         ``losses``: what the schedule returns (per micro-batch ``{"lm loss": (sum, tokens)}`` on
@@ -63,7 +63,7 @@ def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, varia
     offset = rank * num_layers // size
     model.load_state_dict({name: full_state_dict[global_parameter_name(name, offset)] for name in model.state_dict()})
     state = minimal_state(seq_length=seq_length, micro_batch_size=micro_batch_size, packing_layout=layout,
-                          variable_seq_lengths=variable_seq_lengths, static_row=static_row)
+                          variable_seq_lengths=variable_seq_lengths, static_rows=static_rows)
     losses = forward_backward_pipelining_without_interleaving(
         forward_step_func=partial(forward_step, state), data_iterator=iter(batches), model=[model],
         num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,

@@ -60,7 +60,7 @@ def minimal_state(
     skip_getting_attention_mask_from_dataset: bool = False,
     tokenizer=None,
     global_batch_packing=None,
-    static_row=None,
+    static_rows=(),
     **model_settings,
 ) -> SimpleNamespace:
     """The parts of Megatron-Bridge's ``GlobalState`` the step reads.
@@ -71,8 +71,8 @@ def minimal_state(
         packing: ``dataset.pack_sequences_in_batch``.
         packing_layout: ``dataset.packing_layout`` (None = the default, ``"thd"``).
         global_batch_packing: ``dataset.global_batch_packing`` (a ``batching.bridge.GlobalBatchPacking``).
-        static_row: a ``step_plan.StaticRow`` recorded as global-batch packing records its run's row
-            (``train_state.bridge_thd_rows``), where the step's plan reads it.
+        static_rows: ``step_plan.StaticRow``s (ascending length) recorded as global-batch packing records its
+            run's rows (``train_state.bridge_thd_rows``), where the step's plan reads them; empty: none recorded.
         model_settings: extra ``cfg.model`` attributes (``variable_seq_lengths``, ``fp8``,
             ``sequence_parallel``).
 
@@ -95,8 +95,8 @@ def minimal_state(
         rerun_state_machine=SimpleNamespace(check_for_nan_in_loss=True, check_for_spiky_loss=False),
     )
     train_state = SimpleNamespace()
-    if static_row is not None:
+    if static_rows:
         from megatron.bridge_thd.step_plan import ROWS_ATTRIBUTE, GlobalBatchRows
 
-        setattr(train_state, ROWS_ATTRIBUTE, GlobalBatchRows(static_row))
+        setattr(train_state, ROWS_ATTRIBUTE, GlobalBatchRows(tuple(static_rows)))
     return SimpleNamespace(cfg=cfg, tokenizer=tokenizer, timers=None, bridge_thd_stats=[], train_state=train_state)
