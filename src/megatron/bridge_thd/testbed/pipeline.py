@@ -49,7 +49,8 @@ def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, varia
     Returns:
         ``losses``: what the schedule returns (per micro-batch ``{"lm loss": (sum, tokens)}`` on
         the last stage, empty elsewhere), summed over the CP group; ``grads``: this stage's
-        gradients by global parameter name, summed over the CP group; ``layouts``: the layouts the step ran.
+        gradients by global parameter name, summed over the CP group; ``layouts``: the layouts the step ran;
+        ``rows``: the token slots the step gave the model, per micro-batch in order (forward passes only).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
@@ -78,5 +79,5 @@ def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, varia
         group = parallel_state.get_context_parallel_group()
         for tensor in [v for entry in losses for v in entry.values()] + list(grads.values()):
             torch.distributed.all_reduce(tensor, group=group)
-    return dict(losses=losses, grads=grads,
-                layouts=sorted({s.layout for s in state.bridge_thd_stats}))
+    return dict(losses=losses, grads=grads, layouts=sorted({s.layout for s in state.bridge_thd_stats}),
+                rows=[s.processed_tokens for s in state.bridge_thd_stats])
