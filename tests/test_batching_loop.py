@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron.bridge_thd.batching.bridge import GlobalBatchPacking, check_ranks_agree, plan_loader, run_row_length
-from megatron.bridge_thd.batching.bridge import global_batch_loader
+from megatron.bridge_thd.batching.bridge import global_batch_loader, run_row_buckets, run_static_rows
 from megatron.bridge_thd.batching.policy import DoesNotFit, assign
 from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, first_unfit_step, row_length_for_steps
 from megatron.bridge_thd.batching.sizes import SampleSizes, dataset_sizes
@@ -290,3 +290,86 @@ class _PidCollate:
         os.makedirs(self.folder, exist_ok=True)
         open(os.path.join(self.folder, str(os.getpid())), "w").close()
         return {"attention_mask": torch.ones(1, index + 3, dtype=torch.int64)}
+
+
+# --- several static rows (row_buckets) ------------------------------------------------------------------
+
+
+def _loop_micro_batches(loaders, steps):
+    """Per rank, every micro-batch the loaders yield for ``steps`` steps, as Megatron-Bridge's loop takes them."""
+    iterators = [iter(loader) for loader in loaders]
+    return [[list(next(iterator)) for _ in range(steps * NMB)] for iterator in iterators]
+
+
+@pytest.mark.parametrize("kind", ["single", "cyclic"])
+def test_row_buckets_are_chosen_once_from_the_run_and_every_micro_batch_takes_the_shortest_that_holds_it(kind):
+    """Four rows for a run of training and validation: chosen the same from fresh loaders (every rank and a
+    resume choose alike), the longest the run's one row, each a multiple of the alignment; every micro-batch the
+    loaders yield fits the longest, and no other choice of up to four rows (tried exhaustively over the
+    micro-batches' own slot counts) gives those micro-batches fewer slots; each row's segments cover the samples
+    of every micro-batch that takes it."""
+    train, valid = Lengths(_lengths(60, seed=11)), Lengths(_lengths(36, seed=12, high=90))
+    settings = GlobalBatchPacking(log=False)
+    cfg = _cfg()
+
+    def build(rank):
+        return [plan_loader(_loader(kind, dataset, rank), label=label, cfg=cfg, settings=settings, dp_rank=rank,
+                            dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=steps)
+                for label, dataset, steps in (("train", train, 5), ("valid", valid, 3))]
+
+    plans = build(0)
+    row = run_row_length(plans, settings=settings, align=ALIGN, capacity=MBS * 128, cost=None, static=True)
+    rows = run_row_buckets(plans, settings=settings, count=4, row_length=row, align=ALIGN, cost=None)
+    assert rows == run_row_buckets(build(1), settings=settings, count=4, row_length=row, align=ALIGN, cost=None)
+    assert run_row_buckets(plans, settings=settings, count=1, row_length=row, align=ALIGN, cost=None) == (row,)
+    assert 1 < len(rows) <= 4 and rows[-1] == row and list(rows) == sorted(set(rows))
+    assert all(length % ALIGN == 0 for length in rows)
+    static_rows = run_static_rows(plans, row_lengths=rows, align=ALIGN, seq_length=128)
+    assert [r.length for r in static_rows] == list(rows)
+
+    slots = []
+    for plan, steps in zip(plans, (5, 3)):
+        loaders = [global_batch_loader(p, settings=settings, row_length=row, static=True, align=ALIGN, cost=None,
+                                       global_batch_size=GBS, row_lengths=rows)
+                   for p in [plan_loader(_loader(kind, plan.loader.dataset, r), label=plan.label, cfg=cfg,
+                                         settings=settings, dp_rank=r, dp_size=DP, global_batch_size=GBS,
+                                         micro_batch_size=MBS, steps=steps) for r in range(DP)]]
+        for rank_batches in _loop_micro_batches(loaders, steps):
+            for micro_batch in rank_batches:
+                taken = sum(-(-plan.loader.dataset.sample_lengths[i] // ALIGN) * ALIGN for i in micro_batch)
+                assert taken <= row
+                shortest = next(r for r in static_rows if r.length >= taken)
+                assert len(micro_batch) <= shortest.max_samples
+                slots.append(taken)
+
+    def total(choice):
+        return sum(min(n for n in choice if n >= taken) for taken in slots)
+
+    import itertools
+
+    candidates = sorted(set(slots) - {row})
+    best = min(total(tuple(c) + (row,)) for k in range(4) for c in itertools.combinations(candidates, k))
+    assert total(rows) == best
+
+
+def test_the_sampler_logs_the_slots_of_the_rows_its_micro_batches_take(caplog):
+    import logging
+
+    dataset = Lengths(_lengths(48, seed=13))
+    settings = GlobalBatchPacking(log=True)
+    plans = [plan_loader(_loader("single", dataset, rank), label="train", cfg=_cfg(), settings=settings, dp_rank=rank,
+                         dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=4) for rank in range(DP)]
+    row = run_row_length(plans[:1], settings=settings, align=ALIGN, capacity=MBS * 128, cost=None, static=True)
+    rows = run_row_buckets(plans[:1], settings=settings, count=3, row_length=row, align=ALIGN, cost=None)
+    loaders = [global_batch_loader(plan, settings=settings, row_length=row, static=True, align=ALIGN, cost=None,
+                                   global_batch_size=GBS, row_lengths=rows) for plan in plans]
+    with caplog.at_level(logging.INFO, logger="megatron.bridge_thd.batching.sampler"):
+        per_rank = _loop_micro_batches(loaders, 4)
+    lines = [r.getMessage() for r in caplog.records if "global-batch packing (train): step" in r.getMessage()]
+    for step in range(4):
+        taken = [sum(-(-dataset.sample_lengths[i] // ALIGN) * ALIGN for i in micro_batch)
+                 for rank in per_rank for micro_batch in rank[step * NMB:(step + 1) * NMB]]
+        real = sum(dataset.sample_lengths[i] for rank in per_rank for mb in rank[step * NMB:(step + 1) * NMB]
+                   for i in mb)
+        slots = sum(min(n for n in rows if n >= t) for t in taken)
+        assert f"step {step + 1}: real tokens {real} in {slots} slots" in lines[step]

@@ -408,3 +408,78 @@ def test_scan_needs_a_2d_attention_mask(tmp_path):
     with pytest.raises(ValueError, match="attention_mask"):
         dataset_sizes(Items(ITEMS), one_d, cache_dir=tmp_path)
     assert not list(tmp_path.glob("*.pt")), "nothing cached from a failed scan"
+
+
+# --- rows of several lengths (row_buckets) ---------------------------------------------------------------
+
+
+def _padding_of(rows, slots, weights=None):
+    weights = weights or [1] * len(slots)
+    return sum(w * (min(n for n in rows if n >= s) - s) for s, w in zip(slots, weights))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optimal_row_lengths_equal_an_exhaustive_search(seed):
+    import itertools
+
+    from megatron.bridge_thd.batching.sampler import optimal_row_lengths
+
+    rng = random.Random(seed)
+    largest = rng.choice([40, 64, 96]) * ALIGN
+    slots = [rng.randint(1, largest // ALIGN) * ALIGN for _ in range(rng.randint(3, 14))]
+    weights = [rng.choice([1, 2, 5]) for _ in slots]
+    for count in (1, 2, 3, 4):
+        rows = optimal_row_lengths(torch.tensor(slots), torch.tensor(weights, dtype=torch.float64), count=count,
+                                   largest=largest, align_to=ALIGN)
+        assert rows[-1] == largest and len(rows) <= count and list(rows) == sorted(set(rows))
+        # Every row between two aligned slot counts, over all choices of count - 1 shorter rows.
+        best = min(_padding_of(tuple(c) + (largest,), slots, weights) for k in range(count)
+                   for c in itertools.combinations(range(ALIGN, largest, ALIGN), k))
+        assert _padding_of(rows, slots, weights) == best
+
+
+def test_optimal_row_lengths_on_a_coarse_grid_lose_at_most_a_grain_per_micro_batch():
+    from megatron.bridge_thd.batching.sampler import optimal_row_lengths
+
+    rng = random.Random(7)
+    largest = 16384
+    slots = [rng.randint(1, largest // ALIGN) * ALIGN for _ in range(3000)]  # more distinct counts than the grid
+    exact = optimal_row_lengths(torch.tensor(slots), count=4, largest=largest, align_to=ALIGN, grid=10**6)
+    coarse = optimal_row_lengths(torch.tensor(slots), count=4, largest=largest, align_to=ALIGN, grid=256)
+    grain = -(-largest // 256)
+    assert all(n % ALIGN == 0 for n in coarse) and coarse[-1] == largest
+    assert _padding_of(exact, slots) <= _padding_of(coarse, slots) <= _padding_of(exact, slots) + grain * len(slots)
+
+
+def test_optimal_row_lengths_refuse_what_cannot_be_placed():
+    from megatron.bridge_thd.batching.sampler import optimal_row_lengths
+
+    with pytest.raises(ValueError, match="count: expected an int >= 1"):
+        optimal_row_lengths(torch.tensor([8]), count=0, largest=64)
+    with pytest.raises(ValueError, match="a micro-batch of 72 slots does not fit the largest row"):
+        optimal_row_lengths(torch.tensor([8, 72]), count=2, largest=64)
+    assert optimal_row_lengths(torch.tensor([16, 16, 64]), count=4, largest=64) == (16, 64)  # fewer when fewer differ
+
+
+def test_micro_batch_slots_are_the_placements_micro_batches_weighted_by_repeats():
+    from megatron.bridge_thd.batching.sampler import micro_batch_slots, run_draws
+
+    dataset = _tiny(seed=8)
+    sizes = dataset_sizes(dataset)
+    draws = run_draws(rank_samplers(_real("single", dataset, 0), DP), NMB, WHOLE_STEPS)
+    repeated = torch.cat([draws, draws[:1]])  # the first step again: weighs twice
+    slots, weights = micro_batch_slots(repeated, sizes=sizes, dp_size=DP, num_micro_batches=NMB, row_length=ROW,
+                                       align_to=ALIGN, cost=COST)
+    expected, expected_weights = [], []
+    for step, drawn in enumerate(draws.tolist()):
+        lengths = [dataset.sample_lengths[i] for i in drawn]
+        placement = assign(lengths, dp_size=DP, num_micro_batches=NMB, row_length=ROW, align_to=ALIGN, cost=COST,
+                           vision_patches=[_patches(dataset, i) for i in drawn],
+                           vision_patches_squared=[sum((t * h * w) ** 2 for t, h, w in dataset.sample_image_grids[i])
+                                                   for i in drawn])
+        expected += [sum(_aligned(lengths[i]) for i in micro) for rank in placement for micro in rank]
+        expected_weights += [2.0 if step == 0 else 1.0] * (DP * NMB)
+    assert slots.tolist() == expected and weights.tolist() == expected_weights
+    sampled, sampled_weights = micro_batch_slots(repeated, sizes=sizes, dp_size=DP, num_micro_batches=NMB,
+                                                 row_length=ROW, align_to=ALIGN, cost=COST, most_steps=2)
+    assert len(sampled) == 2 * DP * NMB and float(sampled_weights.sum()) == pytest.approx(len(repeated) * DP * NMB)

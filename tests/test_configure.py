@@ -1330,3 +1330,48 @@ def test_moe_capacity_or_seq_aux_loss_with_thd_need_the_padding_hook(moe_setting
     configure(make_cfg(model=dict(num_moe_experts=4, **moe_settings)), "bshd")
     # A dense model ignores MoE settings.
     configure(make_cfg(model=dict(moe_settings)), "thd")
+
+
+# ---------------------------------------------------------------------------------------------
+# global-batch packing's static rows (row_buckets)
+
+
+def _row_bucket_setup(buckets, **model):
+    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+    from megatron.bridge_thd.rules import read_setup
+
+    cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, model=model)
+    return read_setup(cfg, "thd_static", global_batch=GlobalBatchPacking(row_buckets=buckets))
+
+
+@pytest.mark.parametrize("buckets", [0, -1, True, "4", 2.0])
+def test_row_buckets_that_are_not_a_positive_int_are_refused(buckets):
+    from megatron.bridge_thd.rules import configure_problems
+
+    problems, _ = configure_problems(_row_bucket_setup(buckets))
+    assert [p for p in problems if p.startswith(f"global_batch_packing.row_buckets: {buckets!r}; expected None")]
+
+
+@pytest.mark.parametrize("model, why", [
+    ({"pipeline_model_parallel_size": 2}, "fixed-shape buffers"),
+    ({"cuda_graph_impl": "local"}, "CUDA graphs"),
+])
+def test_several_rows_where_one_row_shape_can_run_are_refused_and_unset_means_one(model, why):
+    from megatron.bridge_thd.rules import configure_problems, row_buckets
+
+    problems, _ = configure_problems(_row_bucket_setup(4, **model))
+    assert [p for p in problems if p.startswith("dataset.global_batch_packing.row_buckets: 4 rows") and why in p
+            and "set row_buckets=1" in p], problems
+    unset = _row_bucket_setup(None, **model)
+    assert not [p for p in configure_problems(unset)[0] if "row_buckets" in p]
+    assert row_buckets(unset) == 1
+    assert not [p for p in configure_problems(_row_bucket_setup(1, **model))[0] if "row_buckets" in p]
+
+
+def test_row_buckets_default_to_four_where_several_row_shapes_can_run():
+    from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS, row_buckets
+
+    assert DEFAULT_ROW_BUCKETS == 4
+    assert row_buckets(_row_bucket_setup(None)) == 4
+    assert row_buckets(_row_bucket_setup(None, pipeline_model_parallel_size=2, variable_seq_lengths=True)) == 4
+    assert row_buckets(_row_bucket_setup(7)) == 7

@@ -214,6 +214,50 @@ def test_global_batch_static_rows_have_one_signature(model):
     assert signatures[0]["cu_seqlens_q_padded"][0] == (10,) and signatures[0]["input_ids"][0] == (1, row.length)
 
 
+def test_several_static_rows_one_signature_per_row_each_micro_batch_in_the_shortest_that_holds_it(model, meta_model):
+    """Global-batch packing's rows (``row_buckets``): a micro-batch takes the shortest row that holds its tokens,
+    chosen from the host mask (no device read: the ``meta`` model fails on any); every micro-batch that takes a
+    row gives the decoder that row's one signature."""
+    batch = synthetic_receipt_batch(8, seed=3)
+    lengths = [int(n) for n in batch["attention_mask"].sum(1)]
+    picks = ([0], [1, 2], [3, 4, 5, 6], list(range(8)), [1], [2, 3])
+    totals = sorted({sum(lengths[i] for i in pick) for pick in picks})
+    # Three rows: exactly the smallest micro-batch, between, and the whole batch (the longest row).
+    lengths_of_rows = (totals[0], totals[len(totals) // 2], totals[-1])
+    rows = tuple(StaticRow(length=n, segments=9, max_seqlen=min(n, SEQ)) for n in lengths_of_rows)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_rows=rows)
+    micro_batches = [select_samples(batch, pick) for pick in picks]
+    signatures = _static_signatures(model, micro_batches, state)
+    by_row = {}
+    for pick, seen in zip(picks, signatures):
+        total = sum(lengths[i] for i in pick)
+        expected = min(n for n in lengths_of_rows if n >= total)
+        assert seen["input_ids"][0] == (1, expected), (pick, total)
+        assert seen["max_seqlen_q"] == min(expected, SEQ) and seen["cu_seqlens_q"][0] == (10,)
+        by_row.setdefault(expected, []).append(seen)
+    assert len(by_row) == 3  # every row ran
+    assert all(s == seen[0] for seen in by_row.values() for s in seen)
+    meta_plan = build_step_plan(state, meta_model, meta_model.pg_collection, QWEN3_VL)
+    assert meta_plan.static_rows == rows
+    for micro_batch, seen in zip(micro_batches, signatures):
+        assert signature(prepare_with_plan(micro_batch, meta_plan).forward_args)["input_ids"] == seen["input_ids"]
+
+
+def test_several_recorded_rows_with_fixed_pipeline_buffers_are_refused():
+    rows = (StaticRow(length=1024, segments=3, max_seqlen=1024), StaticRow(length=2 * SEQ, segments=3, max_seqlen=SEQ))
+    state = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_rows=rows)
+    problems = step_problems(read_setup(state.cfg, "thd_static", model_config=state.cfg.model,
+                                        sizes={"tp": 1, "cp": 1, "pp": 2, "ep": 1},
+                                        row_lengths=tuple(row.length for row in rows)))
+    assert any("row_buckets: the loaders chose 2 rows (1024, 4096 slots)" in p and "fixed-shape buffers" in p
+               and "set row_buckets=1" in p for p in problems), problems
+    variable = minimal_state(seq_length=SEQ, micro_batch_size=2, packing_layout="thd_static", static_rows=rows,
+                             variable_seq_lengths=True)
+    assert not [p for p in step_problems(read_setup(variable.cfg, "thd_static", model_config=variable.cfg.model,
+                                                    sizes={"tp": 1, "cp": 1, "pp": 2, "ep": 1},
+                                                    row_lengths=(1024, 2 * SEQ))) if "row_buckets" in p]
+
+
 def test_zero_length_segments_sit_at_the_row_end(model):
     batch = select_samples(synthetic_receipt_batch(4, seed=3), [0, 1])
     lengths = [int(n) for n in batch["attention_mask"].sum(1)]
