@@ -432,8 +432,13 @@ def demo_block() -> str:
 
 
 def demo_gflop() -> str:
-    """The demo table's ``trainer GFLOP`` column, per layout."""
-    lines = [line for line in load_results("demo")["stdout"].splitlines() if line.startswith("|")]
+    """The demo table's ``trainer GFLOP`` column, per layout (the report's first table: the layouts')."""
+    lines = []
+    for line in load_results("demo")["stdout"].splitlines():
+        if line.startswith("|"):
+            lines.append(line)
+        elif lines:
+            break
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     if "trainer GFLOP" not in header:
         raise MissingResults("benchmarks/results/demo.json has no 'trainer GFLOP' column: re-run with --run demo")

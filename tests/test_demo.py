@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron.bridge_thd.testbed import demo
 
 
+def _tables(report: str) -> list[dict[str, list[str]]]:
+    """Every Markdown table of the report, in order: ``{first cell: cells}`` per body row, the header under ``""``."""
+    tables, current = [], None
+    for line in report.splitlines() + [""]:
+        if line.startswith("|"):
+            current = current if current is not None else []
+            if "---" not in line:
+                current.append([c.strip() for c in line.strip("|").split("|")])
+        elif current is not None:
+            header, *body = current
+            tables.append({"": header, **{cells[0]: cells for cells in body}})
+            current = None
+    return tables
+
+
 def _table(report: str) -> dict[str, list[str]]:
-    rows = [line.strip("|").split("|") for line in report.splitlines() if line.startswith("| ") and "---" not in line]
-    header, *body = rows
-    assert header[0].strip() == "layout"
-    return {cells[0].strip(): [c.strip() for c in cells] for cells in body}
+    """The layouts' table (the report's first)."""
+    table = dict(_tables(report)[0])
+    assert table.pop("")[0] == "layout"
+    return table
 
 
 @pytest.fixture(scope="module", params=["bridge", "hf"])
@@ -48,6 +64,62 @@ def test_thd_processes_only_real_tokens_and_less_attention_work(report):
     assert work["thd"] == work["thd_static"] < work["bshd"]
 
 
+def test_report_compares_global_batch_packing_with_in_batch_placement(report):
+    """The second table: five placements of the same samples, its figures those of placement_comparison."""
+    tables = _tables(report)
+    assert len(tables) == 2 and tables[1][""][0] == "placement"
+    comparison = demo.placement_comparison(torch.cat([b["attention_mask"].sum(1) for b in demo.demo_batches(1, 3, 3)]),
+                                           micro_batch_size=3, seq_length=2048)
+    assert [r["label"] for r in comparison["rows"]] == list(tables[1])[1:]
+    for r in comparison["rows"]:
+        cells = tables[1][r["label"]]
+        assert (int(cells[2]), cells[3], cells[4]) == (r["slots"], f"{r['padding']:.1%}", f"{r['rank_imbalance']:.3f}")
+
+
+def _cost(s: int) -> float:
+    return s + s * s / 24576  # GlobalBatchPacking's default proxy, written out
+
+
+def test_placement_comparison_measures_its_placements():
+    """``make demo``'s own samples (2 micro-batches x 8, seed 0, seq_length 2048) as DP 2 x 2 micro-batches of 4: each
+    placement is valid, its figures recomputed here by hand from its micro-batches, its rows chosen by the runtime's
+    functions; what holds by construction (the global-batch static row never longer than the in-batch row, more rows
+    never more slots) and, for these samples, less padding than Megatron-Bridge's placement in thd_static."""
+    from megatron.bridge_thd.batching.sampler import row_length_for_steps
+    from megatron.bridge_thd.batching.sizes import SampleSizes
+
+    lengths = torch.cat([b["attention_mask"].sum(1) for b in demo.demo_batches(2, 8, 0)])
+    comparison = demo.placement_comparison(lengths, micro_batch_size=8, seq_length=2048)
+    assert (comparison["dp_size"], comparison["num_micro_batches"], comparison["micro_batch_size"]) == (2, 2, 4)
+    s = lengths.tolist()
+    rows = {r["label"]: r for r in comparison["rows"]}
+    assert len(rows) == 5
+    for r in rows.values():
+        placement = r["assignment"]
+        assert len(placement) == 2 and all(len(rank) == 2 and all(rank) for rank in placement)
+        assert sorted(i for rank in placement for micro in rank for i in micro) == list(range(16))
+        tokens = [sum(s[i] for i in micro) for rank in placement for micro in rank]
+        if r["row_lengths"] is None:
+            slots = sum(tokens)
+        else:
+            assert list(r["row_lengths"]) == sorted(r["row_lengths"]) and max(tokens) <= r["row_lengths"][-1]
+            slots = sum(min(n for n in r["row_lengths"] if n >= t) for t in tokens)
+        rank_cost = [sum(_cost(s[i]) for micro in rank for i in micro) for rank in placement]
+        assert r["slots"] == slots
+        assert r["padding"] == pytest.approx(1 - sum(s) / slots)
+        assert r["rank_imbalance"] == pytest.approx(max(rank_cost) / (sum(rank_cost) / 2))
+    in_batch = rows["Megatron-Bridge in-batch, thd_static"]
+    assert in_batch["assignment"] == [[[0, 1, 2, 3], [8, 9, 10, 11]], [[4, 5, 6, 7], [12, 13, 14, 15]]]
+    assert in_batch["row_lengths"] == (4 * 2048,) and rows["Megatron-Bridge in-batch, thd"]["padding"] == 0
+    one, many = rows["global-batch packing, thd_static, 1 row"], rows["global-batch packing, thd_static, up to 4 rows"]
+    sizes = SampleSizes(lengths, torch.zeros_like(lengths), torch.zeros(16, dtype=torch.float64))
+    row = row_length_for_steps(torch.arange(16)[None], sizes=sizes, dp_size=2, num_micro_batches=2, upper=4 * 2048)
+    assert one["row_lengths"] == (row,) and many["row_lengths"][-1] == row and len(many["row_lengths"]) <= 4
+    assert one["assignment"] == many["assignment"]  # the rows only change what each micro-batch is padded to
+    assert many["slots"] <= one["slots"] <= in_batch["slots"]
+    assert one["padding"] < in_batch["padding"] / 10  # these samples: a row far shorter than 4 * seq_length
+
+
 def test_run_demo_rejects_an_unknown_model():
     with pytest.raises(ValueError, match="model_kind"):
         demo.run_demo(1, 1, 2048, 0, False, model_kind="llava")
@@ -65,7 +137,8 @@ def test_main_writes_the_plot_and_says_where(tmp_path, capsys):
     assert demo.main(["--micro-batches", "1", "--micro-batch-size", "2", "--progress", "off", "--plot", str(path)]) == 0
     assert path.stat().st_size > 1000
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"plot: {path}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"plot: {path}" in out and "| global-batch packing, thd_static, 1 row |" in out
 
 
 def test_the_demo_screen_is_its_report_without_warning_lines(tmp_path):
@@ -92,4 +165,5 @@ def test_the_demo_screen_is_its_report_without_warning_lines(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     screen = (done.stdout + done.stderr).splitlines()
     assert screen[0].startswith("megatron-bridge-thd demo:"), screen[:3]
+    assert any(line.startswith("| global-batch packing, thd_static, up to 4 rows |") for line in screen), screen
     assert not [line for line in screen if re.search(r"warn", line, re.I)], screen

@@ -6,7 +6,9 @@ CPU (``megatron.bridge_thd.testbed``), or with ``--model hf`` the Hugging Face r
 :func:`megatron.bridge_thd.qwen3_vl_step.forward_step` in ``bshd``, ``thd`` and
 ``thd_static``, runs every sample alone through the same model, and prints the losses (equal),
 the largest log-probability difference against the per-sample run, and the tokens and attention
-work each layout spends.
+work each layout spends. Then, from the same samples' lengths alone (no model run), global-batch
+packing beside Megatron-Bridge's in-batch placement for a simulated DP 2
+(:func:`placement_comparison`): token slots, padding and per-rank cost max / mean.
 """
 
 from __future__ import annotations
@@ -144,17 +146,146 @@ def _demo_model(kind: str, seed: int, seq_length: int):
     return build_qwen3_vl(config, seed=seed), _bridge_per_sample_token_losses, cpu_stack()
 
 
+def demo_batches(micro_batches: int, micro_batch_size: int, seed: int) -> list[dict]:
+    """The demo's micro-batches: ``micro_batch_size`` synthetic receipts each, seeds ``seed``, ``seed + 1``, ..."""
+    return [synthetic_receipt_batch(micro_batch_size, seed=seed + k) for k in range(micro_batches)]
+
+
 def run_demo(micro_batches: int, micro_batch_size: int, seq_length: int, seed: int, progress: bool,
              model_kind: str = "bridge", return_results: bool = False):
-    """The report text (and, with ``return_results``, the per-layout figures behind it)."""
+    """The report text (and, with ``return_results``, the figures behind it: per layout, and under
+    ``"global_batch"`` :func:`placement_comparison` of the same samples, None where its placement refuses them)."""
     if model_kind not in MODELS:
         raise ValueError(f"model_kind: {model_kind!r} is not one of {sorted(MODELS)}")
     init_single_process_groups()
+    batches = demo_batches(micro_batches, micro_batch_size, seed)
     model, per_sample, stack = _demo_model(model_kind, seed, seq_length)
     with stack:
-        results = _run_layouts(model, per_sample, micro_batches, micro_batch_size, seq_length, seed, progress)
+        results = _run_layouts(model, per_sample, batches, micro_batch_size, seq_length, progress)
+    lengths = torch.cat([batch["attention_mask"].sum(1) for batch in batches])
+    patches = torch.cat([batch["visual_inputs"].image_grid_thw.prod(-1) for batch in batches])
     report = _report(results, model, model_kind, micro_batches, micro_batch_size, seq_length)
-    return (report, results) if return_results else report
+    try:
+        comparison = placement_comparison(lengths, patches, micro_batch_size=micro_batch_size, seq_length=seq_length)
+        report += "\n\n" + placement_report(comparison)
+    except ValueError as error:  # the run would refuse these samples too (batching.policy.DoesNotFit)
+        comparison = None
+        report += f"\n\nGlobal-batch packing: not compared, its placement refuses these samples: {error}"
+    if return_results:
+        return report, dict(results, global_batch=comparison)
+    return report
+
+
+# The data-parallel size the demo's placement comparison simulates (its one process runs no DP).
+SIMULATED_DP = 2
+
+
+def placement_comparison(lengths, patches=None, *, micro_batch_size: int, seq_length: int,
+                         dp_size: int = SIMULATED_DP, seed: int = 0) -> dict:
+    """Megatron-Bridge's in-batch placement against global-batch packing, for the demo's samples as one
+    step of a run on ``dp_size`` ranks (no model run: lengths only).
+
+    The step is every sample, in the demo's order (Megatron-Bridge's sampler order); the simulated
+    micro-batch size is ``micro_batch_size / dp_size``, so each of the demo's micro-batches is split over
+    the ranks and every rank runs as many micro-batches as the demo did (``dp_size`` 1 when
+    ``micro_batch_size`` is not a multiple of it). Lengths are capped at ``seq_length`` (the step keeps
+    the first ``seq_length`` tokens), alignment 1 (TP = CP = 1), cost ``GlobalBatchPacking``'s default
+    (VERL's proxy ``s + s^2 / 24576``). Rows are chosen as the runtime chooses them
+    (``batching.bridge``): ``thd`` places into rows of ``micro_batch_size * seq_length``; ``thd_static``
+    into the row :func:`~megatron.bridge_thd.batching.sampler.row_length_for_steps` gives (at most that),
+    measured with that one row and with the up to ``rules.DEFAULT_ROW_BUCKETS`` rows
+    :func:`~megatron.bridge_thd.batching.sampler.micro_batch_slots` and
+    :func:`~megatron.bridge_thd.batching.sampler.optimal_row_lengths` choose from the placement.
+
+    Returns:
+        ``{"dp_size", "micro_batch_size", "num_micro_batches", "global_batch_size", "lengths", "rows"}``;
+        ``rows``: per placement ``{"label", "placement", "layout", "assignment", "row_lengths"`` (None:
+        each micro-batch's own tokens)``, "slots", "padding", "rank_imbalance"}``, in-batch first.
+    """
+    from megatron.bridge_thd.batching import assign, in_batch_assignment, placement_stats
+    from megatron.bridge_thd.batching.policy import sample_costs
+    from megatron.bridge_thd.batching.sampler import micro_batch_slots, optimal_row_lengths, row_length_for_steps
+    from megatron.bridge_thd.batching.sizes import SampleSizes
+    from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS
+
+    lengths = torch.as_tensor(lengths, dtype=torch.int64).clamp(max=seq_length)
+    patches = torch.zeros_like(lengths) if patches is None else torch.as_tensor(patches, dtype=torch.int64)
+    dp = dp_size if micro_batch_size % dp_size == 0 else 1
+    mbs = micro_batch_size // dp
+    num_micro_batches = len(lengths) // (dp * mbs)
+    capacity = mbs * seq_length
+    costs = sample_costs(lengths)
+    rows = []
+
+    def add(label, placement, layout, assignment, row_lengths):
+        stats = placement_stats(assignment, lengths, costs=costs, row_lengths=row_lengths)
+        rows.append(dict(label=label, placement=placement, layout=layout, assignment=assignment,
+                         row_lengths=row_lengths, slots=stats.slots, padding=stats.padding,
+                         rank_imbalance=stats.rank_imbalance))
+
+    in_batch = in_batch_assignment(len(lengths), dp_size=dp, micro_batch_size=mbs)
+    add("Megatron-Bridge in-batch, thd_static", "in-batch", "thd_static", in_batch, (capacity,))
+    add("Megatron-Bridge in-batch, thd", "in-batch", "thd", in_batch, None)
+    placed = dict(dp_size=dp, num_micro_batches=num_micro_batches, seed=seed)
+    add("global-batch packing, thd", "global", "thd", assign(lengths, row_length=capacity, **placed), None)
+    sizes = SampleSizes(lengths, patches, patches.to(torch.float64) ** 2, source="the demo's samples")
+    draws = torch.arange(len(lengths))[None]
+    row = row_length_for_steps(draws, sizes=sizes, dp_size=dp, num_micro_batches=num_micro_batches, upper=capacity,
+                               seed=seed)
+    static = assign(lengths, row_length=row, **placed)
+    add("global-batch packing, thd_static, 1 row", "global", "thd_static", static, (row,))
+    slots, weights = micro_batch_slots(draws, sizes=sizes, dp_size=dp, num_micro_batches=num_micro_batches,
+                                       row_length=row, seed=seed)
+    buckets = optimal_row_lengths(slots, weights, count=DEFAULT_ROW_BUCKETS, largest=row)
+    add(f"global-batch packing, thd_static, up to {DEFAULT_ROW_BUCKETS} rows", "global", "thd_static", static, buckets)
+    return dict(dp_size=dp, micro_batch_size=mbs, num_micro_batches=num_micro_batches, global_batch_size=len(lengths),
+                lengths=lengths, rows=rows)
+
+
+def _micro_batches(comparison: dict) -> str:
+    n, mbs = comparison["num_micro_batches"], comparison["micro_batch_size"]
+    return f"{n} micro-batch{'es' if n > 1 else ''} of {mbs}"
+
+
+def _short_label(row: dict) -> str:
+    """A placement's plot label: two short lines."""
+    which = "in-batch" if row["placement"] == "in-batch" else "global-batch"
+    rows = "" if row["row_lengths"] is None or row["placement"] == "in-batch" else f", {len(row['row_lengths'])} row"
+    return f"{which}\n{row['layout']}{rows}{'s' if rows and len(row['row_lengths']) > 1 else ''}"
+
+
+def _rows_text(row_lengths) -> str:
+    return "each micro-batch's tokens" if row_lengths is None else ", ".join(str(n) for n in row_lengths)
+
+
+def placement_report(comparison: dict) -> str:
+    """The report's lines for :func:`placement_comparison`."""
+    c = comparison
+    lines = [
+        f"Global-batch packing (docs/batching.md), from these {c['global_batch_size']} samples' lengths (no model run): "
+        f"one step of a simulated DP {c['dp_size']} x {_micro_batches(c)} (global batch {c['global_batch_size']}), "
+        "in the demo's sample order; per-rank cost s + s^2/24576 (GlobalBatchPacking's default); rows chosen as at "
+        "run time.",
+        "",
+        "| placement | rows (slots) | token slots | padding | per-rank cost max/mean |",
+        "|---|---|---|---|---|",
+    ]
+    for r in c["rows"]:
+        lines.append(f"| {r['label']} | {_rows_text(r['row_lengths'])} | {r['slots']} | {r['padding']:.1%} | "
+                     f"{r['rank_imbalance']:.3f} |")
+    by_label = {r["label"]: r for r in c["rows"]}
+    static_in, thd_in = by_label["Megatron-Bridge in-batch, thd_static"], by_label["Megatron-Bridge in-batch, thd"]
+    one, many = c["rows"][-2:]  # global-batch packing, thd_static: one row, up to DEFAULT_ROW_BUCKETS
+    thd_global = by_label["global-batch packing, thd"]
+    lines += [
+        "",
+        f"thd_static padding: {static_in['padding']:.1%} in Megatron-Bridge's placement (rows of micro_batch_size * "
+        f"seq_length), {one['padding']:.1%} with global-batch packing's one row, {many['padding']:.1%} with its "
+        f"{len(many['row_lengths'])} row{'s' if len(many['row_lengths']) > 1 else ''}; per-rank cost max/mean {thd_in['rank_imbalance']:.3f} in Megatron-Bridge's "
+        f"placement, {thd_global['rank_imbalance']:.3f} (thd) and {one['rank_imbalance']:.3f} (thd_static) with "
+        "global-batch packing.",
+    ]
+    return "\n".join(lines)
 
 
 def _trainer_flops(model, state, batch_size: int, **override) -> float | None:
@@ -175,8 +306,8 @@ def _trainer_flops(model, state, batch_size: int, **override) -> float | None:
     return float(flop_utils.num_floating_point_operations(SimpleNamespace(model=config, peft=None), batch_size, **stats))
 
 
-def _run_layouts(model, per_sample, micro_batches, micro_batch_size, seq_length, seed, progress) -> dict:
-    batches = [synthetic_receipt_batch(micro_batch_size, seed=seed + k) for k in range(micro_batches)]
+def _run_layouts(model, per_sample, batches, micro_batch_size, seq_length, progress) -> dict:
+    micro_batches = len(batches)
     bar = _Progress(micro_batches * (len(LAYOUTS) + 1), progress)
     results = {}
     with torch.no_grad():
@@ -254,7 +385,9 @@ def _report(results, model, model_kind, micro_batches, micro_batch_size, seq_len
 
 def write_demo_plot(results: dict, path: str) -> str:
     """Bars of the three layouts' work on the demo batches (token slots, attention work, the
-    trainer's GFLOP) to ``path``; returns where it went, or why it did not."""
+    trainer's GFLOP) and, with ``results["global_batch"]`` (:func:`placement_comparison`), a second row:
+    the token slots and per-rank cost max / mean of each placement, to ``path``; returns where it went,
+    or why it did not."""
     try:
         import matplotlib
 
@@ -262,18 +395,42 @@ def write_demo_plot(results: dict, path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no plot: matplotlib is not installed (pip install 'megatron-bridge-thd[plot]')"
-    layouts = list(results)
+    comparison = results.get("global_batch")
+    layouts = [l for l in results if l != "global_batch"]
     panels = [("token slots", "processed"), ("attention work sum(s_i^2)", "work"), ("trainer GFLOP", "flops")]
     panels = [(title, key) for title, key in panels if all(results[l][key] is not None for l in layouts)]
-    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    width = 4 * len(panels)
+    figure = plt.figure(figsize=(max(width, 12), 6.8 if comparison else 3.2), layout="constrained")
+    grid = figure.add_gridspec(2 if comparison else 1, 2 * len(panels))
     colors = {"bshd": "tab:gray", "thd": "tab:green", "thd_static": "tab:blue"}
-    for axis, (title, key) in zip(axes, panels):
+    for index, (title, key) in enumerate(panels):
+        axis = figure.add_subplot(grid[0, 2 * index:2 * index + 2])
         values = [results[l][key] / (1e9 if key == "flops" else 1) for l in layouts]
         bars = axis.bar(layouts, values, color=[colors.get(l, "tab:orange") for l in layouts])
         axis.bar_label(bars, labels=[f"{v:,.2f}" if key == "flops" else f"{v:,.0f}" for v in values], fontsize=8)
         axis.set_title(title)
-    figure.suptitle("megatron-bridge-thd demo: work per layout on the demo micro-batches")
-    figure.tight_layout()
+    if comparison:
+        rows = comparison["rows"]
+        labels = [_short_label(r) for r in rows]
+        row_colors = [("tab:gray" if r["placement"] == "in-batch" else "tab:purple") for r in rows]
+        setting = f"DP {comparison['dp_size']} x {_micro_batches(comparison)} (simulated)"
+        half = len(panels)
+        for column, (title, key, text) in enumerate([
+                (f"token slots, {setting}", "slots", lambda r: f"{r['slots']:,}\n{r['padding']:.1%} pad"),
+                ("per-rank cost max / mean", "rank_imbalance", lambda r: f"{r['rank_imbalance']:.3f}")]):
+            axis = figure.add_subplot(grid[1, column * half:(column + 1) * half])
+            bars = axis.bar(range(len(rows)), [r[key] for r in rows], color=row_colors)
+            axis.bar_label(bars, labels=[text(r) for r in rows], fontsize=7)
+            axis.set_xticks(range(len(rows)), labels, fontsize=7)
+            axis.set_title(title, fontsize=10)
+            values = [r[key] for r in rows]
+            if key == "rank_imbalance":
+                bottom = min(0.95, min(values) - 0.02)
+                axis.set_ylim(bottom, max(values) + 0.2 * (max(values) - bottom))
+            else:
+                axis.set_ylim(0, 1.2 * max(values))
+    figure.suptitle("megatron-bridge-thd demo: work per layout on the demo micro-batches"
+                    + ("; below, in-batch vs global-batch packing of the same samples" if comparison else ""))
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return f"plot: {path}"
