@@ -152,9 +152,10 @@ def _global(rank, part="iterations"):
 
 
 def _placement_log(lines, label="train"):
-    """(rows fixed, {step: (real tokens, slots)}) from global-batch packing's log lines (global rank 0);
+    """(rows chosen, {step: (real tokens, slots)}) from global-batch packing's log lines (global rank 0);
     steps past the run (the loader workers' prefetch) included."""
-    rows = [int(m.group(1)) for m in map(re.compile(r"row fixed at (\d+) slots").search, lines) if m]
+    rows = [tuple(int(n) for n in m.group(1).split(", "))
+            for m in map(re.compile(r"thd_static rows for the run: ([\d, ]+) slots").search, lines) if m]
     steps = {}
     for m in map(re.compile(rf"\({label}\): step (\d+): real tokens (\d+) in (\d+) slots").search, lines):
         if m:
@@ -203,24 +204,29 @@ def test_global_batch_packing_evaluates_with_the_recipes_loader_workers(ranks):
     assert set(range(1, (GLOBAL // EVAL_INTERVAL + 1) * EVAL_ITERS + 1)) <= set(valid)
 
 
-def test_global_batch_packing_keeps_its_row_and_step_count_across_a_resume(ranks):
-    """The row is chosen from the whole run's draws (training and evaluation) when the loaders are
-    built: the resumed run fixes the same row as the uninterrupted start, its log continues at step 5,
-    and every micro-batch's real tokens per iteration match the log of the step it came from."""
+def test_global_batch_packing_keeps_its_rows_and_step_count_across_a_resume(ranks):
+    """The rows (the default four at most) are chosen from the whole run's draws (training and evaluation) when
+    the loaders are built: the resumed run chooses the same rows as the uninterrupted start, its log continues at
+    step 5, every micro-batch's real tokens per iteration match the log of the step it came from, and its slots
+    are the shortest row holding it (alignment 1 here: TP = CP = 1, no FP8), as Megatron-Bridge's FLOPs count
+    (rank 0's micro-batches) shows too."""
     first_rows, first_steps = _placement_log(ranks[0]["thd_static_global_first"]["placements"])
     resumed_rows, resumed_steps = _placement_log(ranks[0]["thd_static_global_resumed"]["placements"])
     assert len(first_rows) == len(resumed_rows) == 1 and first_rows == resumed_rows
-    row = first_rows[0]
-    assert 0 < row <= MICRO_BATCH * SEQ_LENGTH
+    rows = first_rows[0]
+    assert 1 < len(rows) <= 4 and list(rows) == sorted(rows) and rows[-1] <= MICRO_BATCH * SEQ_LENGTH
     assert min(first_steps) == 1 and min(resumed_steps) == GLOBAL_RESUME_AT + 1
-    per_iteration = GLOBAL_BATCH // (MICRO_BATCH * 2)
     batches = [_global(rank, "batches") for rank in ranks]
     steps = {**first_steps, **{k: v for k, v in resumed_steps.items() if k > GLOBAL_RESUME_AT}}
+
+    def row_of(batch):
+        return min(n for n in rows if n >= batch["real_tokens"])
+
     for iteration, record in enumerate(_global(ranks[0]), start=1):
         real, slots = steps[iteration]
         assert real == sum(b["real_tokens"] for rank in batches for b in rank[iteration - 1])
-        assert slots == per_iteration * 2 * row
-        assert record["flops_tokens"] == per_iteration * row
+        assert slots == sum(row_of(b) for rank in batches for b in rank[iteration - 1])
+        assert record["flops_tokens"] == sum(row_of(b) for b in batches[0][iteration - 1])
     assert not ranks[1]["thd_static_global_first"]["placements"]  # one log, on global rank 0
 
 
@@ -228,14 +234,17 @@ def test_thd_static_is_static_in_everything_the_decoder_sees_inside_finetune(ran
     """Every micro-batch Megatron-Bridge's trainer hands our ``thd_static`` step, training and evaluation, gives
     the decoder one signature per run (``step.decoder_signature``: token inputs' shapes and dtypes, every
     ``PackedSeqParams`` field, the ``cu_seqlens`` count and ``max_seqlen`` included): in-batch, and under
-    global-batch packing across its stop and resume (its rows have segments for the most samples a row can hold;
-    micro-batches of 1 to 8 samples in one row are in tests/test_step_plan.py)."""
+    global-batch packing across its stop and resume one signature per row it chose (its rows have segments for the
+    most samples a row can hold; micro-batches of 1 to 8 samples in one row are in tests/test_step_plan.py)."""
+    rows = _placement_log(ranks[0]["thd_static_global_first"]["placements"])[0][0]
     for rank in ranks:
-        for names in (("thd_static",), ("thd_static_per_token",),
-                      ("thd_static_global_first", "thd_static_global_resumed")):
+        for names, expected in ((("thd_static",), 1), (("thd_static_per_token",), 1),
+                                (("thd_static_global_first", "thd_static_global_resumed"), len(rows))):
             batches = [batch for name in names for batch in rank[name]["micro_batches"]]
             assert batches and any(not batch["training"] for batch in batches), names  # evaluation is in it
             signatures = {batch["signature"] for batch in batches}
-            assert len(signatures) == 1, (names, signatures)
+            assert len(signatures) == expected, (names, signatures)
+            if expected > 1:  # each signature is one row's: its length is in the signature's token shapes
+                assert {next(n for n in rows if f"(1, {n})" in signature) for signature in signatures} == set(rows)
     # The control: thd's row follows its micro-batch, so its signature changes.
     assert len({batch["signature"] for batch in ranks[0]["thd_first"]["micro_batches"]}) > 1
