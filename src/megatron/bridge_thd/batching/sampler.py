@@ -12,6 +12,10 @@ point), and :func:`row_length_for_steps` picks a static row from them: the small
 alignment, from :func:`row_lower_bound` up, at which every step fits. A step whose samples total at
 most ``rows * (row - longest)`` slots always fits (the placement can only fail when every row is
 fuller than ``row - longest``), so only the other steps are placed to check them.
+
+Several rows (``GlobalBatchPacking.row_buckets``): :func:`micro_batch_slots` places the run's distinct steps
+in that row, as the sampler will, and :func:`optimal_row_lengths` chooses the shorter rows that give those
+micro-batches the fewest slots, each taking the shortest row that holds it.
 """
 
 from __future__ import annotations
