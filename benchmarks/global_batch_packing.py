@@ -314,7 +314,7 @@ def measure(name, samples, seq_length, model, gbs, verl) -> dict:
                 micro_ratios[key].append(stats.micro_batch_imbalance)
     parallel = Parallel(gpus=8, ep=8) if get_preset(model).is_moe else Parallel(gpus=8)
     bp = balance_plan(get_preset(model), samples, PlanSettings(seq_length, MICRO_BATCH_SIZE, parallel, n_mb), gbs,
-                      seed=SEED)
+                      seed=SEED, row_buckets=1)  # one thd_static row, as in (a)
     static = bp.layouts["thd_static"]
     # the planner computes the same static row and padding (one rule, two callers)
     assert bp.static_row == row and abs(static["packed"].padding - (1 - real / (rows_total * row))) < 1e-12

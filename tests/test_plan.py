@@ -13,7 +13,8 @@ from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, get_
 from megatron.bridge_thd.plan.cli import main
 from megatron.bridge_thd.plan.flops import flops_config, micro_batch_flops, moe_routed_tokens
 from megatron.bridge_thd.plan.layouts import layout_stats, micro_batches
-from megatron.bridge_thd.plan.memory import layer_bytes_per_token, model_state_bytes, parameter_counts
+from megatron.bridge_thd.plan.memory import (cuda_graph_bytes, graph_static_bytes, layer_bytes_per_token,
+                                             model_state_bytes, parameter_counts)
 from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec, replace, spec_from_hf_config
 
 warnings.simplefilter("ignore")
@@ -95,6 +96,25 @@ def test_activation_formula_on_a_hand_case():
     mha = replace(TINY, num_query_groups=2, ffn_hidden_size=32)
     no_lse = layer_bytes_per_token(mha)[0] - 4 * 2
     assert no_lse - 2 * 32 == 32 * h  # our MLP is gated (4f + 2f); a plain MLP stores 2f + 2f
+
+
+def test_cuda_graph_memory_of_several_rows_on_a_hand_case():
+    # TINY: 216 activation bytes per token per layer (test above: 32 + 72 + 112), 2 layers -> 432 per token.
+    # Static buffers per token: hidden states + gradients at the 3 layer boundaries, bf16 h = 8 -> 2 * 3 * 16,
+    # and the fp32 rotary table of head dim 4 -> 16: 112 bytes.
+    assert graph_static_bytes(TINY, Parallel(), 10) == 10 * 112
+    g = cuda_graph_bytes(TINY, Parallel(), (10, 20, 40))
+    assert g.layers == (10 * 432, 20 * 432, 40 * 432) and g.static == (10 * 112, 20 * 112, 40 * 112)
+    # one shared pool: the longest row's activations + the shorter rows' static buffers; separate: every row's
+    assert g.shared == 40 * 432 + (10 + 20) * 112 and g.separate == (10 + 20 + 40) * 432
+    one = cuda_graph_bytes(TINY, Parallel(), (40,))
+    assert one.shared == one.separate == 40 * 432
+    # TP 2 with SP halves the hidden states (not the rotary table); CP 2 halves the tokens
+    assert graph_static_bytes(TINY, Parallel(tp=2, gpus=2), 10) == 10 * (2 * 3 * 8 + 16)
+    assert graph_static_bytes(TINY, Parallel(tp=2, gpus=2, sequence_parallel=False), 10) == 10 * 112
+    assert graph_static_bytes(TINY, Parallel(cp=2, gpus=2), 10) == 5 * 112
+    with pytest.raises(ValueError, match="PP > 1"):
+        cuda_graph_bytes(TINY, Parallel(pp=2, gpus=2), (10, 20))
 
 
 def test_model_states_count_the_named_sizes():

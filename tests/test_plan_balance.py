@@ -1,11 +1,12 @@
 """bridge-thd plan with and without global-batch packing (plan.balance): the slowest rank's step
 time, the static row's padding and per-rank cost max / mean against hand computations on tiny
-cases, and the --global-batch-size flag with its errors."""
+cases, the thd_static row buckets (--row-buckets) against a brute force, and the --global-batch-size
+and --row-buckets flags with their errors."""
 
 from __future__ import annotations
 
 import warnings
-from itertools import product
+from itertools import combinations, product
 
 import pytest
 
@@ -83,15 +84,107 @@ def test_the_slowest_rank_sets_the_step_and_packing_balances_it():
 
 def test_static_row_padding_and_the_row_chosen_from_the_data():
     lengths = (5, 5, 5, 1)
-    b = balance_plan(TINY, _text(*lengths), _settings())
+    b = balance_plan(TINY, _text(*lengths), _settings(), row_buckets=1)
     # the lower bound max(longest, ceil(16 / 2 rows)) = 8 does not fit (5 + 5 + 5 + 1 cannot split 8 / 8)
     assert b.static_row == _smallest_row(lengths, 2) == 10
+    assert b.static_rows == (10,) and b.static_row_use == (1.0,)
     static = b.layouts["thd_static"]
     real = sum(lengths)
     assert static["in-batch"].padding == pytest.approx(1 - real / (2 * 16))
     assert static["packed"].padding == pytest.approx(1 - real / (2 * 10))
     assert static["in-batch"].slots == 16 and static["packed"].slots == 10
     assert b.layouts["thd"]["in-batch"].padding == pytest.approx(0.0)  # align 1: thd slots are the real tokens
+
+
+@pytest.mark.parametrize("row_buckets", [2, 4])
+def test_a_second_row_takes_the_shorter_micro_batch(row_buckets):
+    # The only split of 5, 5, 5, 1 into two rows of at most 10 slots is {5, 5} | {5, 1}: micro-batches of 10 and 6
+    # slots. With two rows or more those are the rows (6, 10), each micro-batch takes its own: no padding.
+    lengths = (5, 5, 5, 1)
+    one = balance_plan(TINY, _text(*lengths), _settings(), row_buckets=1)
+    b = balance_plan(TINY, _text(*lengths), _settings(), row_buckets=row_buckets)
+    assert b.static_row == 10 and b.static_rows == (6, 10) and b.static_row_use == (0.5, 0.5)
+    static = b.layouts["thd_static"]["packed"]
+    assert static.row_length == 10 and static.slots == 8 and static.padding == pytest.approx(0.0)
+    # the placement is the longest row's: the same per-rank balance; each micro-batch runs its own row's slots
+    assert static.rank_cost_imbalance == one.layouts["thd_static"]["packed"].rank_cost_imbalance
+    assert static.step_s == pytest.approx(max(_seconds(10, (5, 5)), _seconds(6, (5, 1))))
+    assert one.layouts["thd_static"]["packed"].step_s == pytest.approx(_seconds(10, (5, 5)))
+
+
+def _best_rows(slots, count: int, largest: int):
+    """Brute force: every set of at most ``count - 1`` rows below ``largest`` (any length 1..largest - 1), each
+    micro-batch in the shortest that holds it; ``(least total slots, [every row set reaching it])``."""
+    best, winners = None, []
+    for k in range(count):
+        for shorter in combinations(range(1, largest), k):
+            rows = (*shorter, largest)
+            total = sum(min(r for r in rows if r >= s) for s in slots)
+            if best is None or total < best:
+                best, winners = total, [rows]
+            elif total == best:
+                winners.append(rows)
+    return best, winners
+
+
+def test_the_rows_are_a_brute_force_optimum_on_a_tiny_run():
+    # Micro-batch size 1 on DP 2 x 2 micro-batches: 4 samples per step and 4 micro-batches, none empty (assign's
+    # contract), so every micro-batch holds exactly one sample and its slots are that sample's length.
+    steps = [(9, 12, 1, 15), (8, 2, 6, 4), (12, 16, 8, 13)]
+    slots = [n for step in steps for n in step]
+    settings = _settings(micro_batch_size=1, micro_batches=2, seq_length=16)
+    one = balance_plan(TINY, _text(*slots), settings, row_buckets=1)
+    assert one.static_row == 16  # the longest sample; every micro-batch holds one sample, so every step fits
+    for count in (2, 3, 4):
+        b = balance_plan(TINY, _text(*slots), settings, row_buckets=count)
+        total, winners = _best_rows(slots, count, 16)
+        assert len(winners) == 1, "the tiny case is chosen so that the optimum is unique"
+        assert b.static_rows == winners[0] and b.static_row == 16
+        static = b.layouts["thd_static"]["packed"]
+        assert static.slots == pytest.approx(total / len(slots))
+        assert static.padding == pytest.approx(1 - sum(slots) / total)
+        assert b.static_row_use == tuple(
+            sum(1 for s in slots if min(r for r in b.static_rows if r >= s) == row) / len(slots) for row in b.static_rows)
+        assert static.padding <= one.layouts["thd_static"]["packed"].padding
+    assert one.layouts["thd_static"]["packed"].padding == pytest.approx(1 - sum(slots) / (16 * len(slots)))
+
+
+def test_row_buckets_lower_the_padding_of_a_real_preset_and_every_micro_batch_fits_its_row():
+    from megatron.bridge_thd import layouts
+    from megatron.bridge_thd.batching.cost import sample_cost
+    from megatron.bridge_thd.plan import receipt_lengths
+    from megatron.bridge_thd.plan.balance import plan_steps, step_assignments
+
+    samples, settings = receipt_lengths(256, 0), PlanSettings(2048, 4, Parallel(gpus=8))
+    one = balance_plan(get_preset("qwen3-vl-8b"), samples, settings, 128, row_buckets=1)
+    b = balance_plan(get_preset("qwen3-vl-8b"), samples, settings, 128, row_buckets=4)
+    assert one.static_rows == (one.static_row,) and b.static_row == one.static_row
+    assert 1 < len(b.static_rows) <= 4 and list(b.static_rows) == sorted(set(b.static_rows))
+    before, after = one.layouts["thd_static"]["packed"], b.layouts["thd_static"]["packed"]
+    assert after.padding < before.padding and after.step_s < before.step_s
+    assert after.rank_cost_imbalance == before.rank_cost_imbalance  # the same placement
+    assert after.activation_peak <= before.activation_peak
+    # every micro-batch's aligned slots fit the row it takes, and those rows' slots are the padding's denominator
+    real = taken = 0
+    for step in plan_steps(samples, 128, 2048):
+        for rank in step_assignments(step, "packed", dp=8, micro_batch_size=4, num_micro_batches=b.num_micro_batches,
+                                     row_length=b.static_row, align=1, cost=sample_cost(b.spec)):
+            for members in rank:
+                need = sum(step.lengths[i] for i in members)
+                row = min(r for r in b.static_rows if r >= need)
+                assert row == b.static_rows[layouts.row_bucket(b.static_rows, need)]
+                real, taken = real + need, taken + row
+    assert after.padding == pytest.approx(1 - real / taken)
+    # the rows as CUDA graphs: more than one graph of the longest row, at most every row's activations
+    g = b.graph_memory
+    assert g.rows == b.static_rows and g.layers[-1] < g.shared < g.separate
+    assert one.graph_memory.shared == one.graph_memory.separate == one.graph_memory.layers[-1]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_bad_row_buckets_are_refused_naming_the_flag(bad):
+    with pytest.raises(ValueError, match="--row-buckets: expected an int >= 1"):
+        balance_plan(TINY, _text(8, 8, 1, 1), _settings(), row_buckets=bad)
 
 
 def test_per_rank_cost_max_over_mean_by_hand():
@@ -157,6 +250,30 @@ def test_cli_rejects_bad_global_batch_sizes_with_the_flag_named(capsys, extra, m
     assert main(["--model", "qwen3-vl-8b", "--num-samples", "64"] + extra) == 2
     err = capsys.readouterr().err
     assert err.startswith("bridge-thd plan: error: ") and message in err
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_cli_refuses_row_buckets_below_one_naming_the_flag(capsys, value):
+    assert main(["--model", "qwen3-vl-8b", "--num-samples", "64", "--row-buckets", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bridge-thd plan: error: --row-buckets: expected an int >= 1") and f"got {value}" in err
+
+
+def test_cli_refuses_a_non_integer_row_buckets(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--row-buckets", "four"])
+    assert exit_info.value.code == 2 and "--row-buckets" in capsys.readouterr().err
+
+
+def test_cli_prints_the_rows_and_their_graph_memory(capsys):
+    args = ["--model", "qwen3-vl-8b", "--num-samples", "64", "--global-batch-size", "64"]
+    assert main(args + ["--row-buckets", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(row_buckets 1)" in out and "one graph of the longest row holds" in out and "shared pool" not in out
+    assert main(args + ["--row-buckets", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "row_buckets 2: each micro-batch takes the shortest row that holds it" in out
+    assert "2 rows, longest" in out and "in one shared pool" in out and "in separate pools at most" in out
 
 
 def test_cli_refuses_a_non_integer_global_batch_size(capsys):

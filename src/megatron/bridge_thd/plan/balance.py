@@ -13,11 +13,16 @@ is dropped). Each sample is truncated to ``seq_length`` as the step truncates it
 * **packed** (global-batch packing, :func:`~megatron.bridge_thd.batching.assign` with the cost of
   :func:`~megatron.bridge_thd.batching.sample_cost`, Megatron-Bridge's own FLOPs terms): ``thd``
   into rows of ``micro_batch_size * round_up(seq_length, align)`` slots (the runtime's default
-  bound); ``thd_static`` into the run's fixed row, chosen from these steps by the runtime's own
+  bound); ``thd_static`` into the run's longest row, chosen from these steps by the runtime's own
   :func:`~megatron.bridge_thd.batching.sampler.row_length_for_steps` (smallest multiple of the
-  alignment, grown by ~0.5%, at which every step fits), so its slots and padding drop. ``bshd`` has
-  no packed figures: it lays out exactly ``micro_batch_size`` samples per micro-batch and
-  ``configure`` refuses global-batch packing with it.
+  alignment, grown by ~0.5%, at which every step fits), with up to ``row_buckets - 1`` shorter rows
+  chosen as the runtime chooses them (:func:`static_rows_for_steps`: the aligned slots of every
+  micro-batch the sampler forms in the longest row, :func:`~megatron.bridge_thd.batching.sampler.micro_batch_slots`,
+  and the rows of least padding over them, :func:`~megatron.bridge_thd.batching.sampler.optimal_row_lengths`);
+  each micro-batch takes the shortest row that holds it (``layouts.row_bucket``) and counts that row's
+  slots (time, activation peak, padding). The placement itself is the longest row's, so the per-rank
+  balance does not depend on ``row_buckets``. ``bshd`` has no packed figures: it lays out exactly
+  ``micro_batch_size`` samples per micro-batch and ``configure`` refuses global-batch packing with it.
 
 Time: each micro-batch's FLOPs by :func:`~.flops.micro_batch_flops` (its sample count, slots,
 ``sum s^2`` and patches) and its roofline time by :func:`~.roofline.step_seconds` (one micro-batch,
@@ -26,6 +31,9 @@ no bubble, no overhead); a rank's time is the sum over its micro-batches times t
 (every rank waits for it at the gradient all-reduce), averaged over the steps. Per-rank cost
 max / mean is :func:`~megatron.bridge_thd.batching.placement_stats`'s ``rank_imbalance`` with the
 same per-sample cost, averaged over the steps.
+
+CUDA graphs of the packed ``thd_static`` rows: :func:`~.memory.cuda_graph_bytes` (a model of Megatron-Core's
+local graph manager, docs/planner.md), in :attr:`BalancePlan.graph_memory`.
 """
 
 from __future__ import annotations
@@ -37,13 +45,14 @@ from megatron.bridge_thd import layouts
 from megatron.bridge_thd.plan.estimate import PlanSettings
 from megatron.bridge_thd.plan.flops import flops_config, micro_batch_flops
 from megatron.bridge_thd.plan.layouts import LAYOUTS, MicroBatch, layout_stats
-from megatron.bridge_thd.plan.memory import activation_bytes, parameter_counts
+from megatron.bridge_thd.plan.memory import GraphMemory, activation_bytes, cuda_graph_bytes, parameter_counts
 from megatron.bridge_thd.plan.presets import ModelSpec
 from megatron.bridge_thd.plan.roofline import step_seconds
 from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
+from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS
 
 __all__ = ["PLACEMENTS", "PlacementEstimate", "BalancePlan", "Step", "micro_batches_per_rank", "plan_steps", "static_row_for_steps",
-           "step_assignments", "balance_plan"]
+           "static_rows_for_steps", "check_row_buckets", "step_assignments", "balance_plan"]
 
 PLACEMENTS = ("in-batch", "packed")
 # Layouts global-batch packing can place (configure refuses it with bshd).
@@ -64,8 +73,9 @@ class Step:
 class PlacementEstimate:
     """One layout under one placement, over all steps.
 
-    ``row_length``: ``thd_static``'s row (slots), None otherwise; ``slots``: mean token slots per
-    micro-batch; ``padding``: 1 - real tokens / slots over all steps; ``rank_cost_imbalance`` /
+    ``row_length``: ``thd_static``'s row (slots; packed: the longest of :attr:`BalancePlan.static_rows`),
+    None otherwise; ``slots``: mean token slots per micro-batch (packed ``thd_static``: the row each
+    takes); ``padding``: 1 - real tokens / slots over all steps; ``rank_cost_imbalance`` /
     ``rank_time_imbalance``: per-rank cost (``sample_cost``) / roofline time, max over mean, averaged
     over the steps; ``step_s``: the slowest rank's time, averaged over the steps; ``samples_per_s``:
     ``global_batch_size / step_s``; ``activation_peak``: bytes per GPU of the largest micro-batch;
@@ -86,7 +96,12 @@ class PlacementEstimate:
 
 @dataclass(frozen=True)
 class BalancePlan:
-    """The planner's answer with and without global-batch packing: ``layouts[layout][placement]``."""
+    """The planner's answer with and without global-batch packing: ``layouts[layout][placement]``.
+
+    ``static_row``: the packed ``thd_static`` run's longest row; ``static_rows``: all its rows, ascending
+    (at most ``row_buckets``, the last ``static_row``); ``static_row_use``: the share of the micro-batches
+    that take each; ``graph_memory``: those rows as CUDA graphs (:func:`~.memory.cuda_graph_bytes`), None
+    with PP > 1 (``graph_memory_note`` says why)."""
 
     spec: ModelSpec
     samples: SampleLengths
@@ -95,9 +110,18 @@ class BalancePlan:
     num_micro_batches: int
     steps: int
     capacity: int  # micro_batch_size * round_up(seq_length, align): in-batch thd_static row, packed thd bound
-    static_row: int  # packed thd_static row, chosen from the steps
+    static_row: int  # packed thd_static longest row, chosen from the steps
     cost_name: str
     layouts: dict[str, dict[str, PlacementEstimate]]
+    static_rows: tuple[int, ...] = ()
+    row_buckets: int = 1
+    static_row_use: tuple[float, ...] = ()
+    graph_memory: GraphMemory | None = None
+    graph_memory_note: str = ""
+
+    def __post_init__(self):
+        if not self.static_rows:
+            object.__setattr__(self, "static_rows", (self.static_row,))
 
     def speedup(self, layout: str) -> float:
         """In-batch step time over packed step time for ``layout`` (> 1: packing is faster)."""
@@ -166,6 +190,39 @@ def static_row_for_steps(steps: list[Step], *, dp: int, micro_batch_size: int, n
                                 align_to=align, upper=None, cost=cost, seed=seed)
 
 
+def check_row_buckets(row_buckets) -> int:
+    """``row_buckets`` if it is an int >= 1.
+
+    Raises:
+        ValueError: naming ``--row-buckets``.
+    """
+    if isinstance(row_buckets, bool) or not isinstance(row_buckets, int) or row_buckets < 1:
+        raise ValueError(f"--row-buckets: expected an int >= 1 (how many thd_static rows global-batch packing may "
+                         f"use; the runtime's default is {DEFAULT_ROW_BUCKETS}), got {row_buckets!r}")
+    return row_buckets
+
+
+def static_rows_for_steps(steps: list[Step], *, row: int, row_buckets: int, dp: int, micro_batch_size: int,
+                          num_micro_batches: int, align: int, cost=None, seed: int = 0) -> tuple[int, ...]:
+    """``thd_static``'s rows under global-batch packing, ascending, the last ``row``
+    (:func:`static_row_for_steps`), as the runtime chooses them (``batching.bridge.run_row_buckets``):
+    the aligned slots of every micro-batch :func:`~megatron.bridge_thd.batching.assign` forms in rows of
+    ``row`` (:func:`~megatron.bridge_thd.batching.sampler.micro_batch_slots`), then at most ``row_buckets``
+    rows of least padding over them (:func:`~megatron.bridge_thd.batching.sampler.row_buckets_for_runs`)."""
+    import torch
+
+    from megatron.bridge_thd.batching.sampler import micro_batch_slots, row_buckets_for_runs
+
+    check_row_buckets(row_buckets)
+    if row_buckets == 1:
+        return (row,)
+    gbs = dp * micro_batch_size * num_micro_batches
+    draws = torch.arange(len(steps) * gbs, dtype=torch.int64).reshape(len(steps), gbs)
+    run = micro_batch_slots(draws, sizes=_sizes(steps), dp_size=dp, num_micro_batches=num_micro_batches,
+                            row_length=row, align_to=align, cost=cost, seed=seed)
+    return row_buckets_for_runs([run], count=row_buckets, largest=row, align_to=align)
+
+
 def step_assignments(step: Step, placement: str, *, dp: int, micro_batch_size: int, num_micro_batches: int,
                      row_length: int, align: int, cost=None, seed: int = 0):
     """``[rank][micro_batch] -> positions in the step`` for ``placement`` (:data:`PLACEMENTS`)."""
@@ -191,18 +248,22 @@ def _refused(layout: str, placement: str, why: str) -> PlacementEstimate:
 
 
 def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings, global_batch_size: int | None = None,
-                 seed: int = 0) -> BalancePlan:
+                 seed: int = 0, row_buckets: int = DEFAULT_ROW_BUCKETS) -> BalancePlan:
     """Every layout of :data:`~.layouts.LAYOUTS` with in-batch placement and with global-batch packing
-    (module docstring). ``global_batch_size`` defaults to ``micro_batch_size * micro_batches_per_step * DP``.
+    (module docstring). ``global_batch_size`` defaults to ``micro_batch_size * micro_batches_per_step * DP``;
+    ``row_buckets``: the most ``thd_static`` rows global-batch packing may use (the runtime's
+    ``dataset.global_batch_packing.row_buckets``; 1: one row, the figures before row buckets).
 
     Raises:
         ValueError: a global batch that is not a multiple of ``micro_batch_size * DP`` or larger than
-            the samples (naming ``--global-batch-size``), or a ``seq_length`` that cuts an image.
+            the samples (naming ``--global-batch-size``), ``row_buckets`` not an int >= 1 (naming
+            ``--row-buckets``), or a ``seq_length`` that cuts an image.
     """
     from megatron.bridge_thd.batching.cost import sample_cost
     from megatron.bridge_thd.batching.policy import placement_stats
 
     par, mbs = settings.parallel, settings.micro_batch_size
+    check_row_buckets(row_buckets)
     if global_batch_size is None:
         global_batch_size = mbs * settings.micro_batches_per_step * par.dp
     n_mb = micro_batches_per_rank(global_batch_size, mbs, par.dp, len(samples))
@@ -212,6 +273,9 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
     cost = sample_cost(spec)
     row = static_row_for_steps(steps, dp=par.dp, micro_batch_size=mbs, num_micro_batches=n_mb, align=align,
                                cost=cost, seed=seed)
+    rows = static_rows_for_steps(steps, row=row, row_buckets=row_buckets, dp=par.dp, micro_batch_size=mbs,
+                                 num_micro_batches=n_mb, align=align, cost=cost, seed=seed)
+    row_use = [0] * len(rows)
     cfg = flops_config(spec, par.tp, settings.seq_length)
     weight_bytes = 2 * sum(parameter_counts(spec).values()) / (par.tp * par.pp)
     bubble = 1 + (par.pp - 1) / n_mb
@@ -250,8 +314,11 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
                         mb_slots, squared = layout_stats(layout, MicroBatch(lengths, patches, 0), settings.seq_length,
                                                          par)
                         if static_row is not None:
+                            # the shortest of the run's rows that holds the micro-batch's aligned slots
+                            bucket = min(layouts.row_bucket(rows, layouts.thd_slots(lengths, align)), len(rows) - 1)
+                            row_use[bucket] += 1
                             mb_slots = layouts.static_row_length(len(lengths), seq_length=settings.seq_length,
-                                                                 align=align, row_length=static_row)
+                                                                 align=align, row_length=rows[bucket])
                         t, act = micro_seconds(len(lengths), mb_slots, squared, patches)
                         seconds += t
                         peak = max(peak, act)
@@ -268,4 +335,9 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
                 1 - real / slots,
                 sum(cost_ratios) / len(cost_ratios), sum(time_ratios) / len(time_ratios), step_s,
                 global_batch_size / step_s, peak)
-    return BalancePlan(spec, samples, settings, global_batch_size, n_mb, len(steps), capacity, row, cost.name, out)
+    try:
+        graphs, note = cuda_graph_bytes(spec, par, rows), ""
+    except ValueError as error:
+        graphs, note = None, str(error)
+    return BalancePlan(spec, samples, settings, global_batch_size, n_mb, len(steps), capacity, row, cost.name, out,
+                       rows, row_buckets, tuple(n / sum(row_use) for n in row_use), graphs, note)

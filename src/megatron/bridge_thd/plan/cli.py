@@ -4,6 +4,7 @@ Examples::
 
     bridge-thd plan --model qwen3-vl-8b --seq-length 8192 --micro-batch-size 4 --tp 2 --png /tmp/plan.png
     bridge-thd plan --model qwen3-vl-8b --global-batch-size 64     # with / without global-batch packing
+    bridge-thd plan --model qwen3-vl-8b --global-batch-size 64 --row-buckets 1   # one thd_static row
     bridge-thd plan --hf-config config.json --lengths lengths.csv --seq-length 4096 --tp 4 --pp 2
     bridge-thd plan --calibrate
     python -m megatron.bridge_thd.plan --list-models
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+
+from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS
 
 __all__ = ["build_parser", "main"]
 
@@ -40,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per step, a multiple of micro_batch_size * DP (default micro_batch_size * "
                    "micro-batches * DP); the steps are consecutive global batches of the samples, placed with and "
                    "without global-batch packing (docs/batching.md)")
+    p.add_argument("--row-buckets", type=int, default=DEFAULT_ROW_BUCKETS, metavar="K",
+                   help=f"most thd_static rows global-batch packing may use (default {DEFAULT_ROW_BUCKETS}, the "
+                   "runtime's dataset.global_batch_packing.row_buckets; 1: one row, as with CUDA graphs or fixed "
+                   "pipeline shapes); each micro-batch takes the shortest that holds it")
     for name in ("tp", "cp", "pp", "ep"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--gpus", type=int, default=8, help="total GPUs (DP = gpus / (tp*cp*pp))")
@@ -63,7 +70,7 @@ def _list() -> str:
 
 
 def _run(args) -> str:
-    from megatron.bridge_thd.plan.balance import balance_plan, micro_batches_per_rank
+    from megatron.bridge_thd.plan.balance import balance_plan, check_row_buckets, micro_batches_per_rank
     from megatron.bridge_thd.plan.estimate import PlanSettings, plan
     from megatron.bridge_thd.plan.layouts import Parallel
     from megatron.bridge_thd.plan.presets import get_preset, spec_from_hf_config
@@ -78,6 +85,7 @@ def _run(args) -> str:
                         sequence_parallel=not args.no_sequence_parallel)
     if args.ep > 1 and not spec.is_moe:
         raise ValueError(f"--ep {args.ep}: {spec.name} is a dense model (no experts); use --ep 1")
+    check_row_buckets(args.row_buckets)
     if args.overhead_ms < 0:
         raise ValueError(f"--overhead-ms: expected >= 0, got {args.overhead_ms}")
     micro_batches = args.micro_batches
@@ -94,7 +102,8 @@ def _run(args) -> str:
     settings = PlanSettings(args.seq_length, args.micro_batch_size, parallel, micro_batches or 1,
                             get_gpu(args.gpu), args.mfu, args.overhead_ms / 1e3)
     result = plan(spec, samples, settings)
-    text = format_plan(result, balance_plan(spec, samples, settings, args.global_batch_size, seed=args.seed))
+    text = format_plan(result, balance_plan(spec, samples, settings, args.global_batch_size, seed=args.seed,
+                                                 row_buckets=args.row_buckets))
     if args.png:
         try:
             from megatron.bridge_thd.plan.plot import write_plot

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from megatron.bridge_thd.plan.estimate import Plan
 
-__all__ = ["format_plan", "plan_table", "plan_summary", "balance_table", "balance_summary", "format_balance"]
+__all__ = ["format_plan", "plan_table", "plan_summary", "balance_table", "balance_summary", "graph_memory_summary",
+           "format_balance"]
 
 GIB = 2**30
 
@@ -79,6 +80,8 @@ def balance_table(b) -> str:
                 lines.append(f"| {layout} | {_PLACEMENT_NAMES[name]} | — | — | — | — | — | — | — | — | refused: {e.refused} |")
                 continue
             row = f"{e.row_length:,}" if e.row_length is not None else "—"
+            if layout == "thd_static" and name == "packed" and len(b.static_rows) > 1:
+                row = f"{len(b.static_rows)} rows, longest {e.row_length:,}"
             lines.append(
                 f"| {layout} | {_PLACEMENT_NAMES[name]} | {row} | {e.slots:,.0f} | {e.padding:.1%} "
                 f"| {e.rank_cost_imbalance:.3f} | {e.rank_time_imbalance:.3f} | {e.activation_peak / GIB:.1f} "
@@ -99,18 +102,41 @@ def balance_summary(b) -> str:
     return "Global-batch packing vs in-batch placement: " + "; ".join(parts) + "."
 
 
+def graph_memory_summary(b) -> str:
+    """One sentence: the packed ``thd_static`` rows as Megatron-Core's local CUDA graphs of the decoder layers
+    (:func:`~megatron.bridge_thd.plan.memory.cuda_graph_bytes`, a model), against one graph of the longest row."""
+    g = b.graph_memory
+    if g is None:
+        return f"CUDA graphs of the thd_static rows: not modelled ({b.graph_memory_note})."
+    k = len(g.rows)
+    text = (f"CUDA graphs of the decoder layers (Megatron-Core's local manager, PP=1; a model, not measured: "
+            f"docs/planner.md): one graph of the longest row holds {g.layers[-1] / GIB:.1f} GiB/GPU of activations")
+    if k == 1:
+        return text + "."
+    return (text + f"; the {k} rows' graphs in one shared pool (its global mempool) {g.shared / GIB:.1f} GiB/GPU "
+            f"(+{(g.shared - g.layers[-1]) / GIB:.1f} GiB: the shorter rows' static buffers), in separate pools at most "
+            f"{g.separate / GIB:.1f} GiB/GPU. Today the runtime captures CUDA graphs of one row only "
+            "(row_buckets 1: Megatron-Core stops at a row shape first seen after the first iteration).")
+
+
 def format_balance(b) -> str:
     """The with / without global-batch packing section: its header, :func:`balance_table` and
     :func:`balance_summary`."""
     s, par = b.settings, b.settings.parallel
     over = " (above micro_batch_size * seq_length: more memory than the recipe planned)" if b.static_row > b.capacity else ""
+    if len(b.static_rows) > 1:
+        use = ", ".join(f"{row:,} ({share:.0%})" for row, share in zip(b.static_rows, b.static_row_use))
+        rows = (f"rows {use} slots (share of the micro-batches), chosen from these steps as the runtime chooses them "
+                f"(row_buckets {b.row_buckets}: each micro-batch takes the shortest row that holds it; every step fits "
+                f"the longest{over})")
+    else:
+        rows = f"{b.static_row:,} slots, chosen from these steps{over} (row_buckets {b.row_buckets})"
     header = [
         f"Global-batch packing (docs/batching.md): global batch {b.global_batch_size} = DP{par.dp} x "
         f"{b.num_micro_batches} micro-batch(es) x micro_batch_size {s.micro_batch_size}; {b.steps} step(s) of "
         f"consecutive samples; cost per sample: Megatron-Bridge's FLOPs terms ({b.cost_name})",
-        f"thd_static row: in-batch micro_batch_size * seq_length = {b.capacity:,} slots; global-batch packing "
-        f"{b.static_row:,} slots, chosen from these steps{over}. Step time: the slowest DP rank's summed micro-batch "
-        "times (roofline), averaged over the steps",
+        f"thd_static row: in-batch micro_batch_size * seq_length = {b.capacity:,} slots; global-batch packing {rows}. "
+        "Step time: the slowest DP rank's summed micro-batch times (roofline), averaged over the steps",
         "",
     ]
-    return "\n".join(header + [balance_table(b), "", balance_summary(b)])
+    return "\n".join(header + [balance_table(b), "", balance_summary(b), graph_memory_summary(b)])
