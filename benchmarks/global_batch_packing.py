@@ -43,7 +43,20 @@ Tables:
     static row, and VERL's ``get_seqlen_balanced_partitions`` on the same lengths: median of repeats
     (this CPU, one process).
 (e) The planner's predicted step time (``plan.balance.balance_plan``, 8 x H100 SXM roofline, MFU 40%):
-    the slowest DP rank's time, with and without global-batch packing, per layout.
+    the slowest DP rank's time, with and without global-batch packing, per layout (``thd_static``
+    packed with one row, ``row_buckets=1``, as in (a)).
+(f) ``thd_static`` padding with K static rows (``row_buckets``), K = 1, 2, 4, 8 (the runtime's default is 4):
+    the rows chosen as the runtime chooses them (``batching.bridge.run_row_buckets``): the longest is (a)'s
+    row (``row_length_for_steps``), the others ``batching.sampler.micro_batch_slots`` (the aligned slots of
+    every micro-batch ``assign`` forms in the longest row, over the same draws) then
+    ``batching.sampler.row_buckets_for_runs`` (``optimal_row_lengths``, count K). Padding = 1 - real tokens /
+    slots over all steps, each micro-batch taking the shortest row that holds it
+    (``placement_stats(row_lengths=...)`` on (b)'s static-row placements). The placement is the longest
+    row's for every K, so the per-rank cost max / mean is (b)'s "assign (static row)". The planner
+    (``balance_plan(row_buckets=K)``, checked to choose the same rows and padding) gives the ``thd_static``
+    step time and its model of the K rows as CUDA graphs (``plan.memory.cuda_graph_bytes``, docs/planner.md:
+    one graph of the longest row; K rows in Megatron-Core's shared pool; separate pools, an upper bound).
+    Goal: <= 5% padding at GBS 64 with K = 4.
 
 VERL's ``verl/utils/seqlen_balancing.py`` is loaded by file path as ``testbed.verl_support`` loads its
 ``util.py``: from the cached verl 0.9.1 wheel (``pip download --no-deps verl==0.9.1`` into
@@ -55,7 +68,7 @@ initialised process group (none here), and ``tensordict_utils.index_select_tenso
 stand-in that selects the rows of a dict of tensors.
 
 Writes ``benchmarks/results/global_batch_packing.{json,md,png}`` (``--quick``: a smoke run, 256
-samples, GBS 64, one model; writes nothing unless ``--out`` is given).
+samples, GBS 64, one model, every table including (f); writes nothing unless ``--out`` is given).
 
 Usage:
     .venv/bin/python benchmarks/global_batch_packing.py [--quick] [--out DIR] [--repeats N] [--no-verl] [--write-data] [--render]
@@ -87,8 +100,10 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 import torch  # noqa: E402
 
 from megatron.bridge_thd.batching import assign, in_batch_assignment, placement_stats, sample_cost  # noqa: E402
-from megatron.bridge_thd.batching.sampler import row_lower_bound  # noqa: E402
+from megatron.bridge_thd.batching.sampler import micro_batch_slots, row_buckets_for_runs, row_lower_bound  # noqa: E402
 from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, balance_plan, get_preset  # noqa: E402
+from megatron.bridge_thd.batching.sizes import SampleSizes  # noqa: E402
+from megatron.bridge_thd.layouts import row_bucket, thd_slots  # noqa: E402
 from megatron.bridge_thd.plan.balance import plan_steps, static_row_for_steps  # noqa: E402
 from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths  # noqa: E402
 
@@ -101,6 +116,9 @@ GLOBAL_BATCH_SIZES = (64, 512)
 VERL_VERSION = "0.9.1"
 VERL_FILE = "verl/utils/seqlen_balancing.py"
 PADDING_GOAL, IMBALANCE_GOAL = 0.05, 1.03
+ROW_BUCKETS = (1, 2, 4, 8)  # table (f); the runtime's default is 4
+DEFAULT_K = 4
+GIB = 2**30
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,8 +293,24 @@ def _mean(values):
     return sum(values) / len(values)
 
 
+def row_bucket_rows(steps, row: int, *, n_mb: int, cost, count: int) -> tuple[int, ...]:
+    """Table (f)'s rows for ``count`` buckets, as the runtime chooses them (``batching.bridge.run_row_buckets``):
+    ``(row,)`` for one; else ``micro_batch_slots`` of the steps' draws (``steps`` consecutive global batches)
+    placed in ``row``, then ``row_buckets_for_runs``."""
+    if count == 1:
+        return (row,)
+    gbs = DP * MICRO_BATCH_SIZE * n_mb
+    draws = torch.arange(len(steps) * gbs, dtype=torch.int64).reshape(len(steps), gbs)
+    sizes = SampleSizes(torch.tensor([n for s in steps for n in s.lengths], dtype=torch.int64),
+                        torch.tensor([p for s in steps for p in s.patches], dtype=torch.int64),
+                        torch.tensor([q for s in steps for q in s.patches_squared], dtype=torch.float64), "benchmark")
+    run = micro_batch_slots(draws, sizes=sizes, dp_size=DP, num_micro_batches=n_mb, row_length=row,
+                            align_to=ALIGN, cost=cost, seed=SEED)
+    return row_buckets_for_runs([run], count=count, largest=row, align_to=ALIGN)
+
+
 def measure(name, samples, seq_length, model, gbs, verl) -> dict:
-    """Tables (a), (b), (c) and (e) for one distribution, model and global batch size."""
+    """Tables (a), (b), (c), (e) and (f) for one distribution, model and global batch size."""
     cost = sample_cost(model)
     text_only = cost.text_only()
     n_mb = gbs // (MICRO_BATCH_SIZE * DP)
@@ -290,7 +324,7 @@ def measure(name, samples, seq_length, model, gbs, verl) -> dict:
     bound = row_lower_bound([torch.tensor(s.lengths) for s in steps], rows=DP * n_mb, align_to=ALIGN)
     ratios = {k: [] for k in ("in_batch", "assign_thd", "assign_static", "verl", "assign_text_only")}
     micro_ratios = {k: [] for k in ("in_batch", "assign_thd", "assign_static", "verl")}
-    verl_counts, verl_max_tokens = [], []
+    verl_counts, verl_max_tokens, static_placements = [], [], []
     for step in steps:
         lengths = list(step.lengths)
         patches, squared = list(step.patches), list(step.patches_squared)
@@ -307,20 +341,42 @@ def measure(name, samples, seq_length, model, gbs, verl) -> dict:
             placements["verl"], count = verl_placement(verl, lengths, dp=DP, max_token_len=capacity)
             verl_counts.append(count)
             verl_max_tokens.append(max(sum(lengths[i] for i in mb) for rank in placements["verl"] for mb in rank))
+        static_placements.append(placements["assign_static"])
         for key, placement in placements.items():
             stats = placement_stats(placement, lengths, costs=costs)
             ratios[key].append(stats.rank_imbalance)
             if key in micro_ratios:
                 micro_ratios[key].append(stats.micro_batch_imbalance)
     parallel = Parallel(gpus=8, ep=8) if get_preset(model).is_moe else Parallel(gpus=8)
-    bp = balance_plan(get_preset(model), samples, PlanSettings(seq_length, MICRO_BATCH_SIZE, parallel, n_mb), gbs,
-                      seed=SEED, row_buckets=1)  # one thd_static row, as in (a)
+    plan_settings = PlanSettings(seq_length, MICRO_BATCH_SIZE, parallel, n_mb)
+    bp = balance_plan(get_preset(model), samples, plan_settings, gbs, seed=SEED, row_buckets=1)
     static = bp.layouts["thd_static"]
     # the planner computes the same static row and padding (one rule, two callers)
     assert bp.static_row == row and abs(static["packed"].padding - (1 - real / (rows_total * row))) < 1e-12
     planner = {f"{layout}/{placement}": (None if e.refused else {"step_ms": e.step_s * 1e3, "samples_per_s": e.samples_per_s,
                                                                   "rank_time_imbalance": e.rank_time_imbalance})
                for layout, placements in bp.layouts.items() for placement, e in placements.items()}
+    buckets = []
+    for count in ROW_BUCKETS:
+        rows = row_bucket_rows(steps, row, n_mb=n_mb, cost=cost, count=count)
+        slots, use = 0, [0] * len(rows)
+        for step, placement in zip(steps, static_placements):
+            slots += placement_stats(placement, list(step.lengths), row_lengths=rows, align_to=ALIGN).slots
+            for rank in placement:
+                for micro_batch in rank:
+                    use[row_bucket(rows, thd_slots([step.lengths[i] for i in micro_batch], ALIGN))] += 1
+        plan_k = bp if count == 1 else balance_plan(get_preset(model), samples, plan_settings, gbs, seed=SEED,
+                                                   row_buckets=count)
+        packed = plan_k.layouts["thd_static"]["packed"]
+        # the planner chooses the same rows and counts the same slots
+        assert plan_k.static_rows == rows and abs(packed.padding - (1 - real / slots)) < 1e-12, (rows, plan_k.static_rows)
+        graphs = plan_k.graph_memory
+        buckets.append({
+            "count": count, "rows": list(rows), "row_use": [n / sum(use) for n in use], "padding": 1 - real / slots,
+            "planner_thd_static_step_ms": packed.step_s * 1e3, "planner_activation_peak_gib": packed.activation_peak / GIB,
+            "graph_memory_gib": None if graphs is None else {
+                "one_graph_longest_row": graphs.layers[-1] / GIB, "shared_pool": graphs.shared / GIB,
+                "separate_pools": graphs.separate / GIB}})
     return {
         "distribution": name, "model": model, "seq_length": seq_length, "global_batch_size": gbs,
         "micro_batches_per_rank": n_mb, "steps": len(steps),
@@ -333,6 +389,7 @@ def measure(name, samples, seq_length, model, gbs, verl) -> dict:
         "verl_micro_batches_per_rank": (min(verl_counts), max(verl_counts)) if verl_counts else None,
         "verl_max_micro_batch_tokens": max(verl_max_tokens) if verl_max_tokens else None,
         "planner_8xh100": planner,
+        "row_buckets": buckets,
     }
 
 
@@ -469,7 +526,77 @@ def render(results: dict) -> str:
           ms(r, "thd/in-batch"), ms(r, "thd/packed"), ms(r, "thd_static/in-batch"), ms(r, "thd_static/packed"),
           f"{r['planner_8xh100']['thd_static/in-batch']['step_ms'] / r['planner_8xh100']['thd_static/packed']['step_ms']:.2f}x"]
          for r in rows]))
+    out += ["", "thd_static packed here: one row (row_buckets 1), as in (a); with K rows: (f).", ""]
+    out += render_row_buckets(results)
     return "\n".join(out) + "\n"
+
+
+def _bucket(r, count):
+    return next((b for b in r.get("row_buckets", []) if b["count"] == count), None)
+
+
+def render_row_buckets(results: dict) -> list[str]:
+    """Table (f): thd_static padding with K static rows, the rows and the planner's CUDA-graph memory."""
+    rows = [r for r in results["rows"] if r.get("row_buckets")]
+    if not rows:
+        return []
+    counts = [b["count"] for b in rows[0]["row_buckets"]]
+    small = min(r["global_batch_size"] for r in rows)
+    out = [f"## (f) `thd_static` padding with K static rows (`row_buckets`; goal <= {PADDING_GOAL:.0%} at GBS {small} "
+           f"with the default K = {DEFAULT_K})", "",
+           "Rows chosen as the runtime chooses them: the longest is (a)'s row (`row_length_for_steps`); the others "
+           "from the aligned slots of every micro-batch `assign` forms in it over the same steps "
+           "(`micro_batch_slots`) by the exact least-padding programme (`optimal_row_lengths`, count K). Each "
+           "micro-batch takes the shortest row that holds it (padding = 1 - real tokens / those rows' slots, over "
+           "all steps). The placement is the longest row's for every K, so the per-rank cost max/mean is (b)'s "
+           "`assign (static row)` for every K.", ""]
+
+    def goal(r):
+        b = _bucket(r, DEFAULT_K)
+        if b is None:
+            return "—"
+        return ("met" if b["padding"] <= PADDING_GOAL else "missed") if r["global_batch_size"] == small else \
+            ("yes" if b["padding"] <= PADDING_GOAL else "no")
+
+    def imbalance(r):
+        v = r["rank_cost_imbalance"]["assign_static"]
+        return f"{v['mean']:.3f} ({v['worst']:.3f})" + ("" if v["worst"] <= IMBALANCE_GOAL else " (over 1.03)")
+
+    out.append(markdown(
+        ["distribution", "model", "GBS", *(f"padding K={k}" for k in counts), f"<= {PADDING_GOAL:.0%} at K={DEFAULT_K}",
+         "rank cost max/mean, mean (worst step)"],
+        [[r["distribution"], _MODEL_NAMES[r["model"]], str(r["global_batch_size"]),
+          *(_pct(_bucket(r, k)["padding"]) for k in counts), goal(r), imbalance(r)] for r in rows]))
+    out += ["", "The rows per K (share of the micro-batches taking each), the planner's thd_static step time "
+            "(8 x H100, as (e)) and its model of the rows as CUDA graphs of the decoder layers (Megatron-Core's local "
+            "manager, PP=1; a model, not measured: docs/planner.md). GiB/GPU: one graph of the longest row (what "
+            "K = 1 captures); the K rows' graphs in one shared pool (Megatron-Core's global mempool: the longest row's "
+            "activations + the shorter rows' static buffers); separate pools (upper bound: every row's activations). "
+            "Today the runtime captures graphs of one row only (row_buckets 1).", ""]
+
+    def gib(b, key):
+        g = b["graph_memory_gib"]
+        return "—" if g is None else f"{g[key]:.1f}"
+
+    out.append(markdown(
+        ["distribution", "model", "GBS", "K", "rows (slots; share of micro-batches)", "padding", "thd_static ms/step",
+         "graph GiB: longest row", "K rows, shared pool", "K rows, separate pools"],
+        [[r["distribution"], _MODEL_NAMES[r["model"]], str(r["global_batch_size"]), str(b["count"]),
+          ", ".join(f"{row:,} ({u:.0%})" for row, u in zip(b["rows"], b["row_use"])), _pct(b["padding"]),
+          f"{b['planner_thd_static_step_ms']:.0f}", gib(b, "one_graph_longest_row"), gib(b, "shared_pool"),
+          gib(b, "separate_pools")]
+         for r in rows for b in r["row_buckets"]]))
+    met = [f"{r['distribution']} ({_MODEL_NAMES[r['model']]})" for r in rows
+           if r["global_batch_size"] == small and _bucket(r, DEFAULT_K) and _bucket(r, DEFAULT_K)["padding"] <= PADDING_GOAL]
+    missed = [f"{r['distribution']} ({_MODEL_NAMES[r['model']]}, {_pct(_bucket(r, DEFAULT_K)['padding'])})" for r in rows
+              if r["global_batch_size"] == small and _bucket(r, DEFAULT_K)
+              and _bucket(r, DEFAULT_K)["padding"] > PADDING_GOAL]
+    over = [f"{r['distribution']} ({_MODEL_NAMES[r['model']]}, GBS {r['global_batch_size']})" for r in rows
+            if r["rank_cost_imbalance"]["assign_static"]["worst"] > IMBALANCE_GOAL]
+    out += ["", f"Goal (<= {PADDING_GOAL:.0%} padding at GBS {small}, K = {DEFAULT_K}): met for "
+            f"{'; '.join(met) or 'none'}; missed for {'; '.join(missed) or 'none'}. Per-rank cost max/mean <= "
+            f"{IMBALANCE_GOAL} in every step: {'yes' if not over else 'no, over for ' + '; '.join(over)}."]
+    return out
 
 
 def headline(results: dict) -> str:
@@ -550,7 +677,9 @@ def write_plot(results: dict, path: Path) -> Path | None:
         return None
     rows = results["rows"]
     gbs_values = sorted({r["global_batch_size"] for r in rows})
-    fig, axes = plt.subplots(len(gbs_values), 2, figsize=(15, 4.2 * len(gbs_values)), squeeze=False)
+    buckets = all(r.get("row_buckets") for r in rows)
+    fig, axes = plt.subplots(len(gbs_values), 3 if buckets else 2, figsize=(22 if buckets else 15, 4.2 * len(gbs_values)),
+                             squeeze=False)
     methods = [("in_batch", "in-batch", "tab:gray"), ("verl", "VERL KK", "tab:orange"),
                ("assign_text_only", "assign, text-only cost", "tab:olive"), ("assign_thd", "assign (thd row)", "tab:green"),
                ("assign_static", "assign (static row)", "tab:blue")]
@@ -583,6 +712,22 @@ def write_plot(results: dict, path: Path) -> Path | None:
         ax.set_xticks(range(len(group)), labels, fontsize=7)
         ax.set(title=f"thd_static static-row padding (%), GBS {gbs}", ylabel="% of slots")
         ax.legend(fontsize=7)
+        if buckets:
+            ax = axes[line][2]
+            counts = [b["count"] for b in group[0]["row_buckets"]]
+            width = 0.8 / len(counts)
+            colors = ["tab:blue", "tab:cyan", "tab:green", "tab:olive", "tab:purple"]
+            for k, count in enumerate(counts):
+                values = [100 * _bucket(r, count)["padding"] for r in group]
+                xs = [i + (k - len(counts) / 2 + 0.5) * width for i in range(len(group))]
+                ax.bar(xs, values, width, label=f"K = {count}" + (" (default)" if count == DEFAULT_K else ""),
+                       color=colors[k % len(colors)])
+                for x, v in zip(xs, values):
+                    ax.text(x, v, f"{v:.1f}", ha="center", va="bottom", fontsize=5)
+            ax.axhline(100 * PADDING_GOAL, color="tab:red", linestyle="--", linewidth=1, label=f"goal {PADDING_GOAL:.0%}")
+            ax.set_xticks(range(len(group)), labels, fontsize=7)
+            ax.set(title=f"thd_static padding (%) with K static rows, GBS {gbs}", ylabel="% of slots")
+            ax.legend(fontsize=7)
     fig.suptitle(f"Global-batch packing: MBS {MICRO_BATCH_SIZE}, DP {DP}; benchmarks/global_batch_packing.py")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

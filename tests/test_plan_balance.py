@@ -312,6 +312,17 @@ def test_the_benchmark_smoke_run_writes_its_three_files(tmp_path):
         assert padding["lower_bound"] <= padding["packed"] < padding["in_batch"]
         assert row["rank_cost_imbalance"]["verl"] is None
         assert row["rank_cost_imbalance"]["assign_thd"]["mean"] <= row["rank_cost_imbalance"]["in_batch"]["mean"]
-    assert "(a) `thd_static` static-row padding" in (tmp_path / "global_batch_packing.md").read_text()
+        # (f): K = 1 is (a)'s row; more rows never pad more, the longest is (a)'s row, the shares sum to 1
+        buckets = row["row_buckets"]
+        assert [b["count"] for b in buckets] == [1, 2, 4, 8]
+        assert buckets[0]["rows"] == [bound["packed"]] and buckets[0]["padding"] == pytest.approx(padding["packed"])
+        assert all(b["rows"][-1] == bound["packed"] and len(b["rows"]) <= b["count"] for b in buckets)
+        assert all(later["padding"] <= earlier["padding"] for earlier, later in zip(buckets, buckets[1:]))
+        assert all(sum(b["row_use"]) == pytest.approx(1.0) for b in buckets)
+        g = [b["graph_memory_gib"] for b in buckets]
+        assert g[0]["shared_pool"] == g[0]["separate_pools"] == g[0]["one_graph_longest_row"]
+        assert all(x["one_graph_longest_row"] <= x["shared_pool"] <= x["separate_pools"] for x in g)
+    report = (tmp_path / "global_batch_packing.md").read_text()
+    assert "(a) `thd_static` static-row padding" in report and "(f) `thd_static` padding with K static rows" in report
     pytest.importorskip("matplotlib")
     assert (tmp_path / "global_batch_packing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
