@@ -1,5 +1,12 @@
 """cord_v2 SFT through Megatron-Bridge's own recipe and ``finetune()``: Megatron-Bridge's step (padded)
-vs ours (``thd``, ``thd_static``), MBS 2 and 4, in the shape of Megatron-Bridge PR 3838's table.
+vs ours (``thd``, ``thd_static``, each with Megatron-Bridge's in-batch placement and with global-batch
+packing), MBS 2 and 4, in the shape of Megatron-Bridge PR 3838's table.
+
+Global-batch packing (docs/batching.md) rows: ``configure(..., global_batch_packing=GlobalBatchPacking(...))``
+with ``--global-batch-cost`` (default ``tokens``: ``GlobalBatchPacking()``'s own default cost), which turns on
+per-token loss normalisation (the runs set ``ddp.average_in_collective=False``, as a user must); the recipe's
+``single`` data loader is what it draws from. ``thd_static`` then runs the row (and up to 3 shorter ones)
+chosen from the run's draws instead of ``micro_batch_size * seq_length``.
 
 Per run: ms/iter (median after the warm-up iterations), samples/s, real tokens/s (the collate's 2D
 mask), model TFLOP/s per GPU as Megatron-Bridge's trainer counts them (its FLOPs accounting divided
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -31,8 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 RECIPE_SCRIPT = ROOT / "recipes" / "qwen3_vl_8b_cord_v2_thd.py"
 RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
-STEPS = ("megatron_bridge", "thd", "thd_static")
-STEP_LABELS = {"megatron_bridge": "Megatron-Bridge qwen3_vl_step (padded)", "thd": "ours, thd", "thd_static": "ours, thd_static"}
+STEPS = ("megatron_bridge", "thd", "thd_static", "thd_global", "thd_static_global")
+STEP_LABELS = {"megatron_bridge": "Megatron-Bridge qwen3_vl_step (padded)", "thd": "ours, thd", "thd_static": "ours, thd_static",
+               "thd_global": "ours, thd + global-batch packing",
+               "thd_static_global": "ours, thd_static + global-batch packing"}
+# Each row's step: (layout, or "megatron_bridge" for Megatron-Bridge's own; global-batch packing on).
+STEP_RUNS = {"megatron_bridge": ("megatron_bridge", False), "thd": ("thd", False), "thd_static": ("thd_static", False),
+             "thd_global": ("thd", True), "thd_static_global": ("thd_static", True)}
 
 
 def summarise(rows_per_rank: list[list[dict]], counts_per_rank: list[list[dict]] | None, *, warmup: int,
@@ -69,6 +82,31 @@ def summarise(rows_per_rank: list[list[dict]], counts_per_rank: list[list[dict]]
     return row
 
 
+_STEP_LINE = re.compile(r"\(train\): step (\d+): real tokens (\d+) in (\d+) slots \(padding [\d.]+%\); per-rank cost "
+                        r"max/mean ([\d.]+) \(in-batch placement of the same samples: ([\d.]+)\)")
+_ROWS_LINE = re.compile(r"thd_static rows for the run: ([\d, ]+) slots")
+
+
+def placement_summary(lines: list[str], iterations: int) -> dict | None:
+    """What global-batch packing logged on global rank 0 (``batching.sampler``, ``batching.bridge``) for the
+    training steps ``1..iterations`` (the loader's prefetch past them left out): slots, real tokens, mean
+    per-rank cost max / mean, the same for Megatron-Bridge's placement of the same samples, and the
+    ``thd_static`` rows. None without such lines."""
+    steps = {}
+    for line in lines:
+        match = _STEP_LINE.search(line)
+        if match and int(match.group(1)) <= iterations:
+            steps[int(match.group(1))] = [float(v) for v in match.groups()[1:]]
+    if not steps:
+        return None
+    real, slots = sum(v[0] for v in steps.values()), sum(v[1] for v in steps.values())
+    rows = next((m.group(1) for m in map(_ROWS_LINE.search, lines) if m), None)
+    return {"steps": len(steps), "real_tokens": int(real), "slots": int(slots), "padding": 1 - real / slots,
+            "rank_imbalance": statistics.mean(v[2] for v in steps.values()),
+            "in_batch_rank_imbalance": statistics.mean(v[3] for v in steps.values()),
+            "row_lengths": None if rows is None else [int(n) for n in rows.split(",")]}
+
+
 def render(results: dict) -> str:
     """The Markdown table of a results file."""
     lines = [
@@ -93,10 +131,26 @@ def render(results: dict) -> str:
             tokens = f"{row['real_tokens_per_s']:.0f}" if "real_tokens_per_s" in row else ""
             lines.append(f"| {mbs} | {STEP_LABELS[step]} | {row['ms_per_iter']:.1f} | {row['samples_per_s']:.2f} | "
                          f"{tokens} | {row['tflops_per_gpu']:.6f} | {row['peak_memory_gib']:.2f} | {speedup} |")
+    placed = [(mbs, step, results["rows"][f"{step}-mbs{mbs}"]["placement"]) for mbs in results["micro_batch_sizes"]
+              for step in STEPS if results["rows"].get(f"{step}-mbs{mbs}", {}).get("placement")]
+    if placed:
+        cost = results.get("global_batch_cost", "tokens")
+        lines += ["", f"Global-batch packing (cost: {'s + s^2/24576, its default' if cost == 'tokens' else cost}; "
+                  "per-token loss normalisation), as rank 0 logged it over the training steps:"]
+        for mbs, step, p in placed:
+            rows, in_batch = "", ""
+            if p["row_lengths"]:  # thd_static: Megatron-Bridge's placement pads every micro-batch to mbs * seq_length
+                rows = f"rows {', '.join(map(str, p['row_lengths']))} slots; "
+                in_batch = (f", {1 - p['real_tokens'] / (p['steps'] * results['global_batch_size'] * results['seq_length']):.1%} "
+                            "in Megatron-Bridge's placement")
+            lines.append(f"* MBS {mbs}, {STEP_LABELS[step]}: {rows}{p['real_tokens']} real tokens in {p['slots']} slots "
+                         f"(padding {p['padding']:.1%}{in_batch}); per-rank cost max/mean {p['rank_imbalance']:.3f} "
+                         f"(Megatron-Bridge's placement of the same samples: {p['in_batch_rank_imbalance']:.3f}), mean over "
+                         f"{p['steps']} steps.")
     if results["device"].startswith("CPU"):
         lines += ["", "CPU: peak memory is the process's maximum resident set so far, and the runs share two "
                   "processes in order, so it only grows down the table; timings of a tiny model on two cores, "
-                  "not a GPU figure."]
+                  "not a GPU figure (on a shared machine a row's ms/iter moves by tens of percent between runs)."]
     return "\n".join(lines)
 
 
@@ -107,12 +161,13 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / len(STEPS)
-    for index, step in enumerate(STEPS):
+    steps = [step for step in STEPS if any(f"{step}-mbs{mbs}" in results["rows"] for mbs in results["micro_batch_sizes"])]
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    width = 0.8 / len(steps)
+    for index, step in enumerate(steps):
         for position, mbs in enumerate(results["micro_batch_sizes"]):
             row = results["rows"].get(f"{step}-mbs{mbs}", {"oom": True})
-            x = position + (index - 1) * width
+            x = position + (index - (len(steps) - 1) / 2) * width
             if row.get("oom"):
                 ax.text(x, 0, "OOM", ha="center", va="bottom", rotation=90)
                 continue
@@ -120,7 +175,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xticks(range(len(results["micro_batch_sizes"])), [f"MBS {m}" for m in results["micro_batch_sizes"]])
     ax.set_ylabel("ms / iteration (median)")
     ax.set_title(f"cord_v2 SFT, {results['device']}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -131,11 +186,13 @@ def measure_cpu(args) -> dict:
 
     runs = []
     for mbs in args.micro_batch_sizes:
-        for step in STEPS:
-            runs.append((f"{step}-mbs{mbs}", RECIPE, step,
+        for step in args.steps:
+            layout, placed = STEP_RUNS[step]
+            placement = dict(global_batch_packing=global_batch_setting(args.global_batch_cost)) if placed else {}
+            runs.append((f"{step}-mbs{mbs}", RECIPE, layout,
                          dict(train_iters=args.iterations, micro_batch_size=mbs, global_batch_size=args.global_batch_size,
                               seq_length=args.seq_length, run_name=f"bench-{step}-mbs{mbs}", checkpoint=False,
-                              eval_iters=0, num_workers=0)))
+                              eval_iters=0, num_workers=0, **placement)))
     # Training steps are what is measured: no evaluation, no checkpoint, and the collate in the rank's own
     # process (the recipe's workers would only move it elsewhere on this machine's two cores).
     workdir = args.workdir or tempfile.mkdtemp(prefix="bridge_thd_cord_v2_sft_")
@@ -143,18 +200,38 @@ def measure_cpu(args) -> dict:
     rows = {key: summarise([rank[key]["iterations"] for rank in ranks], [rank[key]["micro_batches"] for rank in ranks],
                            warmup=args.warmup, global_batch_size=args.global_batch_size, world_size=args.nproc)
             for key, *_ in runs}
+    for key, *_ in runs:
+        placement = placement_summary(ranks[0][key]["placements"], args.iterations)
+        if placement is not None:
+            rows[key]["placement"] = placement
     return {"device": f"CPU, tiny Qwen3-VL, DP={args.nproc} over gloo", "rows": rows}
+
+
+def global_batch_setting(cost: str) -> dict:
+    """``GlobalBatchPacking``'s keywords for ``--global-batch-cost`` (as the recipe script reads
+    ``--global-batch-packing``): ``tokens`` is its default cost (VERL's proxy), else a planner preset or a
+    ``config.json``."""
+    return {"cost_model": None if cost == "tokens" else cost}
+
+
+def gpu_command(step: str, mbs: int, args, report: str) -> list[str]:
+    """The ``torchrun`` of one GPU row: the recipe script with the row's layout, and for a global-batch
+    packing row ``--global-batch-packing COST`` (the script then calls ``configure(...,
+    global_batch_packing=GlobalBatchPacking(...))``)."""
+    layout, placed = STEP_RUNS[step]
+    command = ["torchrun", f"--nproc-per-node={args.nproc}", str(RECIPE_SCRIPT), "--layout", layout,
+               "--micro-batch-size", str(mbs), "--seq-length", str(args.seq_length),
+               "--train-iters", str(args.iterations), "--report", report]
+    return command + (["--global-batch-packing", args.global_batch_cost] if placed else [])
 
 
 def measure_gpu(args) -> dict:
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
         for mbs in args.micro_batch_sizes:
-            for step in STEPS:
+            for step in args.steps:
                 key, report = f"{step}-mbs{mbs}", os.path.join(folder, f"{step}-{mbs}.json")
-                command = ["torchrun", f"--nproc-per-node={args.nproc}", str(RECIPE_SCRIPT), "--layout", step,
-                           "--micro-batch-size", str(mbs), "--seq-length", str(args.seq_length),
-                           "--train-iters", str(args.iterations), "--report", report]
+                command = gpu_command(step, mbs, args, report)
                 done = subprocess.run(command, cwd=ROOT)
                 reports = [json.load(open(f"{report}.rank{r}.json")) for r in range(args.nproc)
                            if os.path.exists(f"{report}.rank{r}.json")]
@@ -182,13 +259,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for cord_v2_sft[_gpu].json / .md / .png")
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                        help=f"rows to run per MBS (default all: {', '.join(STEPS)})")
+    parser.add_argument("--global-batch-cost", default="tokens",
+                        help="the global-batch packing rows' cost model: 'tokens' (GlobalBatchPacking's default, "
+                             "VERL's proxy), a planner preset such as qwen3-vl-8b, or a config.json")
     args = parser.parse_args(argv)
     if args.warmup >= args.iterations:
         parser.error(f"--warmup {args.warmup} must be smaller than --iterations {args.iterations}")
     results = measure_cpu(args) if args.cpu_tiny else measure_gpu(args)
     results.update(recipe=RECIPE, seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                    world_size=args.nproc, iterations=args.iterations, warmup=args.warmup,
-                   micro_batch_sizes=args.micro_batch_sizes)
+                   micro_batch_sizes=args.micro_batch_sizes, global_batch_cost=args.global_batch_cost)
     stem = "cord_v2_sft" if args.cpu_tiny else "cord_v2_sft_gpu"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))

@@ -73,14 +73,55 @@ def test_benchmark_harness_smoke(tmp_path):
     results = cord_v2_sft.main(["--cpu-tiny", "--iterations", "2", "--warmup", "1", "--micro-batch-sizes", "2",
                                 "--global-batch-size", "8", "--out", str(tmp_path), "--workdir", str(tmp_path / "run")])
     rows = results["rows"]
-    assert set(rows) == {"megatron_bridge-mbs2", "thd-mbs2", "thd_static-mbs2"}
+    assert set(rows) == {"megatron_bridge-mbs2", "thd-mbs2", "thd_static-mbs2", "thd_global-mbs2",
+                         "thd_static_global-mbs2"}
     for row in rows.values():
         assert not row["oom"] and row["iterations_measured"] == 1
         assert row["ms_per_iter"] > 0 and row["tflops_per_gpu"] > 0 and row["peak_memory_gib"] > 0
-    # Same data for the three steps: the same real tokens, and Megatron-Bridge's step counts the
-    # padded work in its FLOPs, ours the real work (fewer FLOPs per token processed).
+    # Same data for every step: the same real tokens (global-batch packing only moves the step's samples between
+    # ranks and micro-batches), and Megatron-Bridge's step counts the padded work in its FLOPs, ours the real work
+    # (fewer FLOPs per token processed).
     tokens = {key: row["real_tokens_per_s"] * row["ms_per_iter"] / 1000 for key, row in rows.items()}
-    assert tokens["thd-mbs2"] == pytest.approx(tokens["megatron_bridge-mbs2"], rel=1e-9)
+    for key in ("thd-mbs2", "thd_global-mbs2", "thd_static_global-mbs2"):
+        assert tokens[key] == pytest.approx(tokens["megatron_bridge-mbs2"], rel=1e-9)
+    # The global-batch rows placed both training steps (rank 0's log); thd_static's rows end at most at the in-batch
+    # row, micro_batch_size * seq_length.
+    placed = {key: rows[key]["placement"] for key in ("thd_global-mbs2", "thd_static_global-mbs2")}
+    assert all(p["steps"] == 2 and p["slots"] >= p["real_tokens"] > 0 for p in placed.values())
+    assert placed["thd_global-mbs2"]["real_tokens"] == placed["thd_static_global-mbs2"]["real_tokens"]
+    static_rows = placed["thd_static_global-mbs2"]["row_lengths"]
+    assert static_rows == sorted(static_rows) and static_rows[-1] <= 2 * 512 and len(static_rows) <= 4
+    assert "placement" not in rows["thd_static-mbs2"]
     table = (tmp_path / "cord_v2_sft.md").read_text()
     assert "| 2 | ours, thd |" in table and "Megatron-Bridge qwen3_vl_step (padded)" in table
+    assert "| 2 | ours, thd_static + global-batch packing |" in table and "* MBS 2, ours, thd + global-batch" in table
     assert (tmp_path / "cord_v2_sft.png").stat().st_size > 1000
+
+
+def test_benchmark_harness_gpu_rows_run_the_recipe_script_with_global_batch_packing():
+    """``--gpu``: one torchrun of the recipe script per row; a global-batch packing row runs the script's
+    ``--global-batch-packing`` (its ``configure(..., global_batch_packing=GlobalBatchPacking(...))``) with the
+    row's layout, the others none. No GPU needed: the commands only."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import cord_v2_sft
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    args = argparse.Namespace(nproc=8, seq_length=2048, iterations=30, global_batch_cost="tokens")
+    commands = {step: cord_v2_sft.gpu_command(step, 4, args, "r.json") for step in cord_v2_sft.STEPS}
+    for step, command in commands.items():
+        assert command[:3] == ["torchrun", "--nproc-per-node=8", str(ROOT / "recipes" / "qwen3_vl_8b_cord_v2_thd.py")]
+        layout = command[command.index("--layout") + 1]
+        assert layout == step.removesuffix("_global")
+        placed = command[command.index("--global-batch-packing") + 1] if "--global-batch-packing" in command else None
+        assert placed == ("tokens" if step.endswith("_global") else None)
+    # The recipe script reads 'tokens' as GlobalBatchPacking's default cost.
+    recipes = str(ROOT / "recipes")
+    sys.path.insert(0, recipes)
+    try:
+        import _thd_recipe
+    finally:
+        sys.path.remove(recipes)
+    assert _thd_recipe.global_batch_setting("tokens") == cord_v2_sft.global_batch_setting("tokens") == {"cost_model": None}
