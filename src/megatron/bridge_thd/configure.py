@@ -85,6 +85,9 @@ FLAG_RULES: tuple[FlagRule, ...] = (
              "`True` for HybridEP without CUDA graphs (what Bridge's validate sets itself)"),
     FlagRule("global-batch packing setting", "`dataset.global_batch_packing` * (ours)", "(ours)",
              "the `global_batch_packing` argument, when given ([batching.md](batching.md))"),
+    FlagRule("what happens to a sample longer than seq_length", "`dataset.overlong_samples` * (ours)", "(ours)",
+             "the `overlong_samples` argument, when given; unset means `\"truncate\"` "
+             "([overlong-samples.md](overlong-samples.md))"),
     FlagRule("loss normalised per token over the whole step", "`model.calculate_per_token_loss`", "same",
              "`True` with global-batch packing"),
     FlagRule("DDP sums gradients (required with per-token loss)", "`ddp.average_in_collective`", "same",
@@ -139,7 +142,7 @@ def is_explicit(obj: Any, name: str) -> bool:
 
 
 def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None, force: bool = False,
-              global_batch_packing: Any = None) -> Any:
+              global_batch_packing: Any = None, overlong_samples: str | None = None) -> Any:
     """Set ``cfg``'s packing flags for ``megatron.bridge_thd.qwen3_vl_step.forward_step``.
 
     Args:
@@ -159,6 +162,11 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
             place each step's samples across DP ranks and micro-batches (docs/batching.md); stored
             as ``dataset.global_batch_packing``, and Megatron-Bridge's loader builder is wrapped
             once for the process (``batching.bridge.loader_patch``).
+        overlong_samples: what happens to a sample longer than ``seq_length`` (docs/overlong-samples.md):
+            ``"truncate"`` (Megatron-Bridge's cut, counted in the log), ``"drop"`` (no loss from it) or
+            ``"refuse"``; None keeps ``dataset.overlong_samples`` (unset: ``"truncate"``). Stored as
+            ``dataset.overlong_samples``. For Megatron-Bridge's own config the loader builder is wrapped once per
+            process (``batching.bridge.loader_patch``): the loaders' collate measures every row before its cut.
 
     Returns:
         ``cfg`` itself, mutated.
@@ -169,6 +177,7 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
     """
     _check_arguments(layout, cuda_graphs, force)
     settings = read_setup(cfg, layout, cuda_graphs, _global_batch_setting(global_batch_packing))
+    _check_overlong_argument(overlong_samples)
 
     problems, notes = configure_problems(settings)
     changes, change_notes = _plan_changes(settings)
@@ -179,16 +188,33 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
         raise ValueError("configure: the config contradicts megatron.bridge_thd's step:\n- " + "\n- ".join(problems))
 
     # ---- everything checked: write ----
-    changed = _apply(changes)
-    from megatron.bridge_thd.patches import apply_permanently
-
-    if settings.global_batch is not None:
-        from megatron.bridge_thd.batching.bridge import loader_patch
-
-        apply_permanently(loader_patch())
+    # Unset, the step and the loaders read the default.
+    overlong = [] if overlong_samples is None else [
+        _Change(settings.dataset, "dataset", "overlong_samples", overlong_samples, guarded=False)]
+    changed = _apply(changes + overlong)
+    if settings.global_batch is not None or type(cfg).__module__.startswith("megatron.bridge"):
+        _wrap_loader_builder()
     _pin_visual_inputs(change_notes)
     _log(settings, changed, notes + change_notes, overrides)
     return cfg
+
+
+def _check_overlong_argument(value: str | None) -> None:
+    from megatron.bridge_thd.overlong import POLICIES
+
+    if value is not None and value not in POLICIES:
+        raise ValueError(f"overlong_samples: {value!r}; expected one of {', '.join(map(repr, POLICIES))} (or None: keep "
+                         "dataset.overlong_samples, default 'truncate')")
+
+
+def _wrap_loader_builder() -> None:
+    """Megatron-Bridge's loader builder wrapped once per process (``batching.bridge.loader_patch``): the loaders'
+    collate measures every row before its cut and applies the over-long policy, and global-batch packing places the
+    steps. Done for Megatron-Bridge's own config (and whenever global-batch packing is on), whose loaders it builds."""
+    from megatron.bridge_thd.batching.bridge import loader_patch
+    from megatron.bridge_thd.patches import apply_permanently
+
+    apply_permanently(loader_patch())
 
 
 def _pin_visual_inputs(notes: list[str]) -> None:

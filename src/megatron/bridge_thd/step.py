@@ -29,6 +29,7 @@ from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
 from megatron.bridge_thd.layouts import LAYOUT_NAMES as LAYOUTS
 from megatron.bridge_thd.layouts import bshd_width, row_bucket
 from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, raise_failed_checks
+from megatron.bridge_thd.overlong import LENGTHS_KEY, cut_report, log_cut
 from megatron.bridge_thd.packing import pack_bshd_to_thd, round_up, scatter_into_row
 from megatron.bridge_thd.step_plan import (
     StepPlan,
@@ -347,6 +348,16 @@ def _build_packed(c: _Captured, plan: StepPlan) -> _Built:
 _BUILDERS = {"thd": _build_packed, "thd_static": _build_packed, "bshd": _build_padded}
 
 
+def _report_overlong(measures: torch.Tensor | None, c: _Captured, plan: StepPlan) -> None:
+    """Log what the collate (and the step) cut from over-long samples, from the lengths the collate measured before
+    its cut (``overlong.LENGTHS_KEY``, ``(3, B)``). Host tensors only: a batch on a device is not read for a log."""
+    if measures is None or measures.device.type != "cpu" or c.keep.device.type != "cpu":
+        return
+    kept_supervised = ((c.inputs.loss_mask != 0) & c.keep).sum(dim=1)
+    log_cut(cut_report(measures, c.keep.sum(dim=1), kept_supervised), policy=plan.overlong_samples,
+            seq_length=plan.seq_length)
+
+
 def _to_device(forward_args: dict, device: torch.device) -> dict:
     """``forward_args`` on ``device``: one copy per distinct tensor (``PackedSeqParams`` shares its q and kv
     boundaries), none that blocks the host: a host tensor bound for a GPU is copied from pinned memory (a copy
@@ -383,6 +394,7 @@ def prepare_with_plan(batch: dict, plan: StepPlan, *, is_last_stage: bool = True
     """
     inputs = _read_batch(batch, is_last_stage)
     captured = _capture(inputs, plan)
+    _report_overlong(batch.get(LENGTHS_KEY), captured, plan)
     built = _BUILDERS[plan.layout](captured, plan)
     forward_args = built.forward_args
     forward_args.update(inputs.multi_modal)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron.bridge_thd.layouts import layout_for, static_row_length
+from megatron.bridge_thd.overlong import policy_of
 from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.rules import layout_dependent_moe_settings, read_setup, requested_layout, step_problems
 
@@ -99,6 +100,8 @@ class StepPlan:
         adapter: the model family (:mod:`megatron.bridge_thd.adapters`).
         pad_token_id: the pad id lengths fall back to without a mask (``dataset.packing_length_fallback=
             "pad_token"``), or None (a batch without a mask is refused).
+        overlong_samples: the over-long policy (``dataset.overlong_samples``, :mod:`megatron.bridge_thd.overlong`),
+            which the loaders' collate applies; the step logs what it cut.
         check_nan, check_spiky: Megatron-Bridge's loss checks (``rerun_state_machine``).
         device: where the model's parameters are.
         model_name: the model's class name (logs).
@@ -120,6 +123,7 @@ class StepPlan:
     tokens: Any
     adapter: Any
     pad_token_id: int | None
+    overlong_samples: str
     check_nan: bool
     check_spiky: bool
     device: torch.device
@@ -252,7 +256,7 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
         fixed_p2p_shapes=setup.fixed_p2p_shapes,
         p2p_micro_batch_size=setup.micro_batch_size if layout == "thd_static" and setup.fixed_p2p_shapes else None,
         extras=extras, extras_refused=refused, tokens=adapter.tokens(model_config), adapter=adapter,
-        pad_token_id=_fallback_pad_id(state, model_config),
+        pad_token_id=_fallback_pad_id(state, model_config), overlong_samples=policy_of(cfg.dataset),
         check_nan=bool(getattr(rerun, "check_for_nan_in_loss", True)),
         check_spiky=bool(getattr(rerun, "check_for_spiky_loss", False)),
         device=next(core.parameters()).device, model_name=type(core).__name__,

@@ -26,7 +26,7 @@ from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.patches import Patch
 
 __all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "plan_loader", "run_row_length",
-           "run_row_buckets", "run_static_rows",
+           "run_row_buckets", "run_static_rows", "check_overlong", "measure_overlong_samples",
            "shared_sizes", "check_ranks_agree", "LoaderPlan"]
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,31 @@ def check_ranks_agree(sizes, *, label: str) -> None:
                      "dataset.global_batch_packing.sizes_cache")
 
 
+def check_overlong(sizes, *, seq_length: int, policy: str | None, label: str) -> None:
+    """The dataset's samples longer than ``seq_length`` before the collate's cut (the scan measured them): refused
+    by dataset index under ``overlong_samples="refuse"``, else counted once in the log (global rank 0)."""
+    import torch
+
+    from megatron.bridge_thd.batching.sampler import is_global_rank_zero
+
+    over = sizes.over(seq_length)
+    if not len(over):
+        return
+    worst = int(over[int(torch.argmax(sizes.untruncated[over]))])
+    listed = ", ".join(f"{int(i)} ({int(sizes.untruncated[i])} tokens)" for i in over[:8].tolist())
+    if policy == "refuse":
+        raise ValueError(
+            f"dataset.overlong_samples='refuse': {len(over)} distinct sample(s) of the {label} dataset are longer than "
+            f"seq_length={seq_length} before Megatron-Bridge's collate would cut them: dataset samples {listed}"
+            f"{' ...' if len(over) > 8 else ''}. Raise dataset.seq_length and model.seq_length to at least "
+            f"{int(sizes.untruncated[worst])}, filter these samples, or set dataset.overlong_samples to 'truncate' or 'drop'")
+    if is_global_rank_zero():
+        lost = int((sizes.untruncated[over] - seq_length).sum())
+        logger.warning("bridge_thd.batching (%s loader): %d distinct sample(s) are longer than seq_length=%d (dataset "
+                       "samples %s%s; %d real tokens over); overlong_samples=%r", label, len(over), seq_length, listed,
+                       " ..." if len(over) > 8 else "", lost, policy)
+
+
 @dataclass
 class LoaderPlan:
     """One loader of the run, as global-batch packing builds it: Megatron-Bridge's ``loader``, its
@@ -192,6 +217,9 @@ def plan_loader(loader, *, label: str, cfg, settings: GlobalBatchPacking, dp_ran
     num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
     sizes = shared_sizes(loader, seq_length=cfg.model.seq_length, cache_dir=settings.sizes_cache, label=label)
     check_ranks_agree(sizes, label=label)
+    from megatron.bridge_thd.overlong import policy_of
+
+    check_overlong(sizes, seq_length=cfg.model.seq_length, policy=policy_of(cfg.dataset), label=label)
     draws = run_draws(rank_samplers(inner, dp_size, from_start=True), num_micro_batches, max(steps, 1),
                       cycle=cycles(inner))
     return LoaderPlan(label, loader, inner, dp_rank, dp_size, micro_batch_size, num_micro_batches, sizes, draws)
@@ -322,12 +350,27 @@ def _run_steps(cfg) -> dict:
     return {"train": train_iters, "valid": valid, "test": eval_iters}
 
 
+def measure_overlong_samples(loaders, policy: str) -> None:
+    """Each built loader's collate wrapped in ``overlong.OverlongCollate``: it measures every row before
+    Megatron-Bridge's collate cuts it and applies the run's over-long ``policy`` (in the loader's workers)."""
+    from megatron.bridge_thd.overlong import OverlongCollate
+
+    for loader in loaders:
+        if loader is not None and not isinstance(loader.collate_fn, OverlongCollate):
+            loader.collate_fn = OverlongCollate(loader.collate_fn, policy)
+
+
 def _wrap(original):
-    """``build_train_valid_test_data_loaders`` that rebuilds its loaders around the placement when
-    ``cfg.dataset.global_batch_packing`` is set, and is the original otherwise."""
+    """``build_train_valid_test_data_loaders`` whose loaders measure over-long samples when ``configure`` set the
+    config up for our step (``cfg.dataset.packing_layout``) and are rebuilt around the placement when
+    ``cfg.dataset.global_batch_packing`` is set; the original otherwise."""
 
     def build_train_valid_test_data_loaders(cfg, train_state, *args, **kwargs):
         loaders = original(cfg, train_state, *args, **kwargs)
+        if getattr(cfg.dataset, "packing_layout", None) is not None:  # configured for our step
+            from megatron.bridge_thd.overlong import policy_of
+
+            measure_overlong_samples(loaders, policy_of(cfg.dataset))
         settings = getattr(cfg.dataset, "global_batch_packing", None)
         if settings is None:
             return loaders
@@ -404,6 +447,7 @@ def loader_patch() -> Patch:
                 "packing wraps megatron.bridge.data.loaders.build_train_valid_test_data_loaders") from error
         _LOADER_PATCH = Patch(
             loaders, "build_train_valid_test_data_loaders", _wrap(loaders.build_train_valid_test_data_loaders),
+            "the loaders' collate measures over-long samples before its cut (megatron.bridge_thd.overlong), and "
             "global-batch packing rebuilds Megatron-Bridge's data loaders around a batch sampler that places each "
             "step's draws (megatron.bridge_thd.batching.bridge)")
     return _LOADER_PATCH

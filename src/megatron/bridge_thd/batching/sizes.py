@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from megatron.bridge_thd.batching.cost import image_patches
+from megatron.bridge_thd.overlong import LENGTHS_KEY
 
 __all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero", "repeat_period",
            "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache"]
@@ -43,10 +44,12 @@ logger = logging.getLogger(__name__)
 class SampleSizes:
     """Sizes of a dataset's distinct samples.
 
-    ``lengths`` ``(M,)`` int64 LLM tokens; ``patches`` ``(M,)`` int64 ViT patches (sum over the
-    sample's images); ``patches_squared`` ``(M,)`` float64 sum over its images of patches^2;
-    ``source``: where they came from (metadata, a cache path, a scan); ``total``: the dataset's
-    indices (None: ``M``), index ``i`` having the sizes of distinct sample ``i % M``.
+    ``lengths`` ``(M,)`` int64 LLM tokens that reach the step (at most ``seq_length``); ``patches`` ``(M,)``
+    int64 ViT patches (sum over the sample's images); ``patches_squared`` ``(M,)`` float64 sum over its images
+    of patches^2; ``source``: where they came from (metadata, a cache path, a scan); ``total``: the dataset's
+    indices (None: ``M``), index ``i`` having the sizes of distinct sample ``i % M``; ``untruncated`` /
+    ``supervised``: ``(M,)`` int64 real and supervised tokens before the collate's cut to ``seq_length``, where
+    a scan measured them (``overlong.LENGTHS_KEY``), else None.
     """
 
     lengths: torch.Tensor
@@ -54,6 +57,14 @@ class SampleSizes:
     patches_squared: torch.Tensor
     source: str = ""
     total: int | None = None
+    untruncated: torch.Tensor | None = None
+    supervised: torch.Tensor | None = None
+
+    def over(self, seq_length: int) -> torch.Tensor:
+        """``(K,)`` the distinct samples longer than ``seq_length`` before the cut (empty when not measured)."""
+        if self.untruncated is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.nonzero(self.untruncated > seq_length).flatten()
 
     def __len__(self) -> int:
         return int(self.lengths.numel()) if self.total is None else self.total
@@ -120,8 +131,9 @@ def _from_metadata(dataset) -> SampleSizes | None:
     return SampleSizes(lengths, patches, squared, "dataset metadata (sample_lengths, sample_image_grids)")
 
 
-def _sample_sizes(batch: dict, seq_length: int | None, index: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """Real tokens and image grids of one collated sample (a batch of one)."""
+def _sample_sizes(batch: dict, seq_length: int | None, index: int) -> tuple[int, list[tuple[int, int, int]], int, int]:
+    """Real tokens (at most ``seq_length``), image grids, and real and supervised tokens before the collate's cut
+    (-1 where it was not measured) of one collated sample (a batch of one)."""
     mask = batch.get("attention_mask")
     if mask is None or mask.dim() != 2:
         raise ValueError(
@@ -138,7 +150,22 @@ def _sample_sizes(batch: dict, seq_length: int | None, index: int) -> tuple[int,
         grid = inputs.get(key) if isinstance(inputs, dict) else None
         if grid is not None:
             grids += [tuple(int(v) for v in row) for row in grid.reshape(-1, 3).tolist()]
-    return length, grids
+    measures = batch.get(LENGTHS_KEY)
+    untruncated, supervised = (-1, -1) if measures is None else (int(measures[0, 0]), int(measures[1, 0]))
+    return length, grids, untruncated, supervised
+
+
+def _measuring(collate_fn):
+    """``collate_fn`` with the rows measured before Megatron-Bridge's cut (``overlong.collate_patch``, applied in
+    this worker; no policy: measure only). Without Megatron-Bridge nothing is measured."""
+    try:
+        from megatron.bridge_thd.overlong import OverlongCollate, collate_patch
+        from megatron.bridge_thd.patches import apply_permanently
+
+        apply_permanently(collate_patch())
+    except ImportError:
+        return collate_fn
+    return collate_fn.collate_fn if isinstance(collate_fn, OverlongCollate) else collate_fn
 
 
 class _Indexed:
@@ -161,7 +188,8 @@ class _MeasureEach:
         self.collate_fn, self.seq_length = collate_fn, seq_length
 
     def __call__(self, items):
-        return [(index, *_sample_sizes(self.collate_fn([sample]), self.seq_length, index)) for index, sample in items]
+        collate_fn = _measuring(self.collate_fn)
+        return [(index, *_sample_sizes(collate_fn([sample]), self.seq_length, index)) for index, sample in items]
 
 
 class _DigestEach:
@@ -171,9 +199,9 @@ class _DigestEach:
         self.collate_fn = collate_fn
 
     def __call__(self, items):
-        digests = []
+        digests, collate_fn = [], _measuring(self.collate_fn)
         for _, sample in items:
-            batch, digest = self.collate_fn([sample]), hashlib.sha256()
+            batch, digest = collate_fn([sample]), hashlib.sha256()
             for key in sorted(k for k, v in batch.items() if torch.is_tensor(v)):
                 digest.update(key.encode())
                 digest.update(batch[key].detach().cpu().contiguous().numpy().tobytes())
@@ -194,25 +222,33 @@ def _in_workers(dataset, collate, indices: list[int], *, num_workers: int, conte
 
 
 def scan_sizes(dataset, collate_fn, *, seq_length: int | None = None, num_workers: int = 1, context=None,
-               label: str = "") -> SampleSizes:
+               label: str = "", progress=None) -> SampleSizes:
     """Collate each distinct sample (:func:`repeat_period`) alone in worker processes and read its real
-    tokens and image grids (one pass); progress goes to the log every tenth."""
+    tokens and image grids, and its real and supervised tokens before Megatron-Bridge's collate cuts it (one
+    pass); progress goes to the log every tenth, and to ``progress(done, total)`` when given."""
     period = repeat_period(dataset)
     lengths, grids = [0] * period, [[] for _ in range(period)]
+    untruncated, supervised = [0] * period, [0] * period
     chunk = max(1, min(64, period // (4 * max(1, num_workers)) or 1))
     done, next_report = 0, period / 10
     for results in _in_workers(dataset, _MeasureEach(collate_fn, seq_length), list(range(period)),
                                num_workers=num_workers, context=context, chunk=chunk):
-        for index, length, sample_grids in results:
+        for index, length, sample_grids, before, supervised_before in results:
             lengths[index], grids[index] = length, sample_grids
+            untruncated[index], supervised[index] = before, supervised_before
         done += len(results)
+        if progress is not None:
+            progress(done, period)
         if period >= 1000 and next_report <= done < period:
             logger.info("bridge_thd.batching: lengths scan%s: %d of %d distinct samples", label, done, period)
             next_report += period / 10
     patches, squared = image_patches(grids)
     total = len(dataset) if period != len(dataset) else None
+    measured = min(untruncated, default=-1) >= 0
     return SampleSizes(torch.tensor(lengths, dtype=torch.int64), patches, squared,
-                       f"scan of {period} distinct samples", total)
+                       f"scan of {period} distinct samples", total,
+                       torch.tensor(untruncated, dtype=torch.int64) if measured else None,
+                       torch.tensor(supervised, dtype=torch.int64) if measured else None)
 
 
 def _fingerprint(dataset, collate_fn, seq_length: int | None, *, context=None) -> str:
@@ -240,7 +276,8 @@ def read_cached_sizes(path: Path) -> SampleSizes | None:
     if not path.is_file():
         return None
     saved = torch.load(path)
-    return SampleSizes(saved["lengths"], saved["patches"], saved["patches_squared"], f"cache {path}", saved.get("total"))
+    return SampleSizes(saved["lengths"], saved["patches"], saved["patches_squared"], f"cache {path}", saved.get("total"),
+                       saved.get("untruncated"), saved.get("supervised"))
 
 
 def write_cached_sizes(sizes: SampleSizes, path: Path) -> None:
@@ -249,7 +286,7 @@ def write_cached_sizes(sizes: SampleSizes, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     torch.save({"lengths": sizes.lengths, "patches": sizes.patches, "patches_squared": sizes.patches_squared,
-                "total": sizes.total}, partial)
+                "total": sizes.total, "untruncated": sizes.untruncated, "supervised": sizes.supervised}, partial)
     partial.replace(path)
 
 
@@ -297,4 +334,4 @@ def scan_and_cache(dataset, collate_fn, path: Path, *, seq_length: int | None, n
     logger.info("bridge_thd.batching: lengths scan%s done: %d distinct samples in %.1f s", label, period,
                 time.perf_counter() - start)
     return SampleSizes(sizes.lengths, sizes.patches, sizes.patches_squared, f"{sizes.source} (cached at {path})",
-                       sizes.total)
+                       sizes.total, sizes.untruncated, sizes.supervised)
