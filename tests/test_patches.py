@@ -71,12 +71,14 @@ def _every_record() -> list[Patch]:
                                                                       without_modelopt()]
     # qwen25_vl_import_patches() is empty where omegaconf is installed; its one record by name:
     records.append(Patch(sys.modules, "omegaconf", None, "qwen25_vl_import_patches"))
-    # batching.bridge.loader_patch() needs Megatron-Bridge imported whole (tests/test_bridge_recipes.py
-    # applies it there); its one record by name:
+    # batching.bridge.loader_patch() and overlong.collate_patch() need Megatron-Bridge imported whole
+    # (tests/test_bridge_recipes.py, tests/test_overlong_samples.py apply them there); their records by name:
     import types
 
     records.append(Patch(types.ModuleType("megatron.bridge.data.loaders"), "build_train_valid_test_data_loaders", None,
                          "batching.bridge.loader_patch"))
+    records.append(Patch(types.ModuleType("megatron.bridge.models.qwen_vl.data.collate_fn"), "prepare_sequence_batch",
+                         None, "overlong.collate_patch"))
     from megatron.bridge_thd.pinning import visual_inputs_pin_patch
 
     records.append(visual_inputs_pin_patch())

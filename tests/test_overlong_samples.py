@@ -1,0 +1,260 @@
+"""Samples longer than ``seq_length`` on Megatron-Bridge 0.6.2's real data path: its ``cord_v2`` preset, provider,
+Qwen3-VL collate, loader builder and iterator (as tests/test_bridge_data_path.py builds them), with our loader
+builder wrapper (``batching.bridge.loader_patch``) as ``configure`` installs it, one world per run, each policy of
+``dataset.overlong_samples`` in turn.
+
+The expected numbers are independent of our code: each sample's full length and supervised tokens come from
+Megatron-Bridge's own collate run on it alone without a sequence length; what is lost is those minus the first
+``seq_length`` columns. Reasoning: docs/overlong-samples.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from megatron.bridge_thd.testbed.cord_v2 import PROCESSOR_TOKEN_IDS, tiny_qwen3_vl_processor, write_cord_v2_preset_layout
+from megatron.bridge_thd.testbed.launcher import run_on_gloo
+from megatron.bridge_thd.testbed.training import TRAINING_VISION_GEOMETRY
+
+# As tests/test_bridge_data_path.py: 1280 lies between the longest short receipt (1152 tokens at most) and the
+# shortest long one (more than 1476), so every long receipt is cut and no short one.
+SEQ_LENGTH = 1280
+MICRO_BATCH = 2
+POLICIES = ("truncate", "drop", "refuse")
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+def _batch_for(policy: str, root: str):
+    """Megatron-Bridge's first training batch with our loader wrapper and ``policy`` (or the error it raises)."""
+    from megatron.bridge.data.loaders import setup_data_iterators
+    from megatron.bridge.data.utils import get_dataset_provider
+    from megatron.bridge.recipes.common import _sft_common_vlm
+    from megatron.bridge.training.state import TrainState
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron.bridge_thd.batching.bridge import loader_patch
+    from megatron.bridge_thd.patches import applied
+    from megatron.bridge_thd.testbed.training import cpu_training_patches
+
+    cfg = _sft_common_vlm()
+    dataset = cfg.dataset
+    dataset.hf_processor_path = os.path.join(root, "processor")
+    dataset.seq_length = SEQ_LENGTH
+    # What configure(cfg, layout="thd", overlong_samples=policy) sets on the dataset (configure.FLAG_RULES).
+    dataset.defer_in_batch_packing_to_step, dataset.skip_getting_attention_mask_from_dataset = True, False
+    dataset.packing_layout, dataset.overlong_samples = "thd", policy
+    dataset.num_workers, dataset.pin_memory, dataset.persistent_workers = 0, False, False
+    dataset.finalize()
+    cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.micro_batch_size = 1, MICRO_BATCH, MICRO_BATCH
+    cfg.validation.eval_iters = 1
+    provider = get_dataset_provider(dataset)
+    built = {}
+
+    def recording_provider(counts, config, tokenizer=None, pg_collection=None):
+        built["datasets"] = provider(counts, config, tokenizer=tokenizer, pg_collection=pg_collection)
+        return built["datasets"]
+
+    with applied(cpu_training_patches() + [loader_patch()]):
+        train_iter, _, _ = setup_data_iterators(
+            cfg=cfg, train_state=TrainState(), model_length=1, train_valid_test_datasets_provider=recording_provider,
+            dp_group=ProcessGroupCollection.use_mpu_process_groups().dp)
+        try:
+            return next(train_iter), built["datasets"][0], None
+        except ValueError as error:
+            return None, built["datasets"][0], str(error)
+
+
+def _overlong_worker(root: str) -> dict:
+    """Every policy on one rank: the batch, what our step logs and its loss; each sample alone; the lengths scan."""
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    os.chdir(root)
+    from megatron.bridge.models.qwen_vl.data.collate_fn import qwen2_5_collate_fn
+
+    from megatron.bridge_thd.batching.bridge import check_overlong
+    from megatron.bridge_thd.batching.sizes import scan_sizes
+    from megatron.bridge_thd.overlong import LENGTHS_KEY
+    from megatron.bridge_thd.qwen3_vl_step import forward_step
+    from megatron.bridge_thd.testbed.cord_v2 import model_token_settings
+    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd.testbed.standalone import minimal_state
+
+    torch.set_num_threads(2)
+    config = tiny_qwen3_vl_config(seq_length=SEQ_LENGTH, **TRAINING_VISION_GEOMETRY, **model_token_settings())
+    for name, value in TRAINING_VISION_GEOMETRY.items():
+        setattr(config.vision_config, name, value)
+    model = build_qwen3_vl(config, seed=0)
+    logger = logging.getLogger("megatron.bridge_thd")
+    result = {}
+    for policy in POLICIES:
+        batch, train_ds, error = _batch_for(policy, root)
+        entry = {"error": error}
+        if batch is not None:
+            handler, level = _Lines(), logger.level
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            state = minimal_state(seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH)
+            state.cfg.dataset.overlong_samples = policy
+            try:
+                with torch.no_grad():
+                    output, loss_function = forward_step(state, iter([batch]), model)
+                    loss, num_tokens, _ = loss_function(output)
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+            entry.update(measures=batch[LENGTHS_KEY].clone(), loss_mask=batch["loss_mask"].clone(),
+                         labels=batch["labels"].clone(), input_ids=batch["input_ids"].clone(),
+                         attention_mask=batch["attention_mask"].clone(), loss=float(loss), num_tokens=int(num_tokens),
+                         lines=handler.lines)
+        result[policy] = entry
+    processor = train_ds._processor
+    result["full"] = [
+        {key: value.clone() for key, value in qwen2_5_collate_fn([ex], processor, sequence_length=None).items()
+         if isinstance(value, torch.Tensor)} for ex in train_ds._base_examples]
+    # The global-batch lengths scan (collates in a worker process) sees the lengths before the cut.
+    sizes = scan_sizes(train_ds, train_ds.collate_fn, seq_length=SEQ_LENGTH, num_workers=1, context="fork")
+    result["sizes"] = (sizes.lengths.clone(), sizes.untruncated.clone(), sizes.supervised.clone())
+    try:
+        check_overlong(sizes, seq_length=SEQ_LENGTH, policy="refuse", label="train")
+        result["build_refusal"] = None
+    except ValueError as refusal:
+        result["build_refusal"] = str(refusal)
+    return result
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cord_v2_overlong")
+    write_cord_v2_preset_layout(root, n_train=4, n_val=2, seed=0, long_every=2)
+    tiny_qwen3_vl_processor(root / "processor", patch_size=TRAINING_VISION_GEOMETRY["patch_size"])
+    return run_on_gloo(_overlong_worker, str(root), dp=1, whole_bridge=True, initialize=True, timeout=300)[0]
+
+
+def _rows(world, policy):
+    """Per batch row: (full length, full supervised tokens, supervised tokens past seq_length), from the full
+    collate of the example whose tokens the row starts with."""
+    entry, rows = world[policy], []
+    for i in range(MICRO_BATCH):
+        kept = int(entry["attention_mask"][i].sum())
+        match = next(f for f in world["full"] if torch.equal(f["input_ids"][0, :kept], entry["input_ids"][i, :kept]))
+        rows.append((int(match["attention_mask"].sum()), int((match["loss_mask"] != 0).sum()),
+                     int((match["loss_mask"][0, SEQ_LENGTH:] != 0).sum())))
+    return rows
+
+
+def test_the_collate_carries_each_samples_lengths_before_its_cut(world):
+    rows = _rows(world, "truncate")
+    assert any(full > SEQ_LENGTH for full, _, _ in rows) and any(full <= SEQ_LENGTH for full, _, _ in rows)
+    measures = world["truncate"]["measures"]
+    assert measures[0].tolist() == [full for full, _, _ in rows]
+    assert measures[1].tolist() == [supervised for _, supervised, _ in rows]
+    assert measures[2].tolist() == [0, 0]
+    assert world["truncate"]["input_ids"].shape[1] == SEQ_LENGTH  # Megatron-Bridge still cut the long row
+
+
+def test_truncate_cuts_as_megatron_bridge_does_and_counts_the_loss_in_the_log(world):
+    rows = _rows(world, "truncate")
+    lost = sum(full - SEQ_LENGTH for full, _, _ in rows if full > SEQ_LENGTH)
+    lost_supervised = sum(past for full, _, past in rows if full > SEQ_LENGTH)
+    lines = world["truncate"]["lines"]
+    warnings = [text for level, text in lines if level == "WARNING" and "longer than seq_length" in text]
+    assert len(warnings) == 1 and "dataset.overlong_samples='truncate'" in warnings[0] and "'refuse'" in warnings[0]
+    assert (f"bridge_thd: 1 over-long sample(s) cut to seq_length={SEQ_LENGTH}: {lost} real tokens and {lost_supervised} "
+            "supervised tokens lost") in [text for _, text in lines]
+    assert lost > 0 and lost_supervised > 0
+
+
+def test_drop_takes_the_sample_out_of_the_loss(world):
+    truncated, dropped = world["truncate"], world["drop"]
+    rows = _rows(world, "drop")
+    long_row = next(i for i, (full, _, _) in enumerate(rows) if full > SEQ_LENGTH)
+    assert dropped["measures"][2].tolist() == [int(i == long_row) for i in range(MICRO_BATCH)]
+    assert not dropped["loss_mask"][long_row].any() and (dropped["labels"][long_row] == -100).all()
+    short = 1 - long_row
+    assert torch.equal(dropped["loss_mask"][short], truncated["loss_mask"][short])
+    # The loss counts the short sample's supervised tokens only (the same batch rows as under truncate).
+    assert dropped["num_tokens"] == int(truncated["loss_mask"][short].sum())
+    assert dropped["loss"] < truncated["loss"]
+    assert (f"bridge_thd: dropped 1 over-long sample(s) from the loss ({rows[long_row][1]} supervised tokens; "
+            f"{rows[long_row][0] - SEQ_LENGTH} real tokens cut to seq_length={SEQ_LENGTH})") in [
+                text for _, text in dropped["lines"]]
+
+
+def test_refuse_stops_at_the_first_over_long_sample_with_its_length_and_the_fix(world):
+    error = world["refuse"]["error"]
+    full = max(f["attention_mask"].sum().item() for f in world["full"][:MICRO_BATCH])
+    assert error is not None and f"longer than seq_length={SEQ_LENGTH}" in error
+    assert f"{int(full)} tokens" in error and "dataset.seq_length and model.seq_length" in error
+    assert "dataset.overlong_samples" in error
+
+
+def test_the_lengths_scan_sees_the_untruncated_lengths_and_refuses_by_dataset_index(world):
+    lengths, untruncated, supervised = world["sizes"]
+    # The run's training set: as many indices as the run draws, index i being base example i % 4.
+    examples = [world["full"][i % len(world["full"])] for i in range(len(untruncated))]
+    full = [int(f["attention_mask"].sum()) for f in examples]
+    assert untruncated.tolist() == full
+    assert supervised.tolist() == [int((f["loss_mask"] != 0).sum()) for f in examples]
+    assert lengths.tolist() == [min(n, SEQ_LENGTH) for n in full]
+    over = [i for i, n in enumerate(full) if n > SEQ_LENGTH]
+    refusal = world["build_refusal"]
+    assert over and refusal is not None
+    assert f"{len(over)} distinct sample(s) of the train dataset" in refusal
+    assert all(f"{i} ({full[i]} tokens)" in refusal for i in over)
+
+
+# --- the pieces, without a world ----------------------------------------------------------------------
+
+
+def _identity(examples):
+    return examples
+
+
+def test_the_policy_travels_with_a_picklable_collate_and_bad_values_are_refused():
+    import pickle
+
+    from megatron.bridge_thd.configure import configure
+    from megatron.bridge_thd.overlong import OverlongCollate, policy_of
+    from types import SimpleNamespace
+
+    copy = pickle.loads(pickle.dumps(OverlongCollate(_identity, "drop")))  # a spawned loader worker gets this
+    assert copy.policy == "drop" and copy.collate_fn is _identity
+    with pytest.raises(ValueError, match=r"dataset.overlong_samples: 'cut'; expected one of 'truncate', 'drop', 'refuse'"):
+        OverlongCollate(_identity, "cut")
+    with pytest.raises(ValueError, match=r"dataset.overlong_samples: 'skip'"):
+        policy_of(SimpleNamespace(overlong_samples="skip"))
+    assert policy_of(SimpleNamespace()) == "truncate"
+    cfg = SimpleNamespace(dataset=SimpleNamespace(seq_length=4096), train=SimpleNamespace(micro_batch_size=2),
+                          model=SimpleNamespace(pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                                                seq_length=4096))
+    with pytest.raises(ValueError, match=r"overlong_samples: 'cut'; expected one of"):
+        configure(cfg, "thd", overlong_samples="cut")
+    assert configure(cfg, "thd", overlong_samples="refuse").dataset.overlong_samples == "refuse"
+
+
+def test_rows_are_measured_from_the_2d_mask_before_the_cut():
+    from megatron.bridge_thd.overlong import LENGTHS_KEY, measure_rows
+
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 0, 0, 0, 0]], dtype=torch.float)
+    batch = {"attention_mask": mask, "loss_mask": loss_mask, "labels": torch.zeros(2, 6, dtype=torch.long)}
+    measure_rows(batch, 4, "drop")
+    assert batch[LENGTHS_KEY].tolist() == [[5, 2], [3, 1], [1, 0]]
+    assert batch["loss_mask"][0].sum() == 0 and (batch["labels"][0] == -100).all() and batch["loss_mask"][1].sum() == 1
+    with pytest.raises(ValueError, match=r"1 sample\(s\) of this micro-batch are longer than seq_length=4 \(row 0: 5 "
+                                         r"tokens \(3 supervised\)\)"):
+        measure_rows({"attention_mask": mask, "loss_mask": loss_mask}, 4, "refuse")
+    no_mask = {"loss_mask": loss_mask}
+    measure_rows(no_mask, 4, "refuse")  # the real lengths are unknown without a 2D mask: nothing to judge
+    assert LENGTHS_KEY not in no_mask
