@@ -1,5 +1,7 @@
 """``bridge-thd plan``: what packing buys for a model, a length distribution and a parallel layout.
 
+``bridge-thd scan ...`` (:mod:`.scan`, docs/scan.md) writes the lengths file of a Megatron-Bridge recipe's dataset.
+
 Examples::
 
     bridge-thd plan --model qwen3-vl-8b --seq-length 8192 --micro-batch-size 4 --tp 2 --png /tmp/plan.png
@@ -23,7 +25,8 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bridge-thd plan", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="bridge-thd scan --help: the lengths file of a Megatron-Bridge recipe's dataset")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", default="qwen3-vl-8b", help="preset name (--list-models)")
     model.add_argument("--hf-config", help="a Hugging Face config.json instead of a preset")
@@ -118,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input with a one-line error on stderr).
 
     Installed as ``bridge-thd``: ``bridge-thd plan ...`` (the ``plan`` word is optional here,
-    so ``python -m megatron.bridge_thd.plan ...`` takes the same arguments)."""
+    so ``python -m megatron.bridge_thd.plan ...`` takes the same arguments) and ``bridge-thd scan ...``
+    (:func:`.scan.main`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["scan"]:
+        from megatron.bridge_thd.plan.scan import main as scan
+
+        return scan(argv[1:])
     if argv[:1] == ["plan"]:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
