@@ -5,9 +5,11 @@ GPU node (the recipe as shipped, with Transformer Engine and hub access)::
 
     torchrun --nproc-per-node 8 recipes/qwen3_vl_8b_cord_v2_thd.py --layout thd [--report run.json]
 
-Any machine, no GPU (tiny Qwen3-VL, a local cord_v2-shaped dataset and processor, gloo ranks)::
+Any machine, no GPU (tiny Qwen3-VL, or tiny Qwen3.5-VL for the Qwen3.5-VL recipe, a local cord_v2-shaped
+dataset and processor, gloo ranks)::
 
     python recipes/qwen3_vl_8b_cord_v2_thd.py --cpu-tiny --layout thd --train-iters 4
+    python recipes/qwen35_vl_2b_cord_v2_thd.py --cpu-tiny --layout thd --train-iters 4
 
 ``--layout megatron_bridge`` runs Megatron-Bridge's own ``qwen3_vl_step`` on the recipe as shipped
 (the padded baseline, no ``configure``). ``--global-batch-packing MODEL`` turns global-batch packing on
@@ -30,6 +32,8 @@ def parse(argv=None):
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the recipe's (CPU mode: 2)")
     parser.add_argument("--seq-length", type=int, default=None, help="default: the recipe's (CPU mode: 512)")
     parser.add_argument("--train-iters", type=int, default=None, help="default: the recipe's (CPU mode: 4)")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="default: the recipe's (CPU mode: micro-batch size x ranks x 2)")
     parser.add_argument("--eval-iters", type=int, default=None,
                         help="default: the recipe's (its validation and test steps per evaluation)")
     parser.add_argument("--eval-interval", type=int, default=None, help="default: the recipe's")
@@ -56,7 +60,7 @@ def global_batch_setting(model):
 
 
 def config(base_config, layout: str, micro_batch_size=None, seq_length=None, train_iters=None,
-           global_batch_packing=None):
+           global_batch_packing=None, global_batch_size=None):
     """``base_config()`` with the given sizes; for our layouts, packing set by ``configure`` (in-batch
     packing deferred to our step, the dataset's 2D mask, variable_seq_lengths under PP, HybridEP
     padding; contradictions refused)."""
@@ -67,6 +71,8 @@ def config(base_config, layout: str, micro_batch_size=None, seq_length=None, tra
         cfg.model.seq_length = cfg.dataset.seq_length = seq_length
     if micro_batch_size is not None:
         cfg.train.micro_batch_size = micro_batch_size
+    if global_batch_size is not None:
+        cfg.train.global_batch_size = global_batch_size
     if train_iters is not None:
         cfg.train.train_iters = train_iters
     if layout == "megatron_bridge":
@@ -92,7 +98,7 @@ def run_cpu_tiny(recipe_name: str, args) -> dict:
 
     settings = dict(train_iters=args.train_iters or 4, micro_batch_size=args.micro_batch_size or 2,
                     seq_length=args.seq_length or 512)
-    settings["global_batch_size"] = settings["micro_batch_size"] * args.nproc * 2
+    settings["global_batch_size"] = args.global_batch_size or settings["micro_batch_size"] * args.nproc * 2
     if args.global_batch_packing is not None:
         settings["global_batch_packing"] = global_batch_setting(args.global_batch_packing)
     # The recipe's loader workers, pinned memory and evaluation stay; only what is given changes.
@@ -123,7 +129,7 @@ def main(recipe_module: str, recipe_name: str, argv=None):
 
     base_config = getattr(importlib.import_module(recipe_module), recipe_name)
     cfg = config(base_config, args.layout, args.micro_batch_size, args.seq_length, args.train_iters,
-                 global_batch_setting(args.global_batch_packing))
+                 global_batch_setting(args.global_batch_packing), args.global_batch_size)
     if args.eval_iters is not None:
         cfg.validation.eval_iters = args.eval_iters
     if args.eval_interval is not None:

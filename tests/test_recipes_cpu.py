@@ -58,10 +58,32 @@ def test_global_batch_packing_flag_needs_a_packed_layout():
     assert done.returncode != 0 and "--global-batch-packing: needs --layout thd or thd_static" in done.stderr
 
 
-def test_qwen35_recipe_refuses_the_cpu_mode_it_does_not_have():
-    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "qwen35_vl_2b_cord_v2_thd.py"), "--cpu-tiny"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "--cpu-tiny: not available for the Qwen3.5-VL recipe" in done.stderr
+def test_qwen35_recipe_script_runs_its_cpu_mode(monkeypatch, tmp_path):
+    """``recipes/qwen35_vl_2b_cord_v2_thd.py --cpu-tiny`` hands Megatron-Bridge's Qwen3.5-VL 2B recipe function to
+    the CPU mode's ``run_on_cpu`` (which then writes and trains the tiny Qwen3.5-VL: that run is
+    tests/test_bridge_training_qwen35.py's, too dear to repeat through a subprocess here); ``--global-batch-size``
+    reaches it."""
+    import runpy
+
+    from megatron.bridge_thd.testbed import training
+
+    calls = []
+
+    def run_on_cpu(runs, *, workdir, world_size, **_):
+        calls.append((runs, workdir, world_size))
+        row = {"iteration": 1, "loss": 6.2, "flops": 1e9, "flops_tokens": 1000, "seconds": 0.5}
+        return [{runs[0][0]: {"iterations": [row], "micro_batches": []}}] * world_size
+
+    monkeypatch.setattr(training, "run_on_cpu", run_on_cpu)
+    monkeypatch.setattr(sys, "argv", ["qwen35_vl_2b_cord_v2_thd.py", "--cpu-tiny", "--layout", "thd_static",
+                                      "--train-iters", "2", "--global-batch-size", "8", "--workdir", str(tmp_path)])
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    runpy.run_path(str(ROOT / "recipes" / "qwen35_vl_2b_cord_v2_thd.py"), run_name="__main__")
+    [(runs, workdir, world_size)] = calls
+    [(key, recipe, layout, settings)] = runs
+    assert recipe == "qwen35_vl_2b_sft_1gpu_h100_bf16_config" and training.is_qwen35_recipe(recipe)
+    assert (key, layout, workdir, world_size) == ("thd_static", "thd_static", str(tmp_path), 2)
+    assert settings["train_iters"] == 2 and settings["global_batch_size"] == 8
 
 
 def test_benchmark_harness_smoke(tmp_path):
@@ -117,6 +139,20 @@ def test_benchmark_harness_gpu_rows_run_the_recipe_script_with_global_batch_pack
         assert layout == step.removesuffix("_global")
         placed = command[command.index("--global-batch-packing") + 1] if "--global-batch-packing" in command else None
         assert placed == ("tokens" if step.endswith("_global") else None)
+    # The Qwen3.5-VL recipe's rows run PR 3838's configuration: its script, 8 ranks, seq_length 2048, global batch
+    # 8 x MBS (one micro-batch per rank and step).
+    qwen35 = cord_v2_sft.parse_args(["--gpu", "--recipe", "qwen35-vl-2b"])
+    assert (qwen35.nproc, qwen35.seq_length, qwen35.micro_batch_sizes) == (8, 2048, [2, 4])
+    for mbs, global_batch in ((2, 16), (4, 32)):
+        for step in cord_v2_sft.STEPS:
+            command = cord_v2_sft.gpu_command(step, mbs, qwen35, "r.json")
+            assert command[:3] == ["torchrun", "--nproc-per-node=8", str(ROOT / "recipes" / "qwen35_vl_2b_cord_v2_thd.py")]
+            assert command[command.index("--global-batch-size") + 1] == str(global_batch)
+            assert command[command.index("--seq-length") + 1] == "2048"
+    # The default recipe keeps its own global batch and the harness's sizes.
+    default = cord_v2_sft.parse_args(["--gpu"])
+    assert (default.recipe, default.nproc, default.seq_length) == ("qwen3-vl-8b", 2, 512)
+    assert "--global-batch-size" not in cord_v2_sft.gpu_command("thd", 2, default, "r.json")
     # The recipe script reads 'tokens' as GlobalBatchPacking's default cost.
     recipes = str(ROOT / "recipes")
     sys.path.insert(0, recipes)
@@ -125,3 +161,30 @@ def test_benchmark_harness_gpu_rows_run_the_recipe_script_with_global_batch_pack
     finally:
         sys.path.remove(recipes)
     assert _thd_recipe.global_batch_setting("tokens") == cord_v2_sft.global_batch_setting("tokens") == {"cost_model": None}
+
+
+def test_benchmark_table_puts_pr3838_beside_ours():
+    """The Qwen3.5-VL table: PR 3838's published ms/iter beside our Megatron-Bridge-step and thd rows, marked as
+    theirs, their own table with the samples/s it implies (+44% at MBS 4), and, on the CPU, a note that the two are
+    not comparable. No run: a results file of made-up timings."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import cord_v2_sft
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    row = dict(oom=False, ms_per_iter=100.0, samples_per_s=160.0, real_tokens_per_s=1.0, tflops_per_gpu=0.01,
+               peak_memory_gib=1.0)
+    results = dict(device="CPU, tiny Qwen3.5-VL, DP=2 over gloo", recipe="qwen35_vl_2b_sft_1gpu_h100_bf16_config",
+                   recipe_key="qwen35-vl-2b", seq_length=512, global_batch_size=16, world_size=2, iterations=6, warmup=2,
+                   micro_batch_sizes=[2, 4],
+                   rows={f"{step}-mbs{mbs}": dict(row) for step in ("megatron_bridge", "thd") for mbs in (2, 4)})
+    table = cord_v2_sft.render(results)
+    assert "PR 3838 ms/iter (theirs, 8xH100) |" in table
+    assert "| 2 | Megatron-Bridge qwen3_vl_step (padded) | 100.0 |" in table and table.count(" 363 |") == 2
+    assert "| 4 | Megatron-Bridge qwen3_vl_step (padded) | 100.0 |" in table and "| OOM |\n" in table
+    assert "| 2 | ours, thd | 100.0 |" in table and " 342 |" in table and " 505 |" in table
+    assert "| 4 | 32 | OOM | 505 | OOM | 63.4 |" in table and "= +44%" in table
+    assert "not comparable" in table
+    # The default recipe's table has no such column.
+    plain = cord_v2_sft.render(dict(results, recipe_key="qwen3-vl-8b"))
+    assert "PR 3838" not in plain

@@ -21,7 +21,9 @@ The patches (targets, where they are built and applied, why; one line each in do
   ``_apply_gated_norm``, ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta``.
 * Scoped, test bed only: ``testbed/training.py`` ``cpu_training_patches()``, applied by
   ``cpu_training()``, for Megatron-Bridge's ``finetune()`` on the CPU: the provider's
-  ``get_gpt_layer_with_transformer_engine_spec``; ``initialize.compile_helpers`` (the wheel ships
+  ``get_gpt_layer_with_transformer_engine_spec``; the Qwen3.5-VL provider's
+  ``get_transformer_block_with_experimental_attention_variant_spec`` (the test bed's local hybrid
+  Gated DeltaNet / attention block); ``initialize.compile_helpers`` (the wheel ships
   ``helpers_cpp`` prebuilt, no Makefile); ``torch`` as the trainer modules of ``TRAINER_MODULES``
   see it; ``torch.Tensor.cuda``; ``tensor_parallel.random`` ``_set_cuda_rng_state`` /
   ``_get_cuda_rng_state`` (the CPU generator).
