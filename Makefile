@@ -23,7 +23,9 @@ bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_verl.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/edge_cases_report.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/cord_v2_sft.py --cpu-tiny
+	$(PYTHON) $(QUIET_IMPORTS) benchmarks/cord_v2_sft.py --cpu-tiny --recipe qwen35-vl-2b
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/training_loop_report.py
+	$(PYTHON) $(QUIET_IMPORTS) benchmarks/training_loop_report.py --model qwen35
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/global_batch_packing.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/global_batch_step_time.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/global_batch_scale.py

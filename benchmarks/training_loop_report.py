@@ -5,7 +5,12 @@ largest relative difference; the resume check; the tokens and FLOPs the trainer 
 
 Writes ``benchmarks/results/training_loop.json`` and prints the tables (docs/megatron-bridge-on-cpu.md).
 
-    .venv/bin/python benchmarks/training_loop_report.py
+``--model qwen35``: the same for Megatron-Bridge's Qwen3.5-VL 2B recipe on the tiny hybrid Gated DeltaNet +
+attention model (``testbed.training.qwen35_training_runs``, the runs ``tests/test_bridge_training_qwen35.py``
+checks: 6 iterations, ``thd`` stopped at 3 and resumed; no PP / CP runs), written to
+``benchmarks/results/training_loop_qwen35.json``, with the check of the Hugging Face conversion.
+
+    .venv/bin/python benchmarks/training_loop_report.py [--model qwen35]
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "training_loop.json"
+RESULTS_QWEN35 = ROOT / "benchmarks" / "results" / "training_loop_qwen35.json"
 
 
-def measure() -> dict:
-    from megatron.bridge_thd.testbed.training import run_on_cpu, training_loop_runs
+def measure(model: str = "qwen3-vl") -> dict:
+    from megatron.bridge_thd.testbed.training import qwen35_training_runs, run_on_cpu, training_loop_runs
 
-    ranks = run_on_cpu(training_loop_runs(), workdir=tempfile.mkdtemp(prefix="bridge_thd_loop_"), world_size=2)
+    runs = qwen35_training_runs() if model == "qwen35" else training_loop_runs()
+    ranks = run_on_cpu(runs, workdir=tempfile.mkdtemp(prefix="bridge_thd_loop_"), world_size=2)
     rank0, last = ranks[0], ranks[-1]
 
     def column(name, key, rank=rank0):
@@ -36,38 +43,61 @@ def measure() -> dict:
                      "tokens_megatron_bridge": column("megatron_bridge", "flops_tokens")[i],
                      "tokens_thd": thd["flops_tokens"][i],
                      "flops_megatron_bridge": column("megatron_bridge", "flops")[i], "flops_thd": thd["flops"][i]})
-    return {
+    results = {
+        "model": model,
         "iterations": rows,
         "resumed_first_iteration": rank0["thd_resumed"]["iterations"][0]["iteration"],
-        "pp2": column("pp2", "loss", last),
-        "cp2": column("cp2", "loss"),
     }
+    if model == "qwen35":
+        results["pretrained_load"] = rank0["megatron_bridge"]["pretrained_load"]
+    else:
+        results.update(pp2=column("pp2", "loss", last), cp2=column("cp2", "loss"))
+    return results
 
 
 def render(results: dict) -> str:
     rows = results["iterations"]
-    worst = max(max(abs(r["thd"] - r["megatron_bridge"]), abs(r["thd_static"] - r["megatron_bridge"])) / abs(r["megatron_bridge"])
-                for r in rows)
+
+    def relative(r, name):
+        return abs(r[name] - r["megatron_bridge"]) / abs(r["megatron_bridge"])
+
+    worst = max(max(relative(r, "thd"), relative(r, "thd_static")) for r in rows)
     lines = ["| iteration | Megatron-Bridge step | thd | thd_static | tokens logged (MB / thd, rank 0) | model GFLOP (MB / thd) |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['iteration']} | {r['megatron_bridge']:.6f} | {r['thd']:.6f} | {r['thd_static']:.6f} | "
                      f"{r['tokens_megatron_bridge']} / {r['tokens_thd']} | "
                      f"{r['flops_megatron_bridge'] / 1e9:.1f} / {r['flops_thd'] / 1e9:.1f} |")
-    eleven = rows[10]
-    lines += ["", f"Largest relative loss difference to Megatron-Bridge's step over {len(rows)} iterations: {worst:.2e}.",
-              f"thd resumed from its iteration-10 checkpoint at iteration {results['resumed_first_iteration']}: "
-              f"loss {eleven['thd']:.6f} (uninterrupted: Megatron-Bridge's step {eleven['megatron_bridge']:.6f}, "
-              f"thd_static {eleven['thd_static']:.6f}).",
-              "PP=2 vs CP=2 (same two ranks): " + ", ".join(f"{a:.6f} / {b:.6f}" for a, b in zip(results["pp2"], results["cp2"]))]
+    resumed = results["resumed_first_iteration"]
+    first = rows[resumed - 1]
+    per_iteration = ("; per iteration, thd / thd_static: " + ", ".join(
+        f"{relative(r, 'thd'):.1e} / {relative(r, 'thd_static'):.1e}" for r in rows)) if len(rows) <= 10 else ""
+    lines += ["", f"Largest relative loss difference to Megatron-Bridge's step over {len(rows)} iterations: {worst:.2e}"
+              f"{per_iteration}.",
+              f"thd resumed from its iteration-{resumed - 1} checkpoint at iteration {resumed}: "
+              f"loss {first['thd']:.6f} (uninterrupted: Megatron-Bridge's step {first['megatron_bridge']:.6f}, "
+              f"thd_static {first['thd_static']:.6f})."]
+    if "pp2" in results:
+        lines.append("PP=2 vs CP=2 (same two ranks): "
+                     + ", ".join(f"{a:.6f} / {b:.6f}" for a, b in zip(results["pp2"], results["cp2"])))
+    if results.get("pretrained_load"):
+        check = results["pretrained_load"]
+        lines.append(f"Hugging Face conversion: layers {', '.join(check['layers'])}; {check['tensors']} checkpoint tensors "
+                     f"into {check['parameters']} parameters, {len(check['unmapped_parameters'])} parameters unmapped, "
+                     f"{len(check['unused_tensors'])} tensors unused, exported back with largest difference "
+                     f"{check['max_abs_diff']:.1e}.")
     return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", type=Path, default=RESULTS)
+    parser.add_argument("--model", choices=("qwen3-vl", "qwen35"), default="qwen3-vl",
+                        help="qwen3-vl: the Qwen3-VL 8B recipe's runs (default); qwen35: the Qwen3.5-VL 2B recipe's")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="default benchmarks/results/training_loop.json (qwen35: training_loop_qwen35.json)")
     args = parser.parse_args(argv)
-    results = measure()
+    args.json = args.json or (RESULTS_QWEN35 if args.model == "qwen35" else RESULTS)
+    results = measure(args.model)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))
     print(render(results))
