@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["POLICIES", "DEFAULT_POLICY", "LENGTHS_KEY", "OverlongCollate", "collate_patch", "measure_rows",
+           "measure_in_this_process",
            "policy_of", "CutReport", "cut_report", "log_cut"]
 
 logger = logging.getLogger(__name__)
@@ -102,9 +103,7 @@ class OverlongCollate:
         self.collate_fn, self.policy = collate_fn, policy
 
     def __call__(self, examples):
-        from megatron.bridge_thd.patches import apply_permanently
-
-        apply_permanently(collate_patch())  # a spawned worker imports afresh
+        measure_in_this_process()  # a spawned worker imports afresh
         token = _POLICY.set(self.policy)
         try:
             return self.collate_fn(examples)
@@ -122,6 +121,22 @@ def _measured(original: Callable) -> Callable:
 
 
 _COLLATE_PATCH = None
+_COLLATE_MODULE = "megatron.bridge.models.qwen_vl.data.collate_fn"
+
+
+def measure_in_this_process() -> bool:
+    """Apply :func:`collate_patch` here if Megatron-Bridge's Qwen-VL collate module is loaded (a collate of it being
+    run, or unpickled into a worker, loads it); never import it for that (a whole Megatron-Bridge import costs
+    seconds). Returns whether the collate is measured."""
+    import sys
+
+    if _COLLATE_MODULE not in sys.modules:
+        return False
+    from megatron.bridge_thd.patches import apply_permanently
+
+    apply_permanently(collate_patch())
+    return True
+
 
 
 def collate_patch():
@@ -129,7 +144,9 @@ def collate_patch():
     collate module (``models/qwen_vl/data/collate_fn.py``, Qwen3-VL and Qwen3.5-VL) calls it; one per process."""
     global _COLLATE_PATCH
     if _COLLATE_PATCH is None:
-        from megatron.bridge.models.qwen_vl.data import collate_fn as module
+        import importlib
+
+        module = importlib.import_module(_COLLATE_MODULE)
 
         from megatron.bridge_thd.patches import Patch
 

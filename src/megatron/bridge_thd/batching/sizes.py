@@ -157,14 +157,10 @@ def _sample_sizes(batch: dict, seq_length: int | None, index: int) -> tuple[int,
 
 def _measuring(collate_fn):
     """``collate_fn`` with the rows measured before Megatron-Bridge's cut (``overlong.collate_patch``, applied in
-    this worker; no policy: measure only). Without Megatron-Bridge nothing is measured."""
-    try:
-        from megatron.bridge_thd.overlong import OverlongCollate, collate_patch
-        from megatron.bridge_thd.patches import apply_permanently
+    this worker when its Qwen-VL collate is loaded; no policy: measure only)."""
+    from megatron.bridge_thd.overlong import OverlongCollate, measure_in_this_process
 
-        apply_permanently(collate_patch())
-    except ImportError:
-        return collate_fn
+    measure_in_this_process()
     return collate_fn.collate_fn if isinstance(collate_fn, OverlongCollate) else collate_fn
 
 
