@@ -35,7 +35,7 @@ from megatron.bridge_thd.batching.cost import image_patches
 from megatron.bridge_thd.overlong import LENGTHS_KEY
 
 __all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero", "repeat_period",
-           "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache"]
+           "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache", "visual_grids"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,14 @@ def _sample_sizes(batch: dict, seq_length: int | None, index: int) -> tuple[int,
     length = int(mask[0].to(torch.int64).sum())
     if seq_length is not None:
         length = min(length, seq_length)
+    grids = visual_grids(batch)
+    measures = batch.get(LENGTHS_KEY)
+    untruncated, supervised = (-1, -1) if measures is None else (int(measures[0, 0]), int(measures[1, 0]))
+    return length, grids, untruncated, supervised
+
+
+def visual_grids(batch: dict) -> list[tuple[int, int, int]]:
+    """The ``(t, h, w)`` patch grids of a collated batch's images, then its videos (``visual_inputs``)."""
     visual = batch.get("visual_inputs")
     inputs = visual.normalized_for_model() if hasattr(visual, "normalized_for_model") else (visual or {})
     grids = []
@@ -150,9 +158,7 @@ def _sample_sizes(batch: dict, seq_length: int | None, index: int) -> tuple[int,
         grid = inputs.get(key) if isinstance(inputs, dict) else None
         if grid is not None:
             grids += [tuple(int(v) for v in row) for row in grid.reshape(-1, 3).tolist()]
-    measures = batch.get(LENGTHS_KEY)
-    untruncated, supervised = (-1, -1) if measures is None else (int(measures[0, 0]), int(measures[1, 0]))
-    return length, grids, untruncated, supervised
+    return grids
 
 
 def _measuring(collate_fn):

@@ -125,6 +125,8 @@ def measure(batch: dict, index: int, placeholder_ids: tuple[int, ...] = ()) -> S
     """
     import torch
 
+    from megatron.bridge_thd.batching.sizes import visual_grids
+
     mask = batch.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"dataset sample {index}: the collate gives no 2D attention_mask, so its real length is "
@@ -139,13 +141,7 @@ def measure(batch: dict, index: int, placeholder_ids: tuple[int, ...] = ()) -> S
     if not isinstance(loss_mask, torch.Tensor):
         labels = batch.get("labels")
         loss_mask = labels != -100 if isinstance(labels, torch.Tensor) else torch.zeros_like(mask)
-    visual = batch.get("visual_inputs")
-    inputs = visual.normalized_for_model() if hasattr(visual, "normalized_for_model") else (visual or {})
-    grids = []
-    for key in ("image_grid_thw", "video_grid_thw"):
-        grid = inputs.get(key) if isinstance(inputs, dict) else None
-        if grid is not None:
-            grids += [tuple(int(v) for v in row) for row in grid.reshape(-1, 3).tolist()]
+    grids = visual_grids(batch)
     placeholders = image_end = None
     ids = batch.get("input_ids", batch.get("tokens"))
     if placeholder_ids and isinstance(ids, torch.Tensor):
