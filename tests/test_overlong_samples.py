@@ -10,6 +10,7 @@ Megatron-Bridge's own collate run on it alone without a sequence length; what is
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -125,6 +126,17 @@ def _overlong_worker(root: str) -> dict:
     # The global-batch lengths scan (collates in a worker process) sees the lengths before the cut.
     sizes = scan_sizes(train_ds, train_ds.collate_fn, seq_length=SEQ_LENGTH, num_workers=1, context="fork")
     result["sizes"] = (sizes.lengths.clone(), sizes.untruncated.clone(), sizes.supervised.clone())
+    # bridge-thd scan's lengths file of the same dataset, read back as global-batch packing's lengths_file reads it.
+    from megatron.bridge_thd.batching.sizes import file_sizes
+    from megatron.bridge_thd.plan.scan import scan_dataset, write_lengths
+
+    # The scan collates uncut, as bridge-thd scan builds the recipe's dataset (seq_length out of reach).
+    uncut = functools.partial(qwen2_5_collate_fn, processor=processor, sequence_length=None)
+    written = write_lengths(scan_dataset(train_ds, uncut, merge=2, num_workers=1,
+                                         cache_dir=os.path.join(root, "scan-cache")), os.path.join(root, "lengths.json"))
+    from_file = file_sizes(written, train_ds, seq_length=SEQ_LENGTH)
+    result["file_sizes"] = {name: (getattr(from_file, name), getattr(sizes, name))
+                            for name in ("lengths", "untruncated", "supervised", "patches", "patches_squared")}
     try:
         check_overlong(sizes, seq_length=SEQ_LENGTH, policy="refuse", label="train")
         result["build_refusal"] = None
@@ -258,3 +270,8 @@ def test_rows_are_measured_from_the_2d_mask_before_the_cut():
     no_mask = {"loss_mask": loss_mask}
     measure_rows(no_mask, 4, "refuse")  # the real lengths are unknown without a 2D mask: nothing to judge
     assert LENGTHS_KEY not in no_mask
+
+
+def test_bridge_thd_scans_file_gives_global_batch_packing_the_sizes_its_own_scan_measures(world):
+    for name, (from_file, scanned) in world["file_sizes"].items():
+        assert torch.equal(from_file, scanned), name

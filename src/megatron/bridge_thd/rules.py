@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 from typing import Any
 
 from megatron.bridge_thd.layouts import LAYOUT_NAMES, THD_LAYOUTS, bshd_alignment, thd_alignment
@@ -368,6 +369,10 @@ def _global_batch_problems(s: Setup) -> list[str]:
     elif buckets is not None and buckets > 1 and s.layout == "thd_static" and one_row_shape(s):
         problems.append(f"dataset.global_batch_packing.row_buckets: {buckets} rows, but {one_row_shape(s)}; set "
                         "row_buckets=1 (or leave it unset: then one row)")
+    lengths_file = getattr(g, "lengths_file", None)
+    if lengths_file is not None and not os.path.isfile(str(lengths_file)):
+        problems.append(f"global_batch_packing.lengths_file: {lengths_file!r} is not a file; write it with bridge-thd "
+                        "scan (docs/scan.md), or unset it to scan the data when the loaders are built")
     if g.cost_model is not None:
         from megatron.bridge_thd.batching.cost import sample_cost
 

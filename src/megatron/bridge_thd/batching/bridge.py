@@ -51,6 +51,9 @@ class GlobalBatchPacking:
             row for the run. None (default): 4, or 1 where only one row shape can run (fixed pipeline p2p
             shapes, CUDA graphs: ``rules.one_row_shape``), where a value above 1 is refused. ``thd`` ignores
             it (its row follows each micro-batch).
+        lengths_file: the training set's sizes from a ``bridge-thd scan`` lengths file of it (docs/scan.md) instead of
+            a scan when the loaders are built; refused when its sample count is not the dataset's. The validation and
+            test sets are scanned (or read from the cache) as without it.
         sizes_cache: directory for the one-time lengths scan (default ``~/.cache/bridge_thd/sizes``); a
             directory shared by a node's ranks lets one scan serve them.
         seed: tie-breaking seed of the placement.
@@ -60,6 +63,7 @@ class GlobalBatchPacking:
     cost_model: Any = None
     row_length: int | None = None
     row_buckets: int | None = None
+    lengths_file: str | None = None
     sizes_cache: str | None = None
     seed: int = 0
     log: bool = True
@@ -204,6 +208,14 @@ class LoaderPlan:
     draws: Any
 
 
+def _spatial_merge_size(cfg) -> int:
+    """The vision tower's spatial merge (image tokens = patches / merge^2): the model provider's, else Qwen-VL's 2."""
+    model = cfg.model
+    merge = getattr(model, "spatial_merge_size", None) or getattr(getattr(model, "vision_config", None),
+                                                                  "spatial_merge_size", None)
+    return int(merge) if merge else 2
+
+
 def plan_loader(loader, *, label: str, cfg, settings: GlobalBatchPacking, dp_rank: int, dp_size: int,
                 global_batch_size: int, micro_batch_size: int, steps: int) -> LoaderPlan:
     """Sizes (shared, checked across ranks) and the run's first ``steps`` draws of one loader."""
@@ -215,7 +227,13 @@ def plan_loader(loader, *, label: str, cfg, settings: GlobalBatchPacking, dp_ran
             f"dataset.dataloader_type: global-batch packing draws from Megatron-Bridge's 'single' / 'cyclic' samplers, "
             f"but the {label} loader's sampler is {type(inner).__name__}")
     num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
-    sizes = shared_sizes(loader, seq_length=cfg.model.seq_length, cache_dir=settings.sizes_cache, label=label)
+    if label == "train" and settings.lengths_file is not None:
+        from megatron.bridge_thd.batching.sizes import file_sizes
+
+        sizes = file_sizes(settings.lengths_file, loader.dataset, seq_length=cfg.model.seq_length,
+                           spatial_merge_size=_spatial_merge_size(cfg))
+    else:
+        sizes = shared_sizes(loader, seq_length=cfg.model.seq_length, cache_dir=settings.sizes_cache, label=label)
     check_ranks_agree(sizes, label=label)
     from megatron.bridge_thd.overlong import policy_of
 

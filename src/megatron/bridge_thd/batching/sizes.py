@@ -35,7 +35,7 @@ from megatron.bridge_thd.batching.cost import image_patches
 from megatron.bridge_thd.overlong import LENGTHS_KEY
 
 __all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero", "repeat_period",
-           "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache", "visual_grids"]
+           "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache", "visual_grids", "file_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +290,35 @@ def write_cached_sizes(sizes: SampleSizes, path: Path) -> None:
     torch.save({"lengths": sizes.lengths, "patches": sizes.patches, "patches_squared": sizes.patches_squared,
                 "total": sizes.total, "untruncated": sizes.untruncated, "supervised": sizes.supervised}, partial)
     partial.replace(path)
+
+
+def file_sizes(path, dataset, *, seq_length: int | None, spatial_merge_size: int = 2,
+               setting: str = "dataset.global_batch_packing.lengths_file") -> SampleSizes:
+    """The sizes of ``dataset``'s distinct samples from a lengths file (``bridge-thd scan``'s, read by the planner's
+    ``plan.samples.load_lengths``): row ``i`` is distinct sample ``i`` (:func:`repeat_period`). ``lengths`` are the
+    file's tokens cut to ``seq_length``; ``untruncated`` / ``supervised`` the file's.
+
+    Raises:
+        ValueError: the file does not read (naming it), or it has another number of samples than the dataset has
+            distinct samples (naming ``setting``).
+    """
+    from megatron.bridge_thd.plan.samples import load_lengths
+
+    samples = load_lengths(path, spatial_merge_size=spatial_merge_size)
+    period = repeat_period(dataset)
+    if len(samples.tokens) != period:
+        raise ValueError(
+            f"{setting}: {path} holds {len(samples.tokens)} samples, but the dataset has {period} distinct samples; "
+            "write the file from this dataset (bridge-thd scan --recipe ... --split ...), or unset the setting to "
+            "scan it when the loaders are built")
+    untruncated = torch.tensor(samples.tokens, dtype=torch.int64)
+    patches, squared = image_patches([list(grids) for grids in samples.grids])
+    supervised = None
+    if samples.supervised is not None and all(n is not None for n in samples.supervised):
+        supervised = torch.tensor(samples.supervised, dtype=torch.int64)
+    lengths = untruncated if seq_length is None else untruncated.clamp(max=seq_length)
+    return SampleSizes(lengths, patches, squared, f"lengths file {path}", len(dataset) if period != len(dataset) else None,
+                       untruncated, supervised)
 
 
 def dataset_sizes(dataset, collate_fn=None, *, seq_length: int | None = None, cache_dir: str | Path | None = None,
