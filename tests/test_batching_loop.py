@@ -378,23 +378,10 @@ def test_the_sampler_logs_the_slots_of_the_rows_its_micro_batches_take(caplog):
 # --- sizes from a bridge-thd scan lengths file ----------------------------------------------------------------
 
 
-class Plain:
-    """A dataset without size metadata (its sizes would otherwise need a scan)."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, index):
-        return index
-
-
 def test_a_lengths_file_gives_the_training_sets_sizes_and_one_of_another_dataset_is_refused(tmp_path):
     import json
 
-    # Twelve samples: text tokens, one image of 1 x 4 x 6 patches (6 tokens at merge 2) on every third, and
+    # A dataset without size metadata (_Indices: its sizes would otherwise need a scan). Twelve samples: text tokens, one image of 1 x 4 x 6 patches (6 tokens at merge 2) on every third, and
     # supervised tokens; two of them longer than seq_length 128 before the cut.
     text = [30, 50, 140, 20, 70, 90, 10, 200, 40, 60, 80, 35]
     rows = [dict(text_tokens=t, images=[[1, 4, 6]] if i % 3 == 0 else [], supervised_tokens=t // 2)
@@ -403,7 +390,7 @@ def test_a_lengths_file_gives_the_training_sets_sizes_and_one_of_another_dataset
     path.write_text(json.dumps(rows))
     tokens = [t + (6 if i % 3 == 0 else 0) for i, t in enumerate(text)]
     settings = GlobalBatchPacking(lengths_file=str(path), log=False)
-    plan = plan_loader(_loader("single", Plain(12), 0), label="train", cfg=_cfg(), settings=settings, dp_rank=0,
+    plan = plan_loader(_loader("single", _Indices(12), 0), label="train", cfg=_cfg(), settings=settings, dp_rank=0,
                        dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=1)
     assert plan.sizes.untruncated.tolist() == tokens
     assert plan.sizes.lengths.tolist() == [min(n, 128) for n in tokens]
@@ -411,7 +398,7 @@ def test_a_lengths_file_gives_the_training_sets_sizes_and_one_of_another_dataset
     assert plan.sizes.patches.tolist() == [24 if i % 3 == 0 else 0 for i in range(12)]
     assert plan.sizes.over(128).tolist() == [2, 7]
     with pytest.raises(ValueError, match=r"lengths_file: .* holds 12 samples, but the dataset has 13 distinct samples"):
-        plan_loader(_loader("single", Plain(13), 0), label="train", cfg=_cfg(), settings=settings, dp_rank=0,
+        plan_loader(_loader("single", _Indices(13), 0), label="train", cfg=_cfg(), settings=settings, dp_rank=0,
                     dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=1)
     from megatron.bridge_thd.rules import configure_problems, read_setup
 
