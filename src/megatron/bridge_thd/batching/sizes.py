@@ -35,7 +35,8 @@ from megatron.bridge_thd.batching.cost import image_patches
 from megatron.bridge_thd.overlong import LENGTHS_KEY
 
 __all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero", "repeat_period",
-           "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache", "visual_grids", "file_sizes"]
+           "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache", "visual_grids", "file_sizes",
+           "collate_in_workers"]
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class _DigestEach:
         return digests
 
 
-def _in_workers(dataset, collate, indices: list[int], *, num_workers: int, context, chunk: int):
+def collate_in_workers(dataset, collate, indices: list[int], *, num_workers: int, context, chunk: int):
     """``collate`` over ``indices`` in chunks, run by ``max(1, num_workers)`` loader worker processes
     (``context``: a multiprocessing start method or context, None for the default): yields each
     chunk's result in order. The calling process never runs ``collate``."""
@@ -233,7 +234,7 @@ def scan_sizes(dataset, collate_fn, *, seq_length: int | None = None, num_worker
     untruncated, supervised = [0] * period, [0] * period
     chunk = max(1, min(64, period // (4 * max(1, num_workers)) or 1))
     done, next_report = 0, period / 10
-    for results in _in_workers(dataset, _MeasureEach(collate_fn, seq_length), list(range(period)),
+    for results in collate_in_workers(dataset, _MeasureEach(collate_fn, seq_length), list(range(period)),
                                num_workers=num_workers, context=context, chunk=chunk):
         for index, length, sample_grids, before, supervised_before in results:
             lengths[index], grids[index] = length, sample_grids
@@ -259,7 +260,7 @@ def _fingerprint(dataset, collate_fn, seq_length: int | None, *, context=None) -
     collated in a worker process."""
     period = repeat_period(dataset)
     digest = hashlib.sha256(f"{type(_base(dataset)).__qualname__}|{len(dataset)}|{period}|{seq_length}".encode())
-    for digests in _in_workers(dataset, _DigestEach(collate_fn), sorted({0, period - 1}), num_workers=1,
+    for digests in collate_in_workers(dataset, _DigestEach(collate_fn), sorted({0, period - 1}), num_workers=1,
                                context=context, chunk=2):
         for part in digests:
             digest.update(part.encode())

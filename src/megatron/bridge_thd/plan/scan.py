@@ -195,7 +195,7 @@ def scan_dataset(dataset, collate_fn=None, *, placeholder_ids: tuple[int, ...] =
     """
     import multiprocessing
 
-    from megatron.bridge_thd.batching.sizes import _in_workers, repeat_period, sizes_cache_path
+    from megatron.bridge_thd.batching.sizes import collate_in_workers, repeat_period, sizes_cache_path
 
     collate_fn = collate_fn if collate_fn is not None else dataset.collate_fn
     # Fork: the dataset's collate is often a closure (DirectSFTDataset's), which a spawned worker cannot unpickle.
@@ -209,7 +209,7 @@ def scan_dataset(dataset, collate_fn=None, *, placeholder_ids: tuple[int, ...] =
     samples: list = [None] * period
     chunk = max(1, min(64, period // (4 * max(1, num_workers)) or 1))
     done = 0
-    for results in _in_workers(dataset, _MeasureEach(collate_fn, tuple(placeholder_ids)), list(range(period)),
+    for results in collate_in_workers(dataset, _MeasureEach(collate_fn, tuple(placeholder_ids)), list(range(period)),
                                num_workers=num_workers, context=context, chunk=chunk):
         for index, sample in results:
             samples[index] = sample
