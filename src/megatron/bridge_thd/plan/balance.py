@@ -247,6 +247,46 @@ def _refused(layout: str, placement: str, why: str) -> PlacementEstimate:
     return PlacementEstimate(layout, placement, None, nan, nan, nan, nan, nan, nan, nan, why)
 
 
+def _estimate(layout: str, placement: str, steps: list[Step], assignments, costs, *, static_rows, row_use: list[int],
+              micro_seconds, settings: PlanSettings, align: int, bubble: float, row_length: int | None,
+              global_batch_size: int) -> PlacementEstimate:
+    """One layout under one placement over the steps: each micro-batch's slots (``static_rows``: the shortest of
+    the packed ``thd_static`` rows that holds it, counted in ``row_use``), roofline time and activations; the
+    slowest rank per step."""
+    from megatron.bridge_thd.batching.policy import placement_stats
+
+    par = settings.parallel
+    step_times, time_ratios, cost_ratios, slots, real, count, peak = [], [], [], 0, 0, 0, 0.0
+    for s, assignment, step_costs in zip(steps, assignments, costs):
+        rank_times = []
+        for rank in assignment:
+            seconds = 0.0
+            for members in rank:
+                lengths = tuple(s.lengths[i] for i in members)
+                patches = sum(s.patches[i] for i in members)
+                mb_slots, squared = layout_stats(layout, MicroBatch(lengths, patches, 0), settings.seq_length, par)
+                if static_rows is not None:
+                    bucket = min(layouts.row_bucket(static_rows, layouts.thd_slots(lengths, align)),
+                                 len(static_rows) - 1)
+                    row_use[bucket] += 1
+                    mb_slots = layouts.static_row_length(len(lengths), seq_length=settings.seq_length, align=align,
+                                                         row_length=static_rows[bucket])
+                t, act = micro_seconds(len(lengths), mb_slots, squared, patches)
+                seconds += t
+                peak = max(peak, act)
+                slots += mb_slots
+                real += sum(lengths)
+                count += 1
+            rank_times.append(seconds * bubble + settings.overhead_s)
+        step_times.append(max(rank_times))
+        time_ratios.append(_ratio(rank_times))
+        cost_ratios.append(placement_stats(assignment, list(s.lengths), costs=step_costs).rank_imbalance)
+    step_s = sum(step_times) / len(step_times)
+    return PlacementEstimate(layout, placement, row_length, slots / count, 1 - real / slots,
+                             sum(cost_ratios) / len(cost_ratios), sum(time_ratios) / len(time_ratios), step_s,
+                             global_batch_size / step_s, peak)
+
+
 def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings, global_batch_size: int | None = None,
                  seed: int = 0, row_buckets: int = DEFAULT_ROW_BUCKETS) -> BalancePlan:
     """Every layout of :data:`~.layouts.LAYOUTS` with in-batch placement and with global-batch packing
@@ -260,7 +300,6 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
             ``--row-buckets``), or a ``seq_length`` that cuts an image.
     """
     from megatron.bridge_thd.batching.cost import sample_cost
-    from megatron.bridge_thd.batching.policy import placement_stats
 
     par, mbs = settings.parallel, settings.micro_batch_size
     check_row_buckets(row_buckets)
@@ -302,39 +341,12 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
             if key not in placed:
                 placed[key] = [step_assignments(s, placement, dp=par.dp, micro_batch_size=mbs, num_micro_batches=n_mb,
                                                 row_length=bound, align=align, cost=cost, seed=seed) for s in steps]
-            static_row = bound if (placement == "packed" and layout == "thd_static") else None
-            step_times, time_ratios, cost_ratios, slots, real, count, peak = [], [], [], 0, 0, 0, 0.0
-            for s, assignment, step_costs in zip(steps, placed[key], costs):
-                rank_times = []
-                for rank in assignment:
-                    seconds = 0.0
-                    for members in rank:
-                        lengths = tuple(s.lengths[i] for i in members)
-                        patches = sum(s.patches[i] for i in members)
-                        mb_slots, squared = layout_stats(layout, MicroBatch(lengths, patches, 0), settings.seq_length,
-                                                         par)
-                        if static_row is not None:
-                            # the shortest of the run's rows that holds the micro-batch's aligned slots
-                            bucket = min(layouts.row_bucket(rows, layouts.thd_slots(lengths, align)), len(rows) - 1)
-                            row_use[bucket] += 1
-                            mb_slots = layouts.static_row_length(len(lengths), seq_length=settings.seq_length,
-                                                                 align=align, row_length=rows[bucket])
-                        t, act = micro_seconds(len(lengths), mb_slots, squared, patches)
-                        seconds += t
-                        peak = max(peak, act)
-                        slots += mb_slots
-                        real += sum(lengths)
-                        count += 1
-                    rank_times.append(seconds * bubble + settings.overhead_s)
-                step_times.append(max(rank_times))
-                time_ratios.append(_ratio(rank_times))
-                cost_ratios.append(placement_stats(assignment, list(s.lengths), costs=step_costs).rank_imbalance)
-            step_s = sum(step_times) / len(step_times)
-            out[layout][placement] = PlacementEstimate(
-                layout, placement, (static_row or capacity) if layout == "thd_static" else None, slots / count,
-                1 - real / slots,
-                sum(cost_ratios) / len(cost_ratios), sum(time_ratios) / len(time_ratios), step_s,
-                global_batch_size / step_s, peak)
+            static_rows = rows if (placement == "packed" and layout == "thd_static") else None
+            out[layout][placement] = _estimate(
+                layout, placement, steps, placed[key], costs, static_rows=static_rows, row_use=row_use,
+                micro_seconds=micro_seconds, settings=settings, align=align, bubble=bubble,
+                row_length=(rows[-1] if static_rows else capacity) if layout == "thd_static" else None,
+                global_batch_size=global_batch_size)
     try:
         graphs, note = cuda_graph_bytes(spec, par, rows), ""
     except ValueError as error:
