@@ -268,12 +268,19 @@ def distinct_steps(draws: torch.Tensor, sizes: SampleSizes) -> torch.Tensor:
     """``(D,)`` int64: the position in ``draws`` ``(S, N)`` of each distinct step's first occurrence, in
     order. Steps of the same samples in the same order place alike (a repeating dataset repeats its
     steps), so each needs trying once."""
+    return _step_classes(draws, sizes)[0]
+
+
+def _step_classes(draws: torch.Tensor, sizes: SampleSizes) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, repeats)``, both ``(D,)`` int64: each distinct step's first position in ``draws`` ``(S, N)``, in
+    order (:func:`distinct_steps`), and how many of the ``S`` steps are that step."""
     if len(draws) < 2:
-        return torch.arange(len(draws))
-    _, inverse = torch.unique(sizes.distinct(draws), dim=0, return_inverse=True)
-    first_of = torch.full((int(inverse.max()) + 1,), len(draws), dtype=torch.int64)
+        return torch.arange(len(draws)), torch.ones(len(draws), dtype=torch.int64)
+    _, inverse, counts = torch.unique(sizes.distinct(draws), dim=0, return_inverse=True, return_counts=True)
+    first_of = torch.full((len(counts),), len(draws), dtype=torch.int64)
     first_of.scatter_reduce_(0, inverse, torch.arange(len(draws)), reduce="amin")
-    return first_of.sort().values
+    order = torch.argsort(first_of)
+    return first_of[order], counts[order]
 
 
 def first_unfit_step(draws: torch.Tensor, *, sizes: SampleSizes, dp_size: int, num_micro_batches: int, row_length: int,
@@ -372,11 +379,10 @@ def micro_batch_slots(draws: torch.Tensor, *, sizes: SampleSizes, dp_size: int, 
     rows = dp_size * num_micro_batches
     if not len(draws):
         return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
-    _, inverse = torch.unique(sizes.distinct(draws), dim=0, return_inverse=True)
-    repeats = torch.bincount(inverse).to(torch.float64)
-    first = distinct_steps(draws, sizes)  # in order of first occurrence; inverse's ids are sorted otherwise
-    chosen = first if len(first) <= most_steps else first[torch.linspace(0, len(first) - 1, most_steps).round().long()]
-    weight = repeats[inverse[chosen]]
+    first, repeats = _step_classes(draws, sizes)
+    picked = torch.arange(len(first)) if len(first) <= most_steps else torch.linspace(
+        0, len(first) - 1, most_steps).round().long()
+    chosen, weight = first[picked], repeats[picked].to(torch.float64)
     weight = weight * (len(draws) / float(weight.sum()))
     slots, weights = [], []
     for step, w in zip(chosen.tolist(), weight.tolist()):
