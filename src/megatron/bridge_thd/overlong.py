@@ -86,7 +86,7 @@ def measure_rows(batch: dict, sequence_length: int | None, policy: str | None) -
             f"least {int(tokens[over].max())}, filter these samples from the data, or set {SETTING} to 'truncate' "
             "(cut, as Megatron-Bridge does) or 'drop' (no loss from them)")
     dropped = over if policy == "drop" else torch.zeros_like(over)
-    if bool(dropped.any()):
+    if bool(dropped.any()) and isinstance(loss_mask, torch.Tensor):
         batch["loss_mask"] = loss_mask.masked_fill(dropped[:, None], 0)
         if isinstance(batch.get("labels"), torch.Tensor):
             batch["labels"] = batch["labels"].masked_fill(dropped[:, None], -100)
