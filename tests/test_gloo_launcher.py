@@ -75,3 +75,21 @@ def test_a_rank_sees_the_callers_environment_and_no_bad_fork(monkeypatch, tmp_pa
         # "Cannot re-initialize CUDA in forked subprocess" instead.
         assert not rank["bad_fork"]
         assert rank["error"] is not None and "forked subprocess" not in rank["error"]
+
+
+def test_rendezvous_ports_are_outside_the_range_outgoing_connections_take():
+    """A world's rendezvous ports are chosen before its runs and used minutes later: a port in the kernel's
+    ephemeral range could by then be the local end of one of gloo's own connections (a CI run's sixth
+    finetune() met EADDRINUSE). The ports are below that range, distinct, and free when chosen."""
+    import socket
+
+    from megatron.bridge_thd.testbed.standalone import free_ports
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+        ephemeral_start = int(handle.read().split()[0])
+    ports = free_ports(40)
+    assert len(set(ports)) == 40
+    assert all(port < ephemeral_start for port in ports)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

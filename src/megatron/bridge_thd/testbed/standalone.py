@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 from types import SimpleNamespace
 
@@ -23,14 +24,42 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports on 127.0.0.1, all free at once (held together while they are chosen): one
-    rendezvous per process group a world creates in turn. A port next to a free one may be taken (by another
-    process, or by gloo's own connections): never count up from one."""
+    """``count`` distinct TCP ports on 127.0.0.1 that are free now and stay free: one rendezvous per
+    process group a world creates in turn, possibly minutes later.
+
+    A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, where every outgoing
+    connection (gloo's own, between the ranks of an earlier group) also takes its port: a port chosen
+    that way at the start of a long run may be taken by the time its group listens on it (the
+    ``EADDRINUSE`` a CI run met on its sixth ``finetune()``). So the ports are drawn below the ephemeral
+    range (``/proc/sys/net/ipv4/ip_local_port_range``), which no outgoing connection uses, and each is
+    checked by binding it (held together while they are chosen).
+    """
+    low = _ephemeral_range_start()
+    candidates = random.Random().sample(range(_LOWEST_PORT, low), k=min(low - _LOWEST_PORT, 64 * count + 64))
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        ports = []
+        for port in candidates:
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"free_ports: found {len(ports)} of {count} free ports in [{_LOWEST_PORT}, {low})")
+
+
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_range_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768, its default, where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return max(int(handle.read().split()[0]), _LOWEST_PORT + 1024)
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def init_single_process_groups():
