@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup_venv.sh
 QUIET_IMPORTS := -W "ignore:Transformer Engine:UserWarning" -W "ignore:absl:UserWarning"
 
 demo: $(VENV)/.installed
-	$(PYTHON) $(QUIET_IMPORTS) -m megatron.bridge_thd.testbed.demo
+	$(PYTHON) $(QUIET_IMPORTS) -m megatron.bridge_thd_cpu.demo
 
 test: $(VENV)/.installed
 	$(PYTHON) -m pytest -q tests

@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from megatron.bridge_thd.testbed.data import ReceiptSpec, VisualInputs, select_samples, synthetic_receipt_batch
+from megatron.bridge_thd_cpu.data import ReceiptSpec, VisualInputs, select_samples, synthetic_receipt_batch
 
 SEQ_LENGTH = 2048
 MICRO_BATCH_SIZE = 4
@@ -84,11 +84,11 @@ def minimal_micro_batch(samples: int = MICRO_BATCH_SIZE) -> dict:
 
 
 def tiny_model_spec(num_layers: int = NUM_LAYERS):
-    """A planner ``ModelSpec`` with the tiny test-bed Qwen3-VL's sizes (``testbed.model``), for
+    """A planner ``ModelSpec`` with the tiny test-bed Qwen3-VL's sizes (``bridge_thd_cpu.model``), for
     ``batching.sample_cost``."""
     from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec
-    from megatron.bridge_thd.testbed.model import tiny_language_settings
-    from megatron.bridge_thd.testbed.reference import TINY_VISION_CONFIG
+    from megatron.bridge_thd_cpu.model import tiny_language_settings
+    from megatron.bridge_thd_cpu.reference import TINY_VISION_CONFIG
 
     lm, v = tiny_language_settings(), TINY_VISION_CONFIG
     vision = VisionSpec(depth=v["depth"], hidden_size=v["hidden_size"], num_heads=v["num_heads"],
@@ -120,8 +120,8 @@ def step_time_worker(schedule_plan: list[dict], threads: int) -> dict:
 
     from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
     from megatron.bridge_thd.qwen3_vl_step import forward_step
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.standalone import minimal_state
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.standalone import minimal_state
 
     torch.set_num_threads(threads)
     rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()

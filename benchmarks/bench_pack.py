@@ -55,7 +55,7 @@ from _tables import markdown  # noqa: E402
 # megatron.core warns about missing Transformer Engine / Apex on import; irrelevant here.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
 from megatron.bridge_thd.packing import pack_bshd_to_thd
-from megatron.bridge_thd.testbed.opcount import count_ops
+from megatron.bridge_thd_testbed.opcount import count_ops
 
 ALIGN_TO = 8  # e.g. CP=4 -> 2 * cp = 8
 VOCAB = 151_936  # Qwen vocabulary size; real token ids are drawn from [1, VOCAB)

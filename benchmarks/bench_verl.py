@@ -28,7 +28,7 @@ Tables:
    are real. A call that fails shows its exception.
 4. VERL's vision-model call with a batch of one sample, CP = 1.
 
-The VLM batch, VERL's loader and both model calls are :mod:`megatron.bridge_thd.testbed.verl_support`,
+The VLM batch, VERL's loader and both model calls are :mod:`megatron.bridge_thd_testbed.verl_support`,
 the code the tests assert on.
 
 CPU times show host cost only; on a GPU every op is a kernel launch and every host sync a stream
@@ -60,10 +60,10 @@ warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 from megatron.bridge_thd import verl as ours  # noqa: E402
-from megatron.bridge_thd.testbed import verl_support as shared  # noqa: E402
-from megatron.bridge_thd.testbed.launcher import run_on_gloo  # noqa: E402
-from megatron.bridge_thd.testbed.opcount import count_ops  # noqa: E402
-from megatron.bridge_thd.testbed.parity import gradients  # noqa: E402
+from megatron.bridge_thd_testbed import verl_support as shared  # noqa: E402
+from megatron.bridge_thd_testbed.launcher import run_on_gloo  # noqa: E402
+from megatron.bridge_thd_testbed.opcount import count_ops  # noqa: E402
+from megatron.bridge_thd_cpu.parity import gradients  # noqa: E402
 
 SEED = 1234
 SEQ_LEN = 1024
@@ -212,8 +212,8 @@ def random_specs(batch_size: int, seed: int) -> list[tuple]:
 def vlm_path_rows(verl_path: str, batch_size: int) -> list[list[str]]:
     """VERL's own call for vision models (metadata only, the model packs (B, T) itself), CP = 1,
     for the first sample of the batch alone (B = 1: the model takes the padded row for a packed one)."""
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.stack import cpu_stack
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.stack import cpu_stack
 
     verl_util = shared.load_verl_util(verl_path)
     impls = {
@@ -242,9 +242,9 @@ CALLS = (("packed", "packed"), ("packed_fp8", "packed, FP8 padding"), ("vision",
 
 
 def train_vs_rollout_rows(verl_path: str, batch_size: int, cp_sizes) -> list[list[str]]:
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.stack import cpu_stack
-    from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.stack import cpu_stack
+    from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
     init_single_process_groups()
     batch = shared.verl_vlm_batch(seed=SEED, specs=random_specs(batch_size, SEED))
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     verl_util = shared.load_verl_util(verl_path)
     batch_sizes = (8,) if args.quick else (8, 32, 128)
 
-    from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+    from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
     init_single_process_groups()
     impls = {

@@ -81,7 +81,7 @@ STEP_RUNS = {"megatron_bridge": ("megatron_bridge", False), "thd": ("thd", False
 
 def summarise(rows_per_rank: list[list[dict]], counts_per_rank: list[list[dict]] | None, *, warmup: int,
               global_batch_size: int, world_size: int, oom: bool = False) -> dict:
-    """One table row from the per-iteration records of every rank (``testbed.training`` recorder).
+    """One table row from the per-iteration records of every rank (``bridge_thd_testbed.training`` recorder).
 
     ``rows_per_rank[r][i]``: rank r's record of iteration i (the loss only on the last PP stage);
     ``counts_per_rank[r]``: rank r's micro-batches in order (real tokens), or None where not counted.
@@ -275,7 +275,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def measure_cpu(args) -> dict:
-    from megatron.bridge_thd.testbed.training import run_on_cpu
+    from megatron.bridge_thd_testbed.training import run_on_cpu
 
     recipe = RECIPES[args.recipe]
     runs = []

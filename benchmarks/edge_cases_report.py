@@ -38,18 +38,18 @@ MOE_CASES = {"thd": ("left", dict(fp8="hybrid")), "thd_static": ("right", {}), "
 
 
 def _pp_worker(full_state_dict, batches):
-    from megatron.bridge_thd.testbed.pipeline import pipeline_step
+    from megatron.bridge_thd_testbed.pipeline import pipeline_step
 
     return {config: pipeline_step(full_state_dict, batches, *config, num_layers=4, micro_batch_size=2,
                                   seq_length=2048) for config in PP_CONFIGS}
 
 
 def pp_cp_rows() -> list[dict]:
-    from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
-    from megatron.bridge_thd.testbed.launcher import run_on_gloo
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.parity import worst_relative_gradient_error
-    from megatron.bridge_thd.testbed.stack import cpu_stack
+    from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
+    from megatron.bridge_thd_testbed.launcher import run_on_gloo
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.parity import worst_relative_gradient_error
+    from megatron.bridge_thd_cpu.stack import cpu_stack
 
     batches = [synthetic_receipt_batch(2, seed=1), synthetic_receipt_batch(2, seed=2, left_padding=True)]
     with cpu_stack():
@@ -72,7 +72,7 @@ def pp_cp_rows() -> list[dict]:
 def _moe_run(model, batch, layout, settings):
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from megatron.bridge_thd.testbed.parity import step_run
+    from megatron.bridge_thd_cpu.parity import step_run
 
     get_moe_metrics_tracker().clear()
     run = step_run(model, batch, layout, seq_length=MOE_SEQ, **settings)
@@ -82,7 +82,7 @@ def _moe_run(model, batch, layout, settings):
 
 
 def _moe_batches():
-    from megatron.bridge_thd.testbed.data import padding_free_batch, synthetic_receipt_batch
+    from megatron.bridge_thd_cpu.data import padding_free_batch, synthetic_receipt_batch
 
     padded = {side: synthetic_receipt_batch(3, seed=1, left_padding=side == "left") for side in ("left", "right")}
     return padded, padding_free_batch(padded["right"])
@@ -90,7 +90,7 @@ def _moe_batches():
 
 def moe_rows() -> dict:
     from megatron.bridge_thd.moe_padding import with_padding_mask
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 
     padded, unpadded = _moe_batches()
     out = {}
@@ -113,8 +113,8 @@ def _ep_worker(state_dict, batch, ep):
     from megatron.core import parallel_state
 
     from megatron.bridge_thd.moe_padding import with_padding_mask
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.parity import global_expert_name, gradients, step_run
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.parity import global_expert_name, gradients, step_run
 
     config = tiny_qwen3_vl_config(moe=True, ep=ep, seq_length=MOE_SEQ, moe_token_dispatcher_type="alltoall",
                                   moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
@@ -137,10 +137,10 @@ def _ep_worker(state_dict, batch, ep):
 
 
 def ep_rows() -> list[dict]:
-    from megatron.bridge_thd.testbed.launcher import run_on_gloo
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.parity import worst_relative_gradient_error
-    from megatron.bridge_thd.testbed.stack import cpu_stack
+    from megatron.bridge_thd_testbed.launcher import run_on_gloo
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.parity import worst_relative_gradient_error
+    from megatron.bridge_thd_cpu.stack import cpu_stack
 
     padded, _ = _moe_batches()
     batch = padded["right"]
@@ -162,8 +162,8 @@ def ep_rows() -> list[dict]:
 def measure() -> dict:
     import torch
 
-    from megatron.bridge_thd.testbed.stack import cpu_stack
-    from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+    from megatron.bridge_thd_cpu.stack import cpu_stack
+    from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
     start = time.perf_counter()
     torch.set_num_threads(2)

@@ -58,7 +58,7 @@ Tables:
     one graph of the longest row; K rows in Megatron-Core's shared pool; separate pools, an upper bound).
     Goal: <= 5% padding at GBS 64 with K = 4.
 
-VERL's ``verl/utils/seqlen_balancing.py`` is loaded by file path as ``testbed.verl_support`` loads its
+VERL's ``verl/utils/seqlen_balancing.py`` is loaded by file path as ``bridge_thd_testbed.verl_support`` loads its
 ``util.py``: from the cached verl 0.9.1 wheel (``pip download --no-deps verl==0.9.1`` into
 ``~/.cache/bridge_thd/verl-0.9.1/wheel`` if absent; only that file is extracted; nothing is installed).
 The three ``verl`` names it imports at module level (``verl.protocol.DataProto``,
@@ -239,7 +239,7 @@ def find_verl_balancing() -> tuple[Path | None, str]:
 def load_verl_balancing(path: Path):
     """Execute VERL's file as a stand-alone module, its three ``verl`` imports stubbed for the load
     (module docstring); ``sys.modules`` restored afterwards."""
-    from megatron.bridge_thd.testbed.verl_support import load_with_stand_ins
+    from megatron.bridge_thd_testbed.verl_support import load_with_stand_ins
 
     def no_device():
         raise RuntimeError("stand-in: get_device_name is only called under an initialised process group")

@@ -5,7 +5,7 @@ same samples, on a DP = 2 gloo world running Megatron-Bridge 0.6.2's real ``Qwen
 What it measures: per step, a global batch of 16 samples; Megatron-Bridge's own placement
 (``in_batch_assignment``: consecutive slices of ``micro_batch_size`` per rank, what its samplers do)
 and ``assign``'s placement of the same samples on DP 2 x 2 micro-batches (MBS 4, seq_length 2048).
-Each rank builds the model once (``testbed.model.build_qwen3_vl``, 2 layers, fp32, weights of seed 0 on
+Each rank builds the model once (``bridge_thd_cpu.model.build_qwen3_vl``, 2 layers, fp32, weights of seed 0 on
 both ranks) and, per step and placement, runs its micro-batches (forward + backward) through
 Megatron-Core's PP = 1 schedule (``get_forward_backward_func()`` = ``forward_backward_no_pipelining``,
 what the trainer runs) with our ``qwen3_vl_step.forward_step``; gradients are zeroed (set to None)
@@ -26,7 +26,7 @@ Layouts:
   ``GlobalBatchPacking(row_length=...)``. This ratio includes the padding global-batch packing removes
   from the static row, not only the balance.
 
-Distributions: ``receipts`` (``testbed.data.synthetic_receipt_batch(16, seed=step)``, one image each)
+Distributions: ``receipts`` (``bridge_thd_cpu.data.synthetic_receipt_batch(16, seed=step)``, one image each)
 and ``skewed`` (per step the 3 longest and 13 shortest of 64 receipts, shuffled: a few long samples
 among short ones every step). Placement cost: ``batching.sample_cost`` of a ``plan.presets.ModelSpec``
 with the tiny model's sizes (2 layers, hidden 64, 4 heads / 2 KV groups of 16, SwiGLU 128, vocabulary
@@ -44,7 +44,7 @@ Why this is a CPU proxy, and what it does and does not show:
   to this tiny model on a GPU (kernel launches), where the ratio would be expected close to 1.
 * The placement balances the tiny model's FLOPs (``sample_cost``; for this model the ViT's per-image
   attention, ``p^2``, is the largest term), which the CPU time follows only loosely: fp32 CPU
-  kernels' throughput varies with shapes, and the CPU attention stand-in (``testbed.attention``) pads
+  kernels' throughput varies with shapes, and the CPU attention stand-in (``bridge_thd_cpu.attention``) pads
   every segment of a row to the row's longest (dense ``S x L_max^2`` work, up to about twice the exact
   ``sum s^2``; the report gives the factor), which penalises rows mixing one long sample with short
   ones, what ``assign`` builds, where FlashAttention / cuDNN varlen kernels compute the exact sum.
@@ -339,7 +339,7 @@ def render(results: dict) -> str:
 
 
 def run(args) -> dict:
-    from megatron.bridge_thd.testbed.launcher import run_on_gloo
+    from megatron.bridge_thd_testbed.launcher import run_on_gloo
 
     steps = args.warmup + args.steps
     cost = sample_cost(tiny_model_spec(NUM_LAYERS))

@@ -31,14 +31,14 @@ PP_CONFIGS = [("thd", True), ("thd_static", False), ("thd", False), ("bshd", Fal
 
 
 def _alone(model, batch):
-    from megatron.bridge_thd.testbed.parity import masked_loss_sum, per_sample_losses_and_gradients
+    from megatron.bridge_thd_cpu.parity import masked_loss_sum, per_sample_losses_and_gradients
 
     losses, grads = per_sample_losses_and_gradients(model, batch)
     return losses, masked_loss_sum(losses, batch), grads
 
 
 def _packed(model, batch, layout):
-    from megatron.bridge_thd.testbed.parity import gradients, step_run
+    from megatron.bridge_thd_cpu.parity import gradients, step_run
 
     model.zero_grad(set_to_none=True)
     run = step_run(model, batch, layout)
@@ -48,8 +48,8 @@ def _packed(model, batch, layout):
 
 
 def single_process_rows(batch) -> list[dict]:
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.parity import max_abs_dlogp, per_sample_from_output, worst_relative_gradient_error
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.parity import max_abs_dlogp, per_sample_from_output, worst_relative_gradient_error
 
     rows = []
     for moe in (False, True):
@@ -69,7 +69,7 @@ def cp_worker(state_dict, batch, layout, cp):
     import torch
     from megatron.core import parallel_state
 
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 
     model = build_qwen3_vl(tiny_qwen3_vl_config(cp=cp), seed=0)
     model.load_state_dict(state_dict)
@@ -83,9 +83,9 @@ def cp_worker(state_dict, batch, layout, cp):
 
 
 def cp_rows(batch) -> list[dict]:
-    from megatron.bridge_thd.testbed.launcher import run_on_gloo
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.parity import worst_relative_gradient_error
+    from megatron.bridge_thd_testbed.launcher import run_on_gloo
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.parity import worst_relative_gradient_error
 
     rows = []
     model = build_qwen3_vl(tiny_qwen3_vl_config(), seed=0)
@@ -101,17 +101,17 @@ def cp_rows(batch) -> list[dict]:
 
 
 def pp_worker(full, batches, configs):
-    from megatron.bridge_thd.testbed.pipeline import pipeline_step
+    from megatron.bridge_thd_testbed.pipeline import pipeline_step
 
     return {config: pipeline_step(full, batches, *config) for config in configs}
 
 
 def pp_rows() -> list[dict]:
     """PP = 2 over gloo with Megatron-Core's 1F1B schedule vs PP = 1 with the same schedule."""
-    from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
-    from megatron.bridge_thd.testbed.launcher import run_on_gloo
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.parity import worst_relative_gradient_error
+    from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
+    from megatron.bridge_thd_testbed.launcher import run_on_gloo
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.parity import worst_relative_gradient_error
 
     batches = [synthetic_receipt_batch(2, seed=1), synthetic_receipt_batch(2, seed=2, left_padding=True)]
     full = build_qwen3_vl(tiny_qwen3_vl_config(num_layers=4), seed=0).state_dict()
@@ -130,9 +130,9 @@ def pp_rows() -> list[dict]:
 
 
 def collect() -> dict:
-    from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
-    from megatron.bridge_thd.testbed.stack import cpu_stack
-    from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+    from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
+    from megatron.bridge_thd_cpu.stack import cpu_stack
+    from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
     start = time.perf_counter()
     init_single_process_groups()

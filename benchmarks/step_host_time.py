@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-micro-batch host cost of the packed step's public entry point,
 ``megatron.bridge_thd.qwen3_vl_step.prepare_micro_batch(batch, model, state, pg_collection)``, on
-Megatron-Bridge 0.6.2's real tiny ``Qwen3VLModel`` on the CPU (``testbed.model.build_qwen3_vl``).
+Megatron-Bridge 0.6.2's real tiny ``Qwen3VLModel`` on the CPU (``bridge_thd_cpu.model.build_qwen3_vl``).
 
 For each layout (``thd``, ``thd_static``, ``bshd``) x B (8, 32) x T (2048, 4096) x media (images,
 videos) it reports:
@@ -18,7 +18,7 @@ videos) it reports:
   model on ``meta`` (a GPU's stand-in): its median wall time in the same rounds (all the host work of
   a GPU run's step: the row built on the host, then copied), its host syncs (a host read of a
   ``meta`` tensor raises) and its ops on ``meta`` tensors (the copies);
-* ops, kernels and host syncs of one call (``testbed.opcount.count_ops``: aten ops dispatched; of
+* ops, kernels and host syncs of one call (``bridge_thd_testbed.opcount.count_ops``: aten ops dispatched; of
   them the ones that would launch a GPU kernel (views, allocations, wrapped numbers left out); host reads,
   data-sized ops and blocking copies between devices, each once), and the tensor constructors
   given host data and an explicit device (``device_constructors``: each a blocking host-to-device
@@ -31,10 +31,10 @@ videos) it reports:
   the full ``model(**prepared.forward_args)`` (no_grad) for B=8, T=2048 in every layout and media
   only: on a small CPU machine one full forward takes 5-40 s (the CPU attention stand-in is dense
   per segment), too slow for every configuration. The CPU attention stand-in's own reads
-  (``testbed.attention``, 2 per attention call; Transformer Engine has other ones) are counted
+  (``bridge_thd_cpu.attention``, 2 per attention call; Transformer Engine has other ones) are counted
   apart and left out of the model's figure.
 
-Batches: ``testbed.vlm_batches.vlm_batch(B, T, media=..., seed=B + T)``: right padded to T, real
+Batches: ``bridge_thd_testbed.vlm_batches.vlm_batch(B, T, media=..., seed=B + T)``: right padded to T, real
 lengths ``U{T/4 .. T}``, one image per sample (``images``), or one video of 2-4 temporal patches
 and one image per sample (``videos``); ``seq_length = T`` (nothing is truncated). A floor row
 (B=8, T=256) shows the host cost that does not grow with B x T (Python and dispatch overhead).
@@ -95,12 +95,12 @@ try:  # the step's plan and its host path (issue 24); absent on the "before" com
     from megatron.bridge_thd.step_plan import build_step_plan  # noqa: E402
 except ImportError:
     prepare_with_plan = build_step_plan = QWEN3_VL = None
-from megatron.bridge_thd.testbed import attention as test_attention  # noqa: E402
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config  # noqa: E402
-from megatron.bridge_thd.testbed.opcount import _NO_KERNEL_OPS, count_ops  # noqa: E402
-from megatron.bridge_thd.testbed.stack import QWEN3_VL_MODEL_MODULE, cpu_stack  # noqa: E402
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state  # noqa: E402
-from megatron.bridge_thd.testbed.vlm_batches import MEDIA, vlm_batch  # noqa: E402
+from megatron.bridge_thd_cpu import attention as test_attention  # noqa: E402
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config  # noqa: E402
+from megatron.bridge_thd_testbed.opcount import _NO_KERNEL_OPS, count_ops  # noqa: E402
+from megatron.bridge_thd_cpu.stack import QWEN3_VL_MODEL_MODULE, cpu_stack  # noqa: E402
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups, minimal_state  # noqa: E402
+from megatron.bridge_thd_testbed.vlm_batches import MEDIA, vlm_batch  # noqa: E402
 from megatron.bridge_thd.upstream import load_bridge_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +116,6 @@ PROFILE = dict(batch_size=8, width=2048, media="images", layout="thd")
 TRUNCATE_BY = 256  # the truncating breakdown: seq_length = T - TRUNCATE_BY
 LABEL_ORDER = ("before", "after")
 PACKAGE = os.sep + os.path.join("megatron", "bridge_thd") + os.sep
-TESTBED = PACKAGE + "testbed" + os.sep
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,7 +351,7 @@ def _model_counts(counts, attention: _AttentionCounts, seconds: float) -> dict:
 def _package_frame(frame) -> str | None:
     while frame is not None:
         filename = frame.f_code.co_filename
-        if PACKAGE in filename and TESTBED not in filename:
+        if PACKAGE in filename:  # the runtime package (the CPU build and test bed are packages of their own)
             return f"{Path(filename).name}:{frame.f_code.co_name}"
         frame = frame.f_back
     return None
@@ -396,7 +395,7 @@ def breakdown(model, batch: dict, layout: str, seq_length: int, repeats: int) ->
     profiler.disable()
     inclusive = {}
     for (filename, _, name), (_, _, _, cumulative, _) in pstats.Stats(profiler).stats.items():
-        if PACKAGE in filename and TESTBED not in filename:
+        if PACKAGE in filename:  # the runtime package (the CPU build and test bed are packages of their own)
             key = f"{Path(filename).name}:{name}"
             inclusive[key] = inclusive.get(key, 0.0) + cumulative * 1e3 / repeats
     functions = sorted(set(attribution.ops) | set(inclusive), key=lambda k: -inclusive.get(k, 0.0))
@@ -447,7 +446,7 @@ def render(results: dict) -> str:
         "",
         "`benchmarks/step_host_time.py` (method in its docstring): Megatron-Bridge 0.6.2's real `Qwen3VLModel` "
         "(tiny), `megatron.bridge_thd.qwen3_vl_step.prepare_micro_batch` on batches of "
-        "`testbed.vlm_batches.vlm_batch(B, T, media)` (right padded to T, real lengths U{T/4..T}, one image per "
+        "`bridge_thd_testbed.vlm_batches.vlm_batch(B, T, media)` (right padded to T, real lengths U{T/4..T}, one image per "
         "sample; `videos`: one video of 2-4 temporal patches and one image per sample), `seq_length = T`.",
         "",
     ]
@@ -467,7 +466,7 @@ def render(results: dict) -> str:
         "tensors) timed in the same rounds: compare labels by this ratio when the machine's load differed "
         "between their runs. On the CPU the device is the CPU, "
         "so these include the kernels' compute (it grows with B x T); on a GPU each kernel is a launch (a few "
-        "microseconds of host time) and each host sync stalls the host until the device has caught up. ops / syncs: `testbed.opcount.count_ops` of one call. H2D ctors: "
+        "microseconds of host time) and each host sync stalls the host until the device has caught up. ops / syncs: `bridge_thd_testbed.opcount.count_ops` of one call. H2D ctors: "
         "`torch.tensor(host data, device=...)` calls (a blocking host-to-device copy each when the device is a "
         "GPU; not in the syncs). kernels: the ops that would launch a GPU kernel (`OpCounts.kernels`: views, "
         "allocations and wrapped Python numbers left out). These columns are the batch already on the model's "

@@ -1,4 +1,4 @@
-"""Figures of Megatron-Bridge's own training loop on the CPU (``testbed.training.training_loop_runs``,
+"""Figures of Megatron-Bridge's own training loop on the CPU (``bridge_thd_testbed.training.training_loop_runs``,
 the runs ``tests/test_bridge_training.py`` checks): per-iteration losses of Megatron-Bridge's step,
 ``thd`` (stopped at iteration 10 and resumed from the checkpoint) and ``thd_static`` at DP=2; the
 largest relative difference; the resume check; the tokens and FLOPs the trainer logged; PP=2 vs CP=2.
@@ -6,7 +6,7 @@ largest relative difference; the resume check; the tokens and FLOPs the trainer 
 Writes ``benchmarks/results/training_loop.json`` and prints the tables (docs/megatron-bridge-on-cpu.md).
 
 ``--model qwen35``: the same for Megatron-Bridge's Qwen3.5-VL 2B recipe on the tiny hybrid Gated DeltaNet +
-attention model (``testbed.training.qwen35_training_runs``, the runs ``tests/test_bridge_training_qwen35.py``
+attention model (``bridge_thd_testbed.training.qwen35_training_runs``, the runs ``tests/test_bridge_training_qwen35.py``
 checks: 6 iterations, ``thd`` stopped at 3 and resumed; no PP / CP runs), written to
 ``benchmarks/results/training_loop_qwen35.json``, with the check of the Hugging Face conversion.
 
@@ -27,7 +27,7 @@ RESULTS_QWEN35 = ROOT / "benchmarks" / "results" / "training_loop_qwen35.json"
 
 
 def measure(model: str = "qwen3-vl") -> dict:
-    from megatron.bridge_thd.testbed.training import qwen35_training_runs, run_on_cpu, training_loop_runs
+    from megatron.bridge_thd_testbed.training import qwen35_training_runs, run_on_cpu, training_loop_runs
 
     runs = qwen35_training_runs() if model == "qwen35" else training_loop_runs()
     ranks = run_on_cpu(runs, workdir=tempfile.mkdtemp(prefix="bridge_thd_loop_"), world_size=2)

@@ -94,7 +94,7 @@ def _write(report, path):
 def run_cpu_tiny(recipe_name: str, args) -> dict:
     import tempfile
 
-    from megatron.bridge_thd.testbed.training import run_on_cpu
+    from megatron.bridge_thd_testbed.training import run_on_cpu
 
     settings = dict(train_iters=args.train_iters or 4, micro_batch_size=args.micro_batch_size or 2,
                     seq_length=args.seq_length or 512)
@@ -125,7 +125,7 @@ def main(recipe_module: str, recipe_name: str, argv=None):
     import torch
     from megatron.bridge.training.finetune import finetune
 
-    from megatron.bridge_thd.testbed.training import counting_step, iteration_recorder, step_for
+    from megatron.bridge_thd.reporting import counting_step, iteration_recorder, step_for
 
     base_config = getattr(importlib.import_module(recipe_module), recipe_name)
     cfg = config(base_config, args.layout, args.micro_batch_size, args.seq_length, args.train_iters,

@@ -81,7 +81,7 @@ def _packer_counts() -> dict:
     import bench_pack
 
     from megatron.bridge_thd.packing import pack_bshd_to_thd
-    from megatron.bridge_thd.testbed.opcount import count_ops
+    from megatron.bridge_thd_testbed.opcount import count_ops
 
     counts = {}
     for batch_size in (4, 64):
@@ -164,11 +164,11 @@ def step_host_syncs() -> str:
     import logging
 
     from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch
-    from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.opcount import count_ops
-    from megatron.bridge_thd.testbed.stack import cpu_stack
-    from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state
+    from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_testbed.opcount import count_ops
+    from megatron.bridge_thd_cpu.stack import cpu_stack
+    from megatron.bridge_thd_cpu.standalone import init_single_process_groups, minimal_state
 
     seq_length = 2048
     logger = logging.getLogger("megatron.bridge_thd")
@@ -409,7 +409,7 @@ def _edge_cases(part: str) -> Callable[[], str]:
     return render
 
 
-DEMO_COMMAND = ["-m", "megatron.bridge_thd.testbed.demo", "--progress", "off"]
+DEMO_COMMAND = ["-m", "megatron.bridge_thd_cpu.demo", "--progress", "off"]
 
 
 def run_demo() -> Path:

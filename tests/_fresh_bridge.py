@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import functools
 
-from megatron.bridge_thd.testbed.hf_hub import offline_hub
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
+from megatron.bridge_thd_cpu.hf_hub import offline_hub
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
 
 
 def _inspect_import():
     import sys
 
-    from megatron.bridge_thd.testbed.bridge_package import StandInCalled, is_stand_in, stood_in_packages
+    from megatron.bridge_thd_cpu.bridge_package import StandInCalled, is_stand_in, stood_in_packages
 
     import megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_block as qwen3_vl_block
     import megatron.bridge.peft.lora_layers as lora_layers
@@ -34,7 +34,7 @@ def _inspect_import():
         absent = False
     except ImportError:
         absent = True
-    from megatron.bridge_thd.testbed.training import cpu_training_patches
+    from megatron.bridge_thd_testbed.training import cpu_training_patches
 
     return {
         "training_patches": [(record.target, record.why, record.owner is sys.modules, record.name)

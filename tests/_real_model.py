@@ -1,6 +1,6 @@
 """Batches for the tests on Megatron-Bridge 0.6.2's real ``Qwen3VLModel`` (CPU build): test-only
 helpers. The parity helpers the tests and benchmarks share live in
-:mod:`megatron.bridge_thd.testbed.parity`; import them from there.
+:mod:`megatron.bridge_thd_cpu.parity`; import them from there.
 
 Module-level functions only: the CP workers run them in spawned gloo processes.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.bridge_thd.testbed.data import VisualInputs, synthetic_receipt_batch
+from megatron.bridge_thd_cpu.data import VisualInputs, synthetic_receipt_batch
 
 IMAGE, VIDEO, VISION_START, VISION_END = 250, 251, 252, 253
 TIMESTAMP_TOKENS = 3  # text tokens before each video frame ("<0.5 seconds>")
@@ -140,9 +140,9 @@ def all_padding_batch(width: int = 64) -> dict:
 def tiny_real_model(seq_length: int, *, device: str | None = None):
     """Megatron-Bridge's real tiny ``Qwen3VLModel`` (single-process groups attached as ``pg_collection``), built
     on the CPU; ``device="meta"`` moves its parameters there (the step's stand-in for a GPU)."""
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.stack import cpu_stack
-    from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.stack import cpu_stack
+    from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
     pg = init_single_process_groups()
     with cpu_stack():

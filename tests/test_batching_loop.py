@@ -212,7 +212,7 @@ def test_a_step_past_the_run_that_does_not_fit_is_not_an_error():
 
 
 def test_ranks_that_disagree_on_a_sample_are_refused_by_name():
-    from megatron.bridge_thd.testbed.launcher import run_on_gloo
+    from megatron.bridge_thd_testbed.launcher import run_on_gloo
 
     results = run_on_gloo(_disagreeing_rank, dp=2, timeout=120)
     for message in results:

@@ -22,13 +22,13 @@ import os
 import pytest
 import torch
 
-from megatron.bridge_thd.testbed.cord_v2 import (
+from megatron.bridge_thd_cpu.cord_v2 import (
     PROCESSOR_TOKEN_IDS,
     tiny_qwen3_vl_processor,
     write_cord_v2_preset_layout,
 )
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
-from megatron.bridge_thd.testbed.training import TRAINING_VISION_GEOMETRY
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
+from megatron.bridge_thd_testbed.training import TRAINING_VISION_GEOMETRY
 
 # Qwen3-VL's own patch geometry (patch 16, temporal 2, merge 2), for the processor and the model alike.
 # Megatron-Bridge's collate resizes every image to at least QWEN_VL_MIN_PIXELS = 200704 pixels
@@ -96,12 +96,12 @@ def _data_path_worker(root: str) -> dict:
 
     from megatron.bridge_thd.patches import applied
     from megatron.bridge_thd.qwen3_vl_step import forward_step
-    from megatron.bridge_thd.testbed.cord_v2 import model_token_settings
-    from megatron.bridge_thd.testbed.training import cpu_training_patches
-    from megatron.bridge_thd.testbed.data import VisualInputs
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.parity import Recorder, sample_inputs
-    from megatron.bridge_thd.testbed.standalone import minimal_state
+    from megatron.bridge_thd_cpu.cord_v2 import model_token_settings
+    from megatron.bridge_thd_testbed.training import cpu_training_patches
+    from megatron.bridge_thd_cpu.data import VisualInputs
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.parity import Recorder, sample_inputs
+    from megatron.bridge_thd_cpu.standalone import minimal_state
 
     cfg = _sft_common_vlm()
     dataset = cfg.dataset

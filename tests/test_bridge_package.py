@@ -1,4 +1,4 @@
-"""``testbed.bridge_package``: Megatron-Bridge imported whole on a machine without Transformer Engine
+"""``bridge_thd_cpu.bridge_package``: Megatron-Bridge imported whole on a machine without Transformer Engine
 or nvidia-resiliency-ext, under the module's four rules (docs/megatron-bridge-on-cpu.md)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_the_stand_in_never_stays_in_sys_modules(inspected):
 def test_an_installed_package_is_never_stood_in(monkeypatch):
     import importlib.util
 
-    from megatron.bridge_thd.testbed import bridge_package
+    from megatron.bridge_thd_cpu import bridge_package
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -49,7 +49,7 @@ def test_refused_after_a_bare_load(monkeypatch):
     import sys
     import types
 
-    from megatron.bridge_thd.testbed.bridge_package import bridge_package
+    from megatron.bridge_thd_cpu.bridge_package import bridge_package
 
     monkeypatch.setitem(sys.modules, "megatron.bridge", types.ModuleType("megatron.bridge"))  # no __file__
     with pytest.raises(RuntimeError, match="already loaded without its __init__"):
@@ -58,7 +58,7 @@ def test_refused_after_a_bare_load(monkeypatch):
 
 
 def test_every_training_patch_is_listed_in_docs_and_the_module_docstring(inspected):
-    """``testbed.training``'s records need Megatron-Bridge whole, so tests/test_patches.py cannot
+    """``bridge_thd_testbed.training``'s records need Megatron-Bridge whole, so tests/test_patches.py cannot
     build them in the suite's process: they are built in the fresh one and checked here."""
     import pathlib
     import re

@@ -3,7 +3,7 @@
 Everything upstream runs for real, in a fresh process with Megatron-Bridge imported whole
 (``run_on_gloo(whole_bridge=True, initialize=False)``): the recipe functions, unchanged, build their
 model provider through ``AutoBridge.from_hf_pretrained`` from the model's ``config.json`` in an offline
-hub cache (``testbed.hf_hub``); ``configure(cfg, layout)`` then sets the packing flags, and
+hub cache (``bridge_thd_cpu.hf_hub``); ``configure(cfg, layout)`` then sets the packing flags, and
 ``cfg.validate()`` runs Megatron-Bridge's own checks and finalizes the model config (Megatron-Core's
 ``TransformerConfig.__post_init__`` included). One process computes every case once (a module
 fixture); each test asserts on one case. Reasoning and the case table: docs/recipes-validate.md.

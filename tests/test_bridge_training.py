@@ -3,7 +3,7 @@ provider, ``ConfigContainer``), its cord_v2 data path with the Qwen3-VL collate,
 ``pretrain`` -> ``setup`` / ``train`` / ``train_step`` with Megatron-Core's DDP and optimizer,
 checkpoint save and resume, at DP=2 over gloo, with the recipe's data loader workers (forked, as
 under torchrun) and pinned memory, and its evaluation; only model size and device differ
-(``testbed.training.cpu_run_config``; docs/megatron-bridge-on-cpu.md).
+(``bridge_thd_testbed.training.cpu_run_config``; docs/megatron-bridge-on-cpu.md).
 
 Three steps drive the same recipe on the same data order: Megatron-Bridge's own
 ``qwen3_vl_step`` (the padded baseline), ours with ``thd`` and with ``thd_static``; and ``thd_static``
@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 
-from megatron.bridge_thd.testbed.training import run_on_cpu, training_loop_runs  # noqa: E402
+from megatron.bridge_thd_testbed.training import run_on_cpu, training_loop_runs  # noqa: E402
 
 RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
 ITERATIONS, RESUME_AT = 20, 10

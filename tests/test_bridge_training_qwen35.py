@@ -3,12 +3,12 @@
 (``Qwen3_5ForConditionalGeneration.save_pretrained``: one Gated DeltaNet layer, then one full-attention
 layer; Qwen3.5's vision geometry) converted by Megatron-Bridge's ``AutoBridge`` (its ``Qwen35VLBridge``
 and ``Qwen35VLModelProvider``), the recipe's cord_v2 data path and Qwen-VL collate, and ``finetune()``
-at DP=2 over gloo, checkpoint save and resume included (``testbed.training.qwen35_training_runs``;
+at DP=2 over gloo, checkpoint save and resume included (``bridge_thd_testbed.training.qwen35_training_runs``;
 docs/megatron-bridge-on-cpu.md, section "Qwen3.5-VL").
 
 Three steps drive the same recipe on the same data order: Megatron-Bridge's own ``qwen3_vl_step`` (the
 padded baseline), ours with ``thd`` (stopped at ``RESUME_AT`` and resumed from its checkpoint) and with
-``thd_static``. Gated DeltaNet runs through the test bed's pure-torch varlen kernels (``testbed.gdn``:
+``thd_static``. Gated DeltaNet runs through the test bed's pure-torch varlen kernels (``bridge_thd_cpu.gdn``:
 fla's contract, fp64 inside on the CPU).
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 
-from megatron.bridge_thd.testbed.training import qwen35_training_runs, run_on_cpu  # noqa: E402
+from megatron.bridge_thd_testbed.training import qwen35_training_runs, run_on_cpu  # noqa: E402
 
 ITERATIONS, RESUME_AT = 6, 3
 MICRO_BATCH, GLOBAL_BATCH, SEQ_LENGTH = 2, 8, 512

@@ -18,13 +18,13 @@ import torch
 from _real_model import all_padding_batch, last_slot_batch, video_receipt_batch
 
 from megatron.bridge_thd.context_parallel import thd_local_positions, thd_partition_indices
-from megatron.bridge_thd.testbed.attention import THDCoreAttention, thd_cp_attention
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.testbed.parity import gradients, step_run, worst_relative_gradient_error
-from megatron.bridge_thd.testbed.reference import thd_attention
-from megatron.bridge_thd.testbed.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+from megatron.bridge_thd_cpu.attention import THDCoreAttention, thd_cp_attention
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.parity import gradients, step_run, worst_relative_gradient_error
+from megatron.bridge_thd_cpu.reference import thd_attention
+from megatron.bridge_thd_cpu.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 from megatron.bridge_thd.upstream import load_bridge_module
 
 GRAD_TOLERANCE = 1e-5

@@ -20,8 +20,8 @@ from _real_model import receipt_batch, tiny_real_model
 
 from megatron.bridge_thd.packing import thd_packed_seq_params
 from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch
-from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
-from megatron.bridge_thd.testbed.graphs import (
+from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
+from megatron.bridge_thd_testbed.graphs import (
     decoder_kwargs,
     mcore_decoder_signature,
     mcore_graph_inputs,
@@ -29,9 +29,9 @@ from megatron.bridge_thd.testbed.graphs import (
     signature_differences,
     te_replay_stand_in,
 )
-from megatron.bridge_thd.testbed.parity import step_run
-from megatron.bridge_thd.testbed.stack import cpu_stack
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state
+from megatron.bridge_thd_cpu.parity import step_run
+from megatron.bridge_thd_cpu.stack import cpu_stack
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups, minimal_state
 
 HIDDEN, ROPE_DIM = 16, 8
 CU_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")

@@ -1,4 +1,4 @@
-"""Tests of ``megatron.bridge_thd.testbed.data.synthetic_receipt_batch`` against its documented format.
+"""Tests of ``megatron.bridge_thd_cpu.data.synthetic_receipt_batch`` against its documented format.
 
 Expected values are derived here from the documented sample layout
 ``[prompt] <vision_start> <image>*n <vision_end> [2 tokens] [answer] [eos]`` and Megatron's
@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from megatron.bridge_thd.testbed.data import ReceiptSpec, VisualInputs, synthetic_receipt_batch
+from megatron.bridge_thd_cpu.data import ReceiptSpec, VisualInputs, synthetic_receipt_batch
 
 IMAGE, VISION_START, VISION_END, EOS, PAD = 250, 252, 253, 254, 0
 MERGE = 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.bridge_thd.testbed import demo
+from megatron.bridge_thd_cpu import demo
 
 
 def _tables(report: str) -> list[dict[str, list[str]]]:
@@ -154,7 +154,7 @@ def test_the_demo_screen_is_its_report_without_warning_lines(tmp_path):
     root = Path(__file__).resolve().parents[1]
     makefile = (root / "Makefile").read_text()
     flags = shlex.split(re.search(r"^QUIET_IMPORTS := (.*)$", makefile, re.M).group(1))
-    command = [sys.executable, *flags, "-m", "megatron.bridge_thd.testbed.demo", "--micro-batches", "1", "--micro-batch-size", "2",
+    command = [sys.executable, *flags, "-m", "megatron.bridge_thd_cpu.demo", "--micro-batches", "1", "--micro-batch-size", "2",
                "--progress", "off", "--plot", str(tmp_path / "demo.png")]
     # A user's shell: no rendezvous variables (an earlier test of this process may have set MASTER_PORT to a port
     # its own process group still listens on).

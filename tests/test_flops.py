@@ -12,10 +12,10 @@ import pytest
 import torch
 from _real_model import receipt_batch
 
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.testbed.parity import step_run
-from megatron.bridge_thd.testbed.stack import cpu_stack
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.parity import step_run
+from megatron.bridge_thd_cpu.stack import cpu_stack
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 from megatron.bridge_thd.upstream import load_flop_utils
 
 SEQ_LENGTH = 2048

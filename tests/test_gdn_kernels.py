@@ -1,4 +1,4 @@
-"""The pure-torch fla kernels of ``megatron.bridge_thd.testbed.gdn`` honour ``cu_seqlens``.
+"""The pure-torch fla kernels of ``megatron.bridge_thd_cpu.gdn`` honour ``cu_seqlens``.
 
 References: each segment evaluated alone (the same function, unpacked), Megatron-Core 0.19.2's
 own ``torch_chunk_gated_delta_rule`` per segment, and ``torch.nn.functional.conv1d`` with causal
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.bridge_thd.testbed.gdn import causal_conv1d, chunk_gated_delta_rule, l2norm
+from megatron.bridge_thd_cpu.gdn import causal_conv1d, chunk_gated_delta_rule, l2norm
 
 LENGTHS = [5, 1, 0, 13, 2, 7]  # includes a length-1 and a zero-length segment
 H, K, V, D, W = 3, 8, 6, 10, 4
@@ -181,8 +181,8 @@ def test_cpu_stack_installs_the_kernels_scoped_and_reversibly():
     import megatron.core.ssm.gated_delta_net.common as common
     import megatron.core.ssm.gated_delta_net.gdn as gdn_module
 
-    from megatron.bridge_thd.testbed import gdn as kernels
-    from megatron.bridge_thd.testbed.stack import cpu_stack
+    from megatron.bridge_thd_cpu import gdn as kernels
+    from megatron.bridge_thd_cpu.stack import cpu_stack
 
     names = [(common, "HAVE_FLA"), (common, "causal_conv1d"), (common, "l2norm"), (common, "chunk_gated_delta_rule"),
              (gdn_module, "causal_conv1d"), (gdn_module, "chunk_gated_delta_rule"), (common, "get_cuda_rng_tracker"),

@@ -21,13 +21,13 @@ from megatron.bridge_thd.batching import assign, in_batch_assignment
 from megatron.bridge_thd.batching.sampler import optimal_row_lengths
 from megatron.bridge_thd.layouts import row_bucket
 from megatron.bridge_thd.step_plan import StaticRow
-from megatron.bridge_thd.testbed.data import select_samples, synthetic_receipt_batch
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.testbed.parity import worst_relative_gradient_error
-from megatron.bridge_thd.testbed.pipeline import pipeline_step
-from megatron.bridge_thd.testbed.stack import cpu_stack
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+from megatron.bridge_thd_cpu.data import select_samples, synthetic_receipt_batch
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.parity import worst_relative_gradient_error
+from megatron.bridge_thd_testbed.pipeline import pipeline_step
+from megatron.bridge_thd_cpu.stack import cpu_stack
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
 NUM_LAYERS = 4  # two per pipeline stage; the deepstack layers 0 and 1 on the first
 DP_NUM_LAYERS = 2

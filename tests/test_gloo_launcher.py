@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
 
 # The deadline counts from before the processes' start (the forkserver's own start, its imports, is
 # inside it the first time), so with a short deadline the ranks may be killed before rank 0 reaches its
@@ -65,7 +65,7 @@ def test_a_rank_sees_the_callers_environment_and_no_bad_fork(monkeypatch, tmp_pa
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "first"))
     run_on_gloo(cuda_as_a_rank_sees_it, dp=1)  # the forkserver is running (its environment has no probe)
     monkeypatch.setenv("BRIDGE_THD_LAUNCHER_PROBE", "set later still")
-    # Hugging Face's hub fixes its cache folder when it is imported (what testbed.hf_hub.offline_hub sets):
+    # Hugging Face's hub fixes its cache folder when it is imported (what bridge_thd_cpu.hf_hub.offline_hub sets):
     # a rank imports it after taking the caller's environment, never inherits it from the forkserver.
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "second"))
     for rank in run_on_gloo(cuda_as_a_rank_sees_it, dp=2):
@@ -83,7 +83,7 @@ def test_rendezvous_ports_are_outside_the_range_outgoing_connections_take():
     finetune() met EADDRINUSE). The ports are below that range, distinct, and free when chosen."""
     import socket
 
-    from megatron.bridge_thd.testbed.standalone import free_ports
+    from megatron.bridge_thd_cpu.standalone import free_ports
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
         ephemeral_start = int(handle.read().split()[0])

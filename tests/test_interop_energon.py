@@ -22,7 +22,7 @@ from megatron.bridge_thd.interop.energon import (
 )
 from megatron.bridge_thd.lengths import cu_seqlens_from_sample_ids
 from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment, unpack_thd_to_bshd
-from megatron.bridge_thd.testbed.opcount import count_ops
+from megatron.bridge_thd_testbed.opcount import count_ops
 
 SEED_IDS = [[1, 1, 2, 2, 2, 3, 3, 4, 5, 5, 5, 0, 0]]
 PAD = 0
@@ -356,9 +356,9 @@ TAIL = 7
 
 @pytest.fixture(scope="module")
 def real_model():
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.stack import cpu_stack
-    from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.stack import cpu_stack
+    from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
     init_single_process_groups()
     with cpu_stack():
@@ -367,13 +367,13 @@ def real_model():
 
 @pytest.fixture(scope="module")
 def receipts():
-    from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
+    from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
 
     return synthetic_receipt_batch(3, seed=1)
 
 
 def _forward(model, packed, batch):
-    from megatron.bridge_thd.testbed.stack import cpu_stack
+    from megatron.bridge_thd_cpu.stack import cpu_stack
 
     visual = batch["visual_inputs"]
     with torch.no_grad(), cpu_stack():

@@ -25,8 +25,8 @@ from megatron.bridge_thd.interop.expansion import (
     expanded_positions,
 )
 from megatron.bridge_thd.packing import pack_bshd_to_thd, scatter_into_row, segment_index
-from megatron.bridge_thd.testbed.opcount import count_ops
-from megatron.bridge_thd.testbed.reference import thd_attention
+from megatron.bridge_thd_testbed.opcount import count_ops
+from megatron.bridge_thd_cpu.reference import thd_attention
 
 
 

@@ -10,7 +10,7 @@ refused; a 2D mask value other than 0 / 1 is one error with one message for the 
 drop-in (``lengths.keep_mask_from_2d``), at the host-sync counts of a 0/1 mask.
 
 Real-model part: Megatron-Bridge 0.6.2's ``Qwen3VLModel`` (CPU build) called the two ways VERL
-calls it (:mod:`megatron.bridge_thd.testbed.verl_support`): the packed call (``input_ids_rmpad``,
+calls it (:mod:`megatron.bridge_thd_testbed.verl_support`): the packed call (``input_ids_rmpad``,
 packed 3D MRoPE ``position_ids``, ``packed_seq_params``, no labels) at CP = 1 (this process), 2 and
 4 (gloo, one spawn each), with FP8 padding at CP = 1 and 2; VERL's own vision-model call (the
 padded batch to the model, which packs it) at CP = 1 and 2. Per-token log-probabilities of the
@@ -30,10 +30,10 @@ import torch
 
 import megatron.bridge_thd.interop.verl as verl_interop
 from megatron.bridge_thd.lengths import keep_mask_from_attention_mask, raise_failed_checks
-from megatron.bridge_thd.testbed import verl_support
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
-from megatron.bridge_thd.testbed.opcount import count_ops
-from megatron.bridge_thd.testbed.verl_support import (
+from megatron.bridge_thd_testbed import verl_support
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
+from megatron.bridge_thd_testbed.opcount import count_ops
+from megatron.bridge_thd_testbed.verl_support import (
     DEFAULT_SPECS,
     find_verl_util,
     load_verl_util,
@@ -477,9 +477,9 @@ def _error_text(fn) -> str:
 @pytest.fixture(scope="module")
 def step_model():
     """The tiny real model for ``prepare_micro_batch`` (only its config, signature and device are read)."""
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.stack import cpu_stack
-    from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.stack import cpu_stack
+    from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
     pg = init_single_process_groups()
     with cpu_stack():
@@ -490,7 +490,7 @@ def step_model():
 
 def _prepare(model, batch: dict, layout: str):
     from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch
-    from megatron.bridge_thd.testbed.standalone import minimal_state
+    from megatron.bridge_thd_cpu.standalone import minimal_state
 
     state = minimal_state(seq_length=1024, micro_batch_size=batch["tokens"].shape[0], packing_layout=layout)
     with count_ops() as counts:
@@ -499,7 +499,7 @@ def _prepare(model, batch: dict, layout: str):
 
 
 def _receipts() -> dict:
-    from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
+    from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
 
     return synthetic_receipt_batch(3, seed=1, left_padding=True)
 
@@ -608,10 +608,10 @@ def real_model():
     """Weights, the batch, the per-sample reference (log-probs and gradients) and every CP run:
     CP = 1 and 2 with both VERL calls (packed, vision) with and without FP8 padding, CP = 4 the
     packed call only."""
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.parity import gradients
-    from megatron.bridge_thd.testbed.stack import cpu_stack
-    from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.parity import gradients
+    from megatron.bridge_thd_cpu.stack import cpu_stack
+    from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
     init_single_process_groups()
     batch = verl_vlm_batch()
@@ -746,8 +746,8 @@ def test_verls_vision_model_call_with_one_sample_is_refused(real_model):
     """With one sample Megatron-Bridge 0.6.2 no longer recognises the padded (1, T) batch
     (``input_ids.size(0) > 1``) and runs it as a packed row; our postprocess refuses the
     mismatched output instead of unpacking wrong log-probs."""
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.stack import cpu_stack
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.stack import cpu_stack
 
     helpers = (verl_interop.preprocess_packed_seqs, verl_interop.postprocess_packed_seqs)
     with cpu_stack(), torch.no_grad():

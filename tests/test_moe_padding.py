@@ -38,17 +38,17 @@ from megatron.bridge_thd.moe_padding import (
     padding_mask_pre_wrap_hook,
     with_padding_mask,
 )
-from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.testbed.parity import (
+from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.parity import (
     Recorder,
     global_expert_name,
     sample_inputs,
     step_run,
     worst_relative_gradient_error,
 )
-from megatron.bridge_thd.testbed.stack import QWEN3_VL_MODEL_MODULE
+from megatron.bridge_thd_cpu.stack import QWEN3_VL_MODEL_MODULE
 from megatron.bridge_thd.upstream import load_bridge_module
 
 SEQ = 640

@@ -23,9 +23,9 @@ import torch
 from _real_model import trimmed
 
 from megatron.bridge_thd.moe_padding import capacity_token_dropping, thd_sample_index, with_padding_mask
-from megatron.bridge_thd.testbed.data import padding_free_batch, synthetic_receipt_batch
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.testbed.parity import step_run
+from megatron.bridge_thd_cpu.data import padding_free_batch, synthetic_receipt_batch
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.parity import step_run
 
 pytestmark = pytest.mark.usefixtures("real_model_stack")
 

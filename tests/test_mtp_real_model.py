@@ -16,11 +16,11 @@ import torch
 from _real_model import receipt_batch
 
 from megatron.bridge_thd.context_parallel import thd_partition_indices
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.testbed.parity import per_sample_from_output, sample_inputs, step_run
-from megatron.bridge_thd.testbed.stack import cpu_stack
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.parity import per_sample_from_output, sample_inputs, step_run
+from megatron.bridge_thd_cpu.stack import cpu_stack
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
 TOLERANCE = 1e-5
 

@@ -195,7 +195,7 @@ def test_op_count_independent_of_sample_count(fn):
     """No loop over samples: the same number of torch ops for 2 and 40 samples, and one host
     read (the CPU-only validation read; on an accelerator the checks are asynchronous asserts).
     Megatron-Core's roll, counted the same way, grows with the sample count (the counter sees it)."""
-    from megatron.bridge_thd.testbed.opcount import count_ops
+    from megatron.bridge_thd_testbed.opcount import count_ops
 
     counts = []
     for samples in (2, 40):
@@ -416,7 +416,7 @@ def _gather_full(per_rank: list, slots: list[int], cp: int, key: str, case_index
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_roll_matches_reference(cp):
-    from megatron.bridge_thd.testbed.launcher import run_on_gloo
+    from megatron.bridge_thd_testbed.launcher import run_on_gloo
 
     cases = _cp_cases(cp)
     per_rank = run_on_gloo(_cp_worker, cases, cp=cp, timeout=240.0)

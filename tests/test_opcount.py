@@ -1,4 +1,4 @@
-"""The op counter (``testbed.opcount.count_ops``) counts every host read a GPU would stall on, each
+"""The op counter (``bridge_thd_testbed.opcount.count_ops``) counts every host read a GPU would stall on, each
 exactly once: reads made by a tensor method, reads made inside torch functions (a tensor turned
 into a Python number where no method is called), data-dependent output sizes, and blocking copies
 between devices (the ``meta`` device stands in for a second device on the CPU). Pure device work
@@ -11,7 +11,7 @@ import operator
 import pytest
 import torch
 
-from megatron.bridge_thd.testbed.opcount import count_ops
+from megatron.bridge_thd_testbed.opcount import count_ops
 
 
 def _count(fn):

@@ -17,9 +17,9 @@ import os
 import pytest
 import torch
 
-from megatron.bridge_thd.testbed.cord_v2 import PROCESSOR_TOKEN_IDS, tiny_qwen3_vl_processor, write_cord_v2_preset_layout
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
-from megatron.bridge_thd.testbed.training import TRAINING_VISION_GEOMETRY
+from megatron.bridge_thd_cpu.cord_v2 import PROCESSOR_TOKEN_IDS, tiny_qwen3_vl_processor, write_cord_v2_preset_layout
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
+from megatron.bridge_thd_testbed.training import TRAINING_VISION_GEOMETRY
 
 # As tests/test_bridge_data_path.py: 1280 lies between the longest short receipt (1152 tokens at most) and the
 # shortest long one (more than 1476), so every long receipt is cut and no short one.
@@ -47,7 +47,7 @@ def _batch_for(policy: str, root: str):
 
     from megatron.bridge_thd.batching.bridge import loader_patch
     from megatron.bridge_thd.patches import applied
-    from megatron.bridge_thd.testbed.training import cpu_training_patches
+    from megatron.bridge_thd_testbed.training import cpu_training_patches
 
     cfg = _sft_common_vlm()
     dataset = cfg.dataset
@@ -87,9 +87,9 @@ def _overlong_worker(root: str) -> dict:
     from megatron.bridge_thd.batching.sizes import scan_sizes
     from megatron.bridge_thd.overlong import LENGTHS_KEY
     from megatron.bridge_thd.qwen3_vl_step import forward_step
-    from megatron.bridge_thd.testbed.cord_v2 import model_token_settings
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.standalone import minimal_state
+    from megatron.bridge_thd_cpu.cord_v2 import model_token_settings
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.standalone import minimal_state
 
     torch.set_num_threads(2)
     config = tiny_qwen3_vl_config(seq_length=SEQ_LENGTH, **TRAINING_VISION_GEOMETRY, **model_token_settings())

@@ -62,11 +62,11 @@ RUNTIME_ENTRY_POINTS = (
     "megatron.bridge_thd.step",
     "megatron.bridge_thd.packing",
 )
-NOT_RUNTIME = ("megatron.bridge_thd.testbed", "megatron.bridge_thd.plan", "megatron.bridge_thd.interop",
+NOT_RUNTIME = ("megatron.bridge_thd_testbed", "megatron.bridge_thd_cpu", "megatron.bridge_thd.plan", "megatron.bridge_thd.interop",
                "megatron.bridge_thd.batching")
 
 
-def test_the_runtime_never_imports_the_test_bed_the_planner_interop_or_batching():
+def test_the_runtime_never_imports_the_test_bed_the_cpu_build_the_planner_interop_or_batching():
     # In a fresh interpreter: what training imports pulls in none of the other roles.
     code = (
         "import sys\n"
@@ -102,7 +102,50 @@ def test_batching_never_imports_the_test_bed_or_interop():
         "import sys\n"
         "for name in ('cost', 'policy', 'sizes', 'sampler', 'bridge'):\n"
         "    __import__(f'megatron.bridge_thd.batching.{name}')\n"
-        "loaded = sorted(m for m in sys.modules if m.startswith(('megatron.bridge_thd.testbed', 'megatron.bridge_thd.interop')))\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('megatron.bridge_thd_testbed', 'megatron.bridge_thd.interop')))\n"
         "assert not loaded, loaded\n"
     )
     _run_in_a_fresh_interpreter(code)
+
+
+def _imported_modules(path) -> set[str]:
+    """Every module an ``import`` / ``from ... import`` statement of ``path`` names, at any depth (a function's
+    lazy import included): what a fresh interpreter's ``sys.modules`` cannot show until that function runs."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _offenders(package: str, forbidden: tuple[str, ...], *, skip: tuple[str, ...] = ()) -> dict:
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "src" / "megatron" / package
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith(skip):
+            continue
+        bad = sorted(name for name in _imported_modules(path) if name.startswith(forbidden))
+        if bad:
+            found[relative] = bad
+    return found
+
+
+def test_no_module_of_the_runtime_package_imports_the_test_bed_even_lazily():
+    # The package users install never reaches for test support, not even inside a function (the planner's
+    # synthetic receipts and the recipes' reporting once did); the CPU build does not either.
+    assert _offenders("bridge_thd", ("megatron.bridge_thd_testbed",)) == {}
+    assert _offenders("bridge_thd_cpu", ("megatron.bridge_thd_testbed",)) == {}
+
+
+def test_only_the_planners_cpu_mode_imports_the_cpu_build():
+    # bridge-thd scan --cpu-tiny runs Megatron-Bridge's collate on a CPU-made dataset; nothing else of the
+    # runtime package imports the CPU build's stand-ins.
+    assert list(_offenders("bridge_thd", ("megatron.bridge_thd_cpu",))) == ["plan/scan.py"]

@@ -62,10 +62,10 @@ def test_targets_name_the_owner():
 
 def _every_record() -> list[Patch]:
     from megatron.bridge_thd import moe_padding, upstream
-    from megatron.bridge_thd.testbed.qwen25_vl import _OmegaConfPlaceholder  # noqa: F401 - the module loads
-    from megatron.bridge_thd.testbed.stack import cpu_patches
+    from megatron.bridge_thd_testbed.qwen25_vl import _OmegaConfPlaceholder  # noqa: F401 - the module loads
+    from megatron.bridge_thd_cpu.stack import cpu_patches
 
-    from megatron.bridge_thd.testbed.launcher import without_modelopt
+    from megatron.bridge_thd_testbed.launcher import without_modelopt
 
     records = cpu_patches() + upstream._flop_utils_placeholders() + [moe_padding._token_dropping_patch(),
                                                                       without_modelopt()]
@@ -98,7 +98,7 @@ def test_every_patch_the_code_builds_is_listed_in_docs_and_the_module_docstring(
 def test_qwen25_vl_import_patches_is_one_placeholder_only_without_omegaconf(monkeypatch):
     import importlib.util
 
-    from megatron.bridge_thd.testbed import qwen25_vl
+    from megatron.bridge_thd_testbed import qwen25_vl
 
     monkeypatch.delitem(sys.modules, "omegaconf", raising=False)
     real_find_spec = importlib.util.find_spec

@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 from _real_model import receipt_batch
 
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.testbed.parity import worst_relative_gradient_error
-from megatron.bridge_thd.testbed.pipeline import pipeline_step
-from megatron.bridge_thd.testbed.stack import cpu_stack
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.parity import worst_relative_gradient_error
+from megatron.bridge_thd_testbed.pipeline import pipeline_step
+from megatron.bridge_thd_cpu.stack import cpu_stack
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
 NUM_LAYERS = 4
 MICRO_BATCH_SIZE = 2

@@ -217,7 +217,7 @@ def test_receipt_lengths_match_the_batches_the_step_sees():
     """receipt_lengths(n, seed) describes synthetic_receipt_batch(n, seed=seed) sample by sample:
     token counts, patches and where the image tokens end."""
     from megatron.bridge_thd.plan import receipt_lengths
-    from megatron.bridge_thd.testbed.data import ReceiptSpec, synthetic_receipt_batch
+    from megatron.bridge_thd_cpu.data import ReceiptSpec, synthetic_receipt_batch
 
     samples = receipt_lengths(6, seed=5)
     batch = synthetic_receipt_batch(6, seed=5)
@@ -235,7 +235,7 @@ def test_planner_refuses_exactly_the_seq_lengths_the_step_refuses():
     from megatron.bridge_thd.plan import receipt_lengths
     from megatron.bridge_thd.plan.samples import check_seq_length
     from megatron.bridge_thd.qwen3_vl_step import truncate_to_seq_length
-    from megatron.bridge_thd.testbed.data import ReceiptSpec, synthetic_receipt_batch
+    from megatron.bridge_thd_cpu.data import ReceiptSpec, synthetic_receipt_batch
 
     spec = ReceiptSpec()
     uncuttable_ids = (spec.image_token_id,)  # the receipts hold images only

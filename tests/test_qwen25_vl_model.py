@@ -1,5 +1,5 @@
 """Packing parity on Megatron-Bridge 0.6.2's own ``Qwen25VLModel`` (Qwen2.5-VL), built on the CPU
-(``testbed.qwen25_vl``): a second VLM family through the package's packing seam.
+(``bridge_thd_testbed.qwen25_vl``): a second VLM family through the package's packing seam.
 
 One micro-batch of 3 right-padded samples of different lengths (every sample holds an image; the
 second holds two, the third also a 2-frame video, so Qwen2.5-VL's temporal rule
@@ -23,8 +23,8 @@ import torch
 from _real_model import collate_rows
 
 from megatron.bridge_thd.packing import pack_bshd_to_thd
-from megatron.bridge_thd.testbed.parity import gradients, worst_relative_gradient_error
-from megatron.bridge_thd.testbed.qwen25_vl import (
+from megatron.bridge_thd_cpu.parity import gradients, worst_relative_gradient_error
+from megatron.bridge_thd_testbed.qwen25_vl import (
     IMAGE_TOKEN_ID,
     VIDEO_TOKEN_ID,
     VISION_END_TOKEN_ID,
@@ -411,7 +411,7 @@ def _bridge_batch(batch: dict) -> dict:
 
 def _step(model, batch, layout, **settings):
     from megatron.bridge_thd.qwen25_vl_step import forward_step
-    from megatron.bridge_thd.testbed.standalone import minimal_state
+    from megatron.bridge_thd_cpu.standalone import minimal_state
 
     state = minimal_state(seq_length=512, micro_batch_size=batch["tokens"].shape[0], packing_layout=layout,
                           **settings)

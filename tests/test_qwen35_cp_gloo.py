@@ -15,11 +15,11 @@ import pytest
 import torch
 from _real_model import last_slot_batch, receipt_batch
 
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
-from megatron.bridge_thd.testbed.parity import gradients, step_run, worst_relative_gradient_error
-from megatron.bridge_thd.testbed.qwen35 import build_qwen35_vl, gdn_layers, tiny_qwen35_vl_config
-from megatron.bridge_thd.testbed.stack import cpu_stack
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
+from megatron.bridge_thd_cpu.parity import gradients, step_run, worst_relative_gradient_error
+from megatron.bridge_thd_cpu.qwen35 import build_qwen35_vl, gdn_layers, tiny_qwen35_vl_config
+from megatron.bridge_thd_cpu.stack import cpu_stack
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 
 # (batch, layout): left padding in a static row (its tail a padding segment), and padding only in
 # the last slot of a dynamic row.

@@ -1,5 +1,5 @@
 """Packing parity on a tiny Qwen3.5-VL (Gated DeltaNet + full attention, vision tower), built the
-way Megatron-Bridge 0.6.2 builds it (``testbed.qwen35``) with the pure-torch varlen GDN kernels.
+way Megatron-Bridge 0.6.2 builds it (``bridge_thd_cpu.qwen35``) with the pure-torch varlen GDN kernels.
 
 ``forward_step`` in ``thd`` (with 16-token fp8 alignment padding in every slot),
 ``thd_static`` (plus a static tail segment) and ``bshd`` must equal each sample run alone
@@ -14,8 +14,8 @@ import torch
 from _real_model import trimmed
 
 import megatron.core.ssm.gated_delta_net.gdn as gdn_module
-from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
-from megatron.bridge_thd.testbed.parity import (
+from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
+from megatron.bridge_thd_cpu.parity import (
     gradients,
     masked_loss_sum,
     max_abs_dlogp,
@@ -25,7 +25,7 @@ from megatron.bridge_thd.testbed.parity import (
     step_run,
     worst_relative_gradient_error,
 )
-from megatron.bridge_thd.testbed.qwen35 import build_qwen35_vl, gdn_layers, tiny_qwen35_vl_config
+from megatron.bridge_thd_cpu.qwen35 import build_qwen35_vl, gdn_layers, tiny_qwen35_vl_config
 
 DLOGP_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-5
@@ -89,7 +89,7 @@ def _run(model, batch, case):
 def test_model_is_hybrid(model):
     kinds = [type(layer.self_attention).__name__ for layer in model.language_model.decoder.layers]
     assert kinds == ["GatedDeltaNet", "Qwen3VLSelfAttention", "GatedDeltaNet", "Qwen3VLSelfAttention"]
-    assert all(layer.gated_delta_rule.__module__ == "megatron.bridge_thd.testbed.gdn" for layer in gdn_layers(model))
+    assert all(layer.gated_delta_rule.__module__ == "megatron.bridge_thd_cpu.gdn" for layer in gdn_layers(model))
 
 
 @pytest.mark.parametrize("case", list(CASES))

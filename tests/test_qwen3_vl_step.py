@@ -24,9 +24,9 @@ from _real_model import FakeGroup
 from megatron.bridge_thd import qwen3_vl_step, step
 from megatron.bridge_thd.packing import required_alignment
 from megatron.bridge_thd.qwen3_vl_step import forward_step
-from megatron.bridge_thd.testbed.data import synthetic_receipt_batch
-from megatron.bridge_thd.testbed.reference import ReferenceQwen3VL
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state
+from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
+from megatron.bridge_thd_cpu.reference import ReferenceQwen3VL
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups, minimal_state
 
 IMAGE, VISION_START, VISION_END, EOS, PAD = 250, 252, 253, 254, 0
 LOGGER = "megatron.bridge_thd"  # the step and its plan
@@ -111,7 +111,7 @@ def run_step(model, batch, state, **kwargs):
 
 
 class RecordingSpy(torch.nn.Module):
-    """Same explicit signature as our ``ReferenceQwen3VL.forward`` (``megatron/bridge_thd/testbed/reference.py``,
+    """Same explicit signature as our ``ReferenceQwen3VL.forward`` (``megatron/bridge_thd_cpu/reference.py``,
     itself Megatron-Bridge 0.6.2's ``Qwen3VLModel.forward`` names plus ``padding_mask``); records
     kwargs; delegates to the wrapped model when ``delegate`` (else returns zero per-token losses)."""
 

@@ -19,8 +19,8 @@ from _real_model import IMAGE, VIDEO, VIDEOS, all_padding_batch, last_slot_batch
 
 from megatron.bridge_thd import mrope, qwen3_vl_step, step
 from megatron.bridge_thd.packing import pack_bshd_to_thd
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.testbed.parity import (
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.parity import (
     gradients,
     masked_loss_sum,
     max_abs_dlogp,
@@ -168,7 +168,7 @@ def test_video_positions_without_the_frame_split_control_fails(model, batches, a
 
 
 def test_parity_helpers_take_any_mask_the_step_takes(model, batches, alone):
-    """``testbed.parity`` reads the mask as the step does: a float (1.0 / 0.0) or int 2D keep mask,
+    """``bridge_thd_cpu.parity`` reads the mask as the step does: a float (1.0 / 0.0) or int 2D keep mask,
     or a 4D Megatron mask (True = masked), not only a bool one (a float mask used to fail with
     'slice indices must be integers')."""
     batch = batches["left"]
@@ -245,7 +245,7 @@ def test_schedule_plan_on_a_model_without_one_is_refused_clearly(model, batches)
 
 def step_run_with_plan(model, batch):
     from megatron.bridge_thd.qwen3_vl_step import forward_step
-    from megatron.bridge_thd.testbed.standalone import minimal_state
+    from megatron.bridge_thd_cpu.standalone import minimal_state
 
     state = minimal_state(seq_length=2048, micro_batch_size=batch["tokens"].shape[0], packing_layout="bshd")
     return forward_step(state, iter([batch]), model, return_schedule_plan=True)

@@ -65,7 +65,7 @@ def test_qwen35_recipe_script_runs_its_cpu_mode(monkeypatch, tmp_path):
     reaches it."""
     import runpy
 
-    from megatron.bridge_thd.testbed import training
+    from megatron.bridge_thd_testbed import training
 
     calls = []
 

@@ -21,13 +21,13 @@ import pytest
 
 from megatron.bridge_thd.plan import load_lengths
 from megatron.bridge_thd.plan.cli import main
-from megatron.bridge_thd.testbed.hf_hub import offline_hub
-from megatron.bridge_thd.testbed.launcher import run_on_gloo
+from megatron.bridge_thd_cpu.hf_hub import offline_hub
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
 
 SEQ_LENGTH = 1280
 SAMPLES = 32  # the recipe's global batch (32) fits, so the planner's prediction is made
 MERGE = 2
-IMAGE_TOKEN_ID = 510  # testbed.cord_v2.PROCESSOR_TOKEN_IDS
+IMAGE_TOKEN_ID = 510  # bridge_thd_cpu.cord_v2.PROCESSOR_TOKEN_IDS
 
 
 def _cli(argv: list[str]) -> tuple[int, str, str]:

@@ -14,8 +14,8 @@ import torch
 from _real_model import receipt_batch, tiny_real_model, trimmed, video_receipt_batch
 
 from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch
-from megatron.bridge_thd.testbed.opcount import count_ops
-from megatron.bridge_thd.testbed.standalone import minimal_state
+from megatron.bridge_thd_testbed.opcount import count_ops
+from megatron.bridge_thd_cpu.standalone import minimal_state
 
 SEQ_LENGTH = 2048
 

@@ -24,9 +24,9 @@ from megatron.bridge_thd.configure import configure
 from megatron.bridge_thd.qwen3_vl_step import forward_step, prepare_micro_batch, prepare_with_plan
 from megatron.bridge_thd.rules import STEP_RULES, read_setup, step_problems
 from megatron.bridge_thd.step_plan import StaticRow, StepPlan, build_step_plan, in_batch_static_row
-from megatron.bridge_thd.testbed.data import select_samples, synthetic_receipt_batch
-from megatron.bridge_thd.testbed.stack import cpu_stack
-from megatron.bridge_thd.testbed.standalone import minimal_state
+from megatron.bridge_thd_cpu.data import select_samples, synthetic_receipt_batch
+from megatron.bridge_thd_cpu.stack import cpu_stack
+from megatron.bridge_thd_cpu.standalone import minimal_state
 
 SEQ = 2048
 MBS = 3

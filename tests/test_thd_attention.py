@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron.bridge_thd.testbed.reference import thd_attention
+from megatron.bridge_thd_cpu.reference import thd_attention
 
 GARBAGE = (1e6, float("inf"), float("nan"))
 
@@ -231,7 +231,7 @@ def test_check_can_fail_when_padding_counts_as_real():
 def test_reference_model_rejects_a_4d_mask_that_is_not_causal_with_padding():
     # The wrapper reads lengths from a 4D mask; a bidirectional mask carries none and must not
     # be silently taken as "every token real".
-    from megatron.bridge_thd.testbed.reference import ReferenceQwen3VL
+    from megatron.bridge_thd_cpu.reference import ReferenceQwen3VL
 
     model = ReferenceQwen3VL.tiny()
     ids = torch.randint(1, 200, (2, 6))

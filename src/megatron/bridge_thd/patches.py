@@ -8,7 +8,7 @@ at import, and this module imports nothing beyond the standard library.
 
 The patches (targets, where they are built and applied, why; one line each in docs/patches.md):
 
-* Scoped, test bed only: ``testbed/stack.py`` ``cpu_patches()``, applied by ``cpu_stack()``, for
+* Scoped, test bed only: ``bridge_thd_cpu/stack.py`` ``cpu_patches()``, applied by ``cpu_stack()``, for
   Megatron-Bridge 0.6.2's real models on a CPU without CUDA / Transformer Engine (TE) / fla:
   ``torch.cuda.current_device`` (the ropes place ``inv_freq`` on it); the TE names
   ``modelling_qwen3_vl/model.py`` binds at import, ``get_vit_layer_with_transformer_engine_spec``,
@@ -19,7 +19,7 @@ The patches (targets, where they are built and applied, why; one line each in do
   ``l2norm``, ``chunk_gated_delta_rule``, ``get_cuda_rng_tracker``, ``gated_delta_net.gdn``
   ``causal_conv1d``, ``chunk_gated_delta_rule``, and ``_GDNBase``'s ``torch.compile`` methods
   ``_apply_gated_norm``, ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta``.
-* Scoped, test bed only: ``testbed/training.py`` ``cpu_training_patches()``, applied by
+* Scoped, test bed only: ``bridge_thd_testbed/training.py`` ``cpu_training_patches()``, applied by
   ``cpu_training()``, for Megatron-Bridge's ``finetune()`` on the CPU: the provider's
   ``get_gpt_layer_with_transformer_engine_spec``; the Qwen3.5-VL provider's
   ``get_transformer_block_with_experimental_attention_variant_spec`` (the test bed's local hybrid
@@ -27,10 +27,10 @@ The patches (targets, where they are built and applied, why; one line each in do
   ``helpers_cpp`` prebuilt, no Makefile); ``torch`` as the trainer modules of ``TRAINER_MODULES``
   see it; ``torch.Tensor.cuda``; ``tensor_parallel.random`` ``_set_cuda_rng_state`` /
   ``_get_cuda_rng_state`` (the CPU generator).
-* Scoped, test bed only: ``testbed/launcher.py`` ``without_modelopt()``, applied in each gloo rank that
+* Scoped, test bed only: ``bridge_thd_testbed/launcher.py`` ``without_modelopt()``, applied in each gloo rank that
   does not import Megatron-Bridge whole: ``sys.modules['modelopt']`` as missing (Megatron's training
   package imports NVIDIA ModelOpt optionally; ~5 s of a rank's start-up).
-* Scoped, test bed only: ``testbed/qwen25_vl.py`` ``qwen25_vl_import_patches()``:
+* Scoped, test bed only: ``bridge_thd_testbed/qwen25_vl.py`` ``qwen25_vl_import_patches()``:
   ``sys.modules['omegaconf']``, a placeholder while the Qwen2.5-VL provider is imported (only
   when omegaconf is absent).
 * Scoped: ``upstream.py`` ``load_flop_utils()``: ``sys.modules['megatron.bridge.peft.lora']`` and
@@ -54,7 +54,7 @@ The patches (targets, where they are built and applied, why; one line each in do
   (a new method: the loader's pin thread then pins the visual inputs too).
 
 Not a patch of a name, listed so that nothing that changes upstream objects is hidden:
-``testbed/bridge_package.py`` ``bridge_package()`` serves import-time stand-ins for
+``bridge_thd_cpu/bridge_package.py`` ``bridge_package()`` serves import-time stand-ins for
 ``transformer_engine`` / ``nvidia_resiliency_ext`` to Megatron-Bridge's unguarded imports;
 ``upstream.py`` puts a ``sys.meta_path`` finder first (once; Megatron-Bridge's packages load
 without their ``__init__`` when TE is absent); ``moe_padding.with_padding_mask`` swaps the user's

@@ -557,7 +557,7 @@ def _forward_step(
         state: Megatron-Bridge ``GlobalState``.
         data_iterator: yields Megatron-Bridge VLM batch dicts.
         model: the model chunk (for Qwen3-VL: Megatron-Bridge's ``Qwen3VLModel`` or any module with
-            its ``forward`` signature, e.g. :class:`~megatron.bridge_thd.testbed.reference.ReferenceQwen3VL`).
+            its ``forward`` signature, e.g. :class:`~megatron.bridge_thd_cpu.reference.ReferenceQwen3VL`).
         return_schedule_plan: MoE overlap scheduling; BSHD layout only.
 
     Returns:

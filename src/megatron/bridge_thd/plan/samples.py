@@ -9,7 +9,7 @@ sample's first ``seq_length`` tokens and refuses a micro-batch where that cuts a
 token (``step.truncate_to_seq_length``), so :func:`check_seq_length` refuses such a
 ``seq_length`` here too. Sources:
 
-* :func:`receipt_lengths`: the embedded synthetic receipts (``megatron.bridge_thd.testbed.data``,
+* :func:`receipt_lengths`: the embedded synthetic receipts (:mod:`megatron.bridge_thd.plan.receipts`,
   cord_v2-like at seq_length 2048), drawn with the same sampler the demo uses;
 * :func:`load_lengths`: a file, one of
 
@@ -135,10 +135,10 @@ def check_seq_length(samples: SampleLengths, seq_length: int) -> None:
 
 def receipt_lengths(num_samples: int, seed: int = 0) -> SampleLengths:
     """``num_samples`` draws from the synthetic receipt distribution of
-    ``megatron.bridge_thd.testbed.data`` (same sampler, same seed convention as its batches)."""
+    ``megatron.bridge_thd.plan.receipts`` (the sampler the CPU build's synthetic batches use, same seed convention)."""
     import torch
 
-    from megatron.bridge_thd.testbed.data import ReceiptSpec, receipt_sample
+    from megatron.bridge_thd.plan.receipts import ReceiptSpec, receipt_sample
 
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples: expected an int >= 1, got {num_samples!r}")

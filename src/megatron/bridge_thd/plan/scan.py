@@ -560,7 +560,7 @@ def _cpu_tiny_data(workdir: Path, n_train: int) -> str:
 
 
 def _write_cpu_tiny_data(workdir: str, settings: dict) -> None:
-    from megatron.bridge_thd.testbed.cord_v2 import tiny_qwen3_vl_processor, write_cord_v2_preset_layout
+    from megatron.bridge_thd_cpu.cord_v2 import tiny_qwen3_vl_processor, write_cord_v2_preset_layout
 
     write_cord_v2_preset_layout(workdir, n_train=settings["n_train"], n_val=settings["n_val"], seed=settings["seed"])
     tiny_qwen3_vl_processor(os.path.join(workdir, "processor"), patch_size=settings["patch_size"])
@@ -568,18 +568,18 @@ def _write_cpu_tiny_data(workdir: str, settings: dict) -> None:
 
 @contextlib.contextmanager
 def _environment(args):
-    """Megatron-Bridge importable whole on this machine (``testbed.bridge_package``: nothing is stood in where
+    """Megatron-Bridge importable whole on this machine (``bridge_thd_cpu.bridge_package``: nothing is stood in where
     Transformer Engine is installed); with ``--cpu-tiny``, the hub offline with the recipes' model configs
-    (``testbed.hf_hub.offline_hub``), datasets offline, and the working directory ``workdir`` (where the
+    (``bridge_thd_cpu.hf_hub.offline_hub``), datasets offline, and the working directory ``workdir`` (where the
     recipes' ``cord_v2`` preset finds the local copy). All restored on exit. Hugging Face's hub reads its environment
     when first imported: in a process that imported it before, the caller makes it offline (the tests do)."""
     with contextlib.ExitStack() as stack:
         if "megatron.bridge" not in sys.modules or getattr(sys.modules["megatron.bridge"], "__file__", None) is None:
-            from megatron.bridge_thd.testbed.bridge_package import bridge_package
+            from megatron.bridge_thd_cpu.bridge_package import bridge_package
 
             stack.enter_context(bridge_package())
         if args.cpu_tiny:
-            from megatron.bridge_thd.testbed.hf_hub import offline_hub
+            from megatron.bridge_thd_cpu.hf_hub import offline_hub
 
             stack.enter_context(offline_hub())
             saved = os.environ.get("HF_DATASETS_OFFLINE")

@@ -4,7 +4,7 @@ The model class (``models/qwen_vl/modeling_qwen25_vl.py``), its provider
 (``qwen25_vl_provider.py``), Megatron-Core's ``GPTModel`` language model and Hugging Face's
 Qwen2.5-VL vision tower (``Qwen2_5_VisionTransformerPretrainedModel``, windowed attention, run by
 transformers itself) are untouched. fp32, dropout 0, CPU initialisation. What it takes beyond
-:func:`~megatron.bridge_thd.testbed.stack.cpu_stack` (whose ``torch.cuda.current_device`` patch
+:func:`~megatron.bridge_thd_cpu.stack.cpu_stack` (whose ``torch.cuda.current_device`` patch
 Megatron-Core's ``MultimodalRotaryEmbedding`` needs here too):
 
 1. Import: the provider chain ``gpt_provider`` -> ``model_provider`` -> ``models/config.py``
@@ -15,7 +15,7 @@ Megatron-Core's ``MultimodalRotaryEmbedding`` needs here too):
    No Transformer Engine name is bound at import by the Qwen2.5-VL modules.
 2. Build: ``GPTModelProvider.transformer_layer_spec`` defaults to the Transformer Engine spec
    (``default_layer_spec`` -> ``get_gpt_layer_with_transformer_engine_spec``). It is a config
-   field, so no patch: the config carries :func:`~megatron.bridge_thd.testbed.model.language_layer_spec`
+   field, so no patch: the config carries :func:`~megatron.bridge_thd_cpu.model.language_layer_spec`
    (local spec, CPU THD core attention). ``attention_backend`` must stay ``auto``: ``local``
    makes ``GPTModelProvider.provide`` swap the core attention back to Megatron-Core's
    ``DotProductAttention``, which refuses THD.
@@ -98,7 +98,7 @@ def tiny_qwen25_vl_vision_config(**overrides):
     merged tokens), ``tokens_per_second`` 2, output width 64 (the language hidden size)."""
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
-    from megatron.bridge_thd.testbed.reference import TINY_VISION_CONFIG
+    from megatron.bridge_thd_cpu.reference import TINY_VISION_CONFIG
 
     # The tower geometry of every test-bed model (2 blocks, width 32, patch 4, merge 2, output 64).
     settings = {name: TINY_VISION_CONFIG[name] for name in _SHARED_TOWER}
@@ -122,7 +122,7 @@ def tiny_qwen25_vl_config(*, num_layers: int = 2, tp: int = 1, cp: int = 1, pp: 
         vision_config: a ``Qwen2_5_VLVisionConfig`` (default: the tiny one).
         overrides: any other provider / ``TransformerConfig`` field.
     """
-    from megatron.bridge_thd.testbed.model import language_layer_spec, tiny_language_settings
+    from megatron.bridge_thd_cpu.model import language_layer_spec, tiny_language_settings
 
     provider_module = load_qwen25_vl_provider()
     vision = vision_config if vision_config is not None else tiny_qwen25_vl_vision_config()
@@ -168,7 +168,7 @@ def build_qwen25_vl(config, *, pre_process: bool = True, post_process: bool = Tr
     Returns:
         The model in train mode (dropout is 0).
     """
-    from megatron.bridge_thd.testbed.stack import cpu_stack
+    from megatron.bridge_thd_cpu.stack import cpu_stack
 
     load_qwen25_vl_provider()
     torch.manual_seed(seed)

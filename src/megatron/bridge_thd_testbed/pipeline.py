@@ -2,9 +2,9 @@
 
 Runs ``forward_backward_pipelining_without_interleaving`` (Megatron-Core 0.19.2) with
 :func:`megatron.bridge_thd.qwen3_vl_step.forward_step` on this rank's stage of the model built by
-:func:`~megatron.bridge_thd.testbed.model.build_qwen3_vl` (vision tower on the first stage, the output
+:func:`~megatron.bridge_thd_cpu.model.build_qwen3_vl` (vision tower on the first stage, the output
 layer on the last), its weights taken from a full (PP = 1) state dict by global layer index.
-Call it on every rank of a gloo world (``testbed.launcher.run_on_gloo(pipeline_step, ..., pp=2)``), or
+Call it on every rank of a gloo world (``bridge_thd_testbed.launcher.run_on_gloo(pipeline_step, ..., pp=2)``), or
 in a world of one for the PP = 1 reference with the same schedule.
 """
 
@@ -16,8 +16,8 @@ from functools import partial
 import torch
 
 from megatron.bridge_thd.qwen3_vl_step import forward_step
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.testbed.standalone import minimal_state
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.standalone import minimal_state
 
 __all__ = ["pipeline_step", "global_parameter_name"]
 

@@ -35,7 +35,7 @@ TINY_VISION_CONFIG = dict(
     deepstack_visual_indexes=[0, 1],
 )
 """The tiny vision tower shared by :meth:`ReferenceQwen3VL.tiny` and the CPU build of
-Megatron-Bridge's model (``megatron.bridge_thd.testbed.model``)."""
+Megatron-Bridge's model (``megatron.bridge_thd_cpu.model``)."""
 
 TINY_TEXT_CONFIG = dict(
     hidden_size=64,
@@ -46,7 +46,7 @@ TINY_TEXT_CONFIG = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
 )
 """The tiny language model's geometry (Hugging Face ``text_config`` fields), shared by
-:meth:`ReferenceQwen3VL.tiny` and the CPU training checkpoint (``testbed.training``)."""
+:meth:`ReferenceQwen3VL.tiny` and the CPU training checkpoint (``bridge_thd_testbed.training``)."""
 
 _TINY_MOE_TEXT_CONFIG = dict(moe_intermediate_size=32, num_experts_per_tok=2, decoder_sparse_step=1)
 

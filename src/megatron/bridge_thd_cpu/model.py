@@ -2,7 +2,7 @@
 
 The model class, its language model, rope, vision tower and CP handling are Megatron-Bridge's
 and Megatron-Core's, untouched; only the modules Transformer Engine would provide are local
-ones (see :mod:`megatron.bridge_thd.testbed.stack`). fp32, dropout 0, CPU initialisation.
+ones (see :mod:`megatron.bridge_thd_cpu.stack`). fp32, dropout 0, CPU initialisation.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.bridge_thd.testbed.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
+from megatron.bridge_thd_cpu.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
 from megatron.bridge_thd.upstream import load_bridge_module
 
 __all__ = ["tiny_qwen3_vl_config", "tiny_language_settings", "tiny_vision_config", "language_layer_spec", "build_qwen3_vl"]
@@ -24,7 +24,7 @@ def tiny_vision_config():
     (the same tower as ``ReferenceQwen3VL.tiny``)."""
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 
-    from megatron.bridge_thd.testbed.reference import TINY_VISION_CONFIG
+    from megatron.bridge_thd_cpu.reference import TINY_VISION_CONFIG
 
     settings = dict(TINY_VISION_CONFIG, deepstack_visual_indexes=list(TINY_VISION_CONFIG["deepstack_visual_indexes"]))
     return Qwen3VLVisionConfig(in_channels=3, **settings)
@@ -143,7 +143,7 @@ def language_layer_spec(config):
     """Megatron-Core's local GPT layer spec with the CPU THD core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron.bridge_thd.testbed.attention import THDCoreAttention
+    from megatron.bridge_thd_cpu.attention import THDCoreAttention
 
     spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,

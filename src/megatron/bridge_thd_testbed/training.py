@@ -2,7 +2,7 @@
 ``train_step``, DDP, optimizer, checkpoints) on a machine without CUDA. Reasoning and the list:
 docs/megatron-bridge-on-cpu.md.
 
-:func:`cpu_training_patches` adds to :func:`~megatron.bridge_thd.testbed.stack.cpu_patches` what
+:func:`cpu_training_patches` adds to :func:`~megatron.bridge_thd_cpu.stack.cpu_patches` what
 the trainer needs, as :class:`~megatron.bridge_thd.patches.Patch` records: ``torch`` as a handful
 of trainer modules see it (tensors they ask for on ``"cuda"`` are made on the CPU, ``torch.cuda``'s
 synchronisation, cache, stream and memory-statistics calls are no-ops or zeros, its RNG state is
@@ -10,7 +10,7 @@ the CPU generator's), and the one Transformer Engine name the Qwen3-VL provider 
 (its language layer spec). Everything else (the recipe's config, validation, the provider, DDP,
 the distributed optimizer, the schedule, loss reduction, logging, checkpoint save and load) is
 Megatron-Bridge's and Megatron-Core's code, unchanged. :func:`cpu_training` applies them for a
-``with`` block, inside :func:`~megatron.bridge_thd.testbed.stack.cpu_stack`.
+``with`` block, inside :func:`~megatron.bridge_thd_cpu.stack.cpu_stack`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import importlib.util
 import logging
 import os
 
-
 import torch
 
 from megatron.bridge_thd.patches import Patch, applied
-from megatron.bridge_thd.testbed.stack import _CudaWithoutSync, _TorchOnCpu, cpu_stack
+from megatron.bridge_thd.reporting import counting_step, iteration_recorder, step_for
+from megatron.bridge_thd_cpu.stack import _CudaWithoutSync, _TorchOnCpu, cpu_stack
 
 __all__ = ["cpu_training", "cpu_training_patches", "TRAINER_MODULES", "prepare_cpu_run", "cpu_run_config",
-           "run_recipe_on_cpu", "run_on_cpu", "iteration_recorder", "counting_step", "step_for", "recipe_function",
+           "run_recipe_on_cpu", "run_on_cpu", "recipe_function",
            "write_tiny_hf_checkpoint", "write_tiny_hf_qwen35_checkpoint", "TRAINING_VISION_GEOMETRY",
            "training_loop_runs", "is_qwen35_recipe", "pretrained_load_check", "qwen35_training_runs",
            "QWEN35_RECIPE"]
@@ -140,12 +140,12 @@ class _TorchForTrainer(_TorchOnCpu):
 
 
 def _local_language_layer_spec(*args, **kwargs):
-    """``testbed.model.language_layer_spec`` (the local GPT layer spec with the CPU THD core attention),
+    """``bridge_thd_cpu.model.language_layer_spec`` (the local GPT layer spec with the CPU THD core attention),
     called as Megatron-Core's ``get_gpt_layer_with_transformer_engine_spec(num_experts,
     moe_grouped_gemm, qk_layernorm, ...)``."""
     from types import SimpleNamespace
 
-    from megatron.bridge_thd.testbed.model import language_layer_spec
+    from megatron.bridge_thd_cpu.model import language_layer_spec
 
     names = ("num_experts", "moe_grouped_gemm", "qk_layernorm")
     settings = dict(zip(names, args))
@@ -156,7 +156,7 @@ def _local_language_layer_spec(*args, **kwargs):
 
 
 def _local_hybrid_block_spec(config, vp_stage=None, pp_rank=None):
-    """``testbed.qwen35.hybrid_block_spec`` (Gated DeltaNet and full-attention layers from local modules, the
+    """``bridge_thd_cpu.qwen35.hybrid_block_spec`` (Gated DeltaNet and full-attention layers from local modules, the
     CPU THD core attention, zero-centred RMSNorm) sliced to this pipeline stage's layers as Megatron-Core's
     ``get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage, pp_rank)`` slices its
     Transformer Engine layers (that function asserts Transformer Engine)."""
@@ -166,7 +166,7 @@ def _local_hybrid_block_spec(config, vp_stage=None, pp_rank=None):
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron.bridge_thd.testbed.qwen35 import hybrid_block_spec
+    from megatron.bridge_thd_cpu.qwen35 import hybrid_block_spec
 
     block = hybrid_block_spec(config)
     if config.pipeline_model_parallel_layout is not None:
@@ -199,7 +199,7 @@ def cpu_training_patches() -> list[Patch]:
               "a Transformer Engine spec qwen3_vl_provider.py binds at import: the local spec with the CPU THD attention"),
         Patch(qwen35, "get_transformer_block_with_experimental_attention_variant_spec", _local_hybrid_block_spec,
               "qwen35_vl_provider.py builds its hybrid block with it, and it asserts Transformer Engine: the same "
-              "Gated DeltaNet / attention layers from local modules (testbed.qwen35), sliced per pipeline stage"),
+              "Gated DeltaNet / attention layers from local modules (bridge_thd_cpu.qwen35), sliced per pipeline stage"),
     ]
     if _helpers_prebuilt():
         initialize = importlib.import_module("megatron.bridge.training.initialize")
@@ -250,7 +250,7 @@ def write_tiny_hf_checkpoint(folder, *, token_ids: dict, seed: int = 0, moe: boo
     Returns:
         ``str(folder)``.
     """
-    from megatron.bridge_thd.testbed.reference import tiny_hf_qwen3_vl_config
+    from megatron.bridge_thd_cpu.reference import tiny_hf_qwen3_vl_config
 
     ids = token_ids
     config, model_cls = tiny_hf_qwen3_vl_config(
@@ -350,7 +350,7 @@ def prepare_cpu_run(workdir, *, n_train: int = 64, n_val: int = 8, seed: int = 0
         ``{"workdir", "dataset", "processor", "hf_checkpoint", "hf_checkpoint_qwen35"}`` (paths as strings;
         a checkpoint not written is None).
     """
-    from megatron.bridge_thd.testbed.cord_v2 import PROCESSOR_TOKEN_IDS, tiny_qwen3_vl_processor, write_cord_v2_preset_layout
+    from megatron.bridge_thd_cpu.cord_v2 import PROCESSOR_TOKEN_IDS, tiny_qwen3_vl_processor, write_cord_v2_preset_layout
 
     workdir = os.path.abspath(str(workdir))
     dataset = write_cord_v2_preset_layout(workdir, n_train=n_train, n_val=n_val, seed=seed)
@@ -401,7 +401,7 @@ def cpu_run_config(cfg, paths: dict, *, train_iters: int, global_batch_size: int
     """
     from megatron.bridge import AutoBridge
 
-    from megatron.bridge_thd.testbed.model import tiny_language_settings
+    from megatron.bridge_thd_cpu.model import tiny_language_settings
 
     # The recipe's own provider class says which tiny checkpoint stands in for its hub model.
     pretrained = paths["hf_checkpoint_qwen35" if type(cfg.model).__name__.startswith("Qwen35") else "hf_checkpoint"]
@@ -461,85 +461,6 @@ def recipe_function(name: str):
     return getattr(recipes, name)
 
 
-def step_for(layout: str):
-    """The forward step of a run: ``"megatron_bridge"`` is Megatron-Bridge 0.6.2's own
-    ``qwen3_vl_step.forward_step`` (the padded baseline); any layout name is ours."""
-    if layout == "megatron_bridge":
-        return importlib.import_module("megatron.bridge.models.qwen_vl.qwen3_vl_step").forward_step
-    return importlib.import_module("megatron.bridge_thd.qwen3_vl_step").forward_step
-
-
-def _peak_memory_bytes() -> int:
-    """Peak memory so far: the device's allocator peak on a GPU, the process's maximum resident
-    set on the CPU."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-def iteration_recorder():
-    """A Megatron-Bridge ``Callback`` recording, per iteration, what the trainer logs: the reduced
-    loss, the gradient norm, the model FLOPs the trainer added (``floating_point_operations_so_far``,
-    DP-global), the sequence tokens its FLOPs accounting saw on this rank (``_flops_seqlen_sum``)
-    and the step's wall time."""
-    import time
-
-    from megatron.bridge.training.callbacks import Callback
-
-    class Recorder(Callback):
-        # The trainer adds a step's FLOPs after on_train_step_end fires (train.py), so a step's
-        # FLOPs are read at the next step's start (or at the end of training).
-        def __init__(self):
-            self.rows = []
-            self.evaluations = []  # per evaluation: {"test": bool, "iteration", "loss"}
-            self._start = None
-
-        def _evaluated(self, context, test: bool):
-            losses = context.total_loss_dict or {}
-            loss = losses.get("lm loss")
-            self.evaluations.append({"test": test, "iteration": int(context.state.train_state.step),
-                                     "loss": None if loss is None else float(loss)})
-
-        def on_eval_end(self, context):
-            self._evaluated(context, test=False)
-
-        def on_test_end(self, context):
-            self._evaluated(context, test=True)
-
-        def _close_previous(self, state):
-            if self.rows and self.rows[-1]["flops"] is None:
-                self.rows[-1]["flops"] = float(state.train_state.floating_point_operations_so_far) - self._flops
-
-        def on_train_step_start(self, context):
-            self._close_previous(context.state)
-            self._flops = float(context.state.train_state.floating_point_operations_so_far)
-            self._start = time.perf_counter()
-
-        def on_train_step_end(self, context):
-            state = context.state
-            loss = context.loss_dict.get("lm loss") if context.loss_dict else None
-            self.rows.append({
-                "iteration": int(state.train_state.step) + 1,  # the trainer counts the step after this event
-                "loss": float(loss) if loss is not None else None,
-                "grad_norm": None if context.grad_norm is None else float(context.grad_norm),
-                "flops": None,
-                "flops_tokens": int(getattr(state, "_flops_seqlen_sum", 0)),
-                "seconds": time.perf_counter() - self._start,
-                "peak_memory_bytes": _peak_memory_bytes(),
-            })
-
-        def on_train_end(self, context):
-            self._close_previous(context.state)
-
-        def on_checkpoint_save(self, context):
-            # exit_interval saves and exits (sys.exit) without on_train_end; the step's FLOPs are in by then.
-            self._close_previous(context.state)
-
-    return Recorder()
-
-
 def pretrained_load_check(hf_checkpoint: str):
     """A Megatron-Bridge ``Callback`` that checks, when training starts from the Hugging Face checkpoint
     (iteration 0, not a resume), that Megatron-Bridge's conversion loaded all of it and nothing else:
@@ -597,59 +518,6 @@ def pretrained_load_check(hf_checkpoint: str):
     return PretrainedLoadCheck()
 
 
-class _RealTokenCounter:
-    """Wraps the trainer's data iterator: counts the real tokens (the collate's 2D attention mask)
-    and the supervised tokens (``loss_mask``) of every micro-batch this rank's step takes."""
-
-    def __init__(self, iterator, counts: list, training: bool = True):
-        self.iterator, self.counts, self.training = iterator, counts, training
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        from megatron.core import parallel_state
-
-        batch = next(self.iterator)
-        mask = batch.get("attention_mask")
-        self.counts.append({
-            # The ranks of one model replica (TP / CP / PP) read the same micro-batch: count it once.
-            "counted": (parallel_state.get_tensor_model_parallel_rank() == 0
-                        and parallel_state.get_context_parallel_rank() == 0
-                        and parallel_state.get_pipeline_model_parallel_rank() == 0),
-            "real_tokens": None if mask is None or mask.dim() != 2 else int(mask.bool().sum()),
-            "supervised_tokens": int(batch["loss_mask"].bool().sum()) if "loss_mask" in batch else None,
-            "samples": int(next(batch[k] for k in ("tokens", "input_ids") if k in batch).shape[0]),
-            "training": self.training,  # False: an evaluation's micro-batch
-        })
-        return batch
-
-    def __getattr__(self, name):
-        return getattr(self.iterator, name)
-
-
-def counting_step(step, counts: list):
-    """``step`` with its data iterator wrapped by :class:`_RealTokenCounter` (``counts`` receives one
-    entry per micro-batch this rank takes, training or evaluation, as the model's mode says, with the
-    decoder's signature when the step is ours); same signature, so the trainer injects the same arguments."""
-    import functools
-
-    @functools.wraps(step)
-    def counted(state, data_iterator, model, *args, **kwargs):
-        if data_iterator is not None:
-            data_iterator = _RealTokenCounter(data_iterator, counts, training=bool(getattr(model, "training", True)))
-        if not isinstance(getattr(state, "bridge_thd_stats", None), list):
-            state.bridge_thd_stats = []  # our step appends each micro-batch's PackingStats here
-        before = len(state.bridge_thd_stats)
-        result = step(state, data_iterator, model, *args, **kwargs)
-        if data_iterator is not None and len(state.bridge_thd_stats) > before:
-            # What the decoder saw (step.decoder_signature): in thd_static one value for the whole run.
-            counts[-1]["signature"] = repr(state.bridge_thd_stats.pop().signature)
-        return result
-
-    return counted
-
-
 def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int, global_batch_size: int = 8,
                       micro_batch_size: int = 2, seq_length: int = 512, tp: int = 1, pp: int = 1, cp: int = 1,
                       save_interval: int | None = None, exit_interval: int | None = None,
@@ -658,7 +526,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                       eval_iters=RECIPE, eval_interval=RECIPE, num_workers=RECIPE, checkpoint: bool | str = True,
                       max_lr=RECIPE, check_pretrained_load: bool = False) -> dict:
     """Run Megatron-Bridge's ``finetune()`` on this rank for a recipe in its CPU mode
-    (:func:`cpu_run_config`), with ``layout``'s step (:func:`step_for`; ours after
+    (:func:`cpu_run_config`), with ``layout``'s step (:func:`megatron.bridge_thd.reporting.step_for`; ours after
     ``configure(cfg, layout)``). Call on every rank of a world started with
     ``run_on_gloo(..., whole_bridge=True, initialize=False)`` inside ``hf_hub.offline_hub()``; a run
     whose checkpoint folder already holds a checkpoint resumes from it.
@@ -775,9 +643,9 @@ def run_on_cpu(runs: list, *, workdir, world_size: int = 2, timeout: float = 600
     Returns:
         Per rank, ``{key: run_recipe_on_cpu(...)}``.
     """
-    from megatron.bridge_thd.testbed.hf_hub import offline_hub
-    from megatron.bridge_thd.testbed.launcher import run_on_gloo
-    from megatron.bridge_thd.testbed.standalone import free_ports
+    from megatron.bridge_thd_cpu.hf_hub import offline_hub
+    from megatron.bridge_thd_testbed.launcher import run_on_gloo
+    from megatron.bridge_thd_cpu.standalone import free_ports
 
     paths = paths or prepare_cpu_run(workdir, qwen3_vl=any(not is_qwen35_recipe(run[1]) for run in runs),
                                      qwen35=any(is_qwen35_recipe(run[1]) for run in runs))

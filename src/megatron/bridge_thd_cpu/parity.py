@@ -1,9 +1,9 @@
 """Check packing on your own batches against Megatron-Bridge's real model, on a laptop.
 
-Runs the replacement ``forward_step`` on a model built by :mod:`megatron.bridge_thd.testbed.model`
+Runs the replacement ``forward_step`` on a model built by :mod:`megatron.bridge_thd_cpu.model`
 (or any Megatron-Bridge ``Qwen3VLModel``) and each sample alone through the same model, and
 compares per-token log-probabilities and gradients. Used by the tests and the parity report
-(``benchmarks/parity_report.py``). Run it inside :func:`~megatron.bridge_thd.testbed.stack.cpu_stack`.
+(``benchmarks/parity_report.py``). Run it inside :func:`~megatron.bridge_thd_cpu.stack.cpu_stack`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from megatron.bridge_thd.lengths import keep_mask_from_attention_mask
 from megatron.bridge_thd.qwen3_vl_step import forward_step
-from megatron.bridge_thd.testbed.standalone import minimal_state
+from megatron.bridge_thd_cpu.standalone import minimal_state
 
 __all__ = [
     "Recorder",

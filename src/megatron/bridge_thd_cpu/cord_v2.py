@@ -15,7 +15,7 @@ own data path reads unmodified (docs/cord-v2-data-path.md):
 * :func:`tiny_qwen3_vl_processor` builds a Hugging Face ``Qwen3VLProcessor``: a byte-level BPE
   tokenizer trained with ``tokenizers`` on receipt text plus Qwen's special tokens and a Qwen3-VL
   style chat template, and image / video processors for the tiny vision tower of
-  :data:`~megatron.bridge_thd.testbed.reference.TINY_VISION_CONFIG` (patch 4, temporal patch 2,
+  :data:`~megatron.bridge_thd_cpu.reference.TINY_VISION_CONFIG` (patch 4, temporal patch 2,
   merge 2). Saved to a folder, ``AutoProcessor.from_pretrained(folder)`` loads it offline.
   :data:`PROCESSOR_TOKEN_IDS` holds the ids the tiny model must be built with.
 """
@@ -298,7 +298,7 @@ def tiny_qwen3_vl_processor(folder=None, *, min_pixels: int = 32 * 32, max_pixel
         folder: where to save it (``AutoProcessor.from_pretrained(folder)`` then loads it offline);
             None: not saved.
         patch_size: the vision patch (default ``TINY_VISION_CONFIG``'s 4). The training runs use
-            Qwen3-VL's own 16 (``testbed.training``): Megatron-Bridge's collate resizes every image
+            Qwen3-VL's own 16 (``bridge_thd_testbed.training``): Megatron-Bridge's collate resizes every image
             to at least 200704 pixels, 196 tokens at patch 16 as on the real model, 3136 at patch 4.
 
     Returns:
@@ -308,7 +308,7 @@ def tiny_qwen3_vl_processor(folder=None, *, min_pixels: int = 32 * 32, max_pixel
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    from megatron.bridge_thd.testbed.reference import TINY_VISION_CONFIG
+    from megatron.bridge_thd_cpu.reference import TINY_VISION_CONFIG
 
     geometry = dict(patch_size=patch_size or TINY_VISION_CONFIG["patch_size"], temporal_patch_size=TINY_VISION_CONFIG["temporal_patch_size"],
                     merge_size=TINY_VISION_CONFIG["spatial_merge_size"])

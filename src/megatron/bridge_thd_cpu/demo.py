@@ -1,7 +1,7 @@
 """The main job (``make demo``): the replacement forward step on a tiny Qwen3-VL, three layouts.
 
 Builds a tiny random Qwen3-VL — by default Megatron-Bridge 0.6.2's own ``Qwen3VLModel`` on the
-CPU (``megatron.bridge_thd.testbed``), or with ``--model hf`` the Hugging Face reference
+CPU (``megatron.bridge_thd_cpu``), or with ``--model hf`` the Hugging Face reference
 ``ReferenceQwen3VL.tiny()`` — and synthetic receipt-like micro-batches, runs
 :func:`megatron.bridge_thd.qwen3_vl_step.forward_step` in ``bshd``, ``thd`` and
 ``thd_static``, runs every sample alone through the same model, and prints the losses (equal),
@@ -75,9 +75,9 @@ _silence_cpu_build_noise()
 import torch  # noqa: E402  (after the filters above)
 
 from megatron.bridge_thd.qwen3_vl_step import LAYOUTS, forward_step  # noqa: E402
-from megatron.bridge_thd.testbed.data import synthetic_receipt_batch  # noqa: E402
-from megatron.bridge_thd.testbed.reference import ReferenceQwen3VL  # noqa: E402
-from megatron.bridge_thd.testbed.standalone import init_single_process_groups, minimal_state  # noqa: E402
+from megatron.bridge_thd_cpu.data import synthetic_receipt_batch  # noqa: E402
+from megatron.bridge_thd_cpu.reference import ReferenceQwen3VL  # noqa: E402
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups, minimal_state  # noqa: E402
 
 
 class _Progress:
@@ -122,7 +122,7 @@ def _per_sample_token_losses(model: ReferenceQwen3VL, batch: dict) -> list[torch
 
 def _bridge_per_sample_token_losses(model, batch: dict) -> list[torch.Tensor]:
     """Each sample alone through Megatron-Bridge's model (its own positions), at supervised tokens."""
-    from megatron.bridge_thd.testbed.parity import per_sample_token_losses
+    from megatron.bridge_thd_cpu.parity import per_sample_token_losses
 
     losses = per_sample_token_losses(model, batch)
     keep = batch["attention_mask"]
@@ -139,8 +139,8 @@ def _demo_model(kind: str, seed: int, seq_length: int):
     """(model, per-sample reference function, context the forward runs in)."""
     if kind == "hf":
         return ReferenceQwen3VL.tiny(seed=seed), _per_sample_token_losses, contextlib.nullcontext()
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
-    from megatron.bridge_thd.testbed.stack import cpu_stack
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.stack import cpu_stack
 
     config = tiny_qwen3_vl_config(seq_length=seq_length)
     return build_qwen3_vl(config, seed=seed), _bridge_per_sample_token_losses, cpu_stack()

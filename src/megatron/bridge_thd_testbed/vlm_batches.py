@@ -1,6 +1,6 @@
 """Padded VLM micro-batches of a chosen size and width, with images or videos (benchmarks).
 
-:func:`megatron.bridge_thd.testbed.data.synthetic_receipt_batch` draws receipt-like samples whose
+:func:`megatron.bridge_thd_cpu.data.synthetic_receipt_batch` draws receipt-like samples whose
 lengths the receipt distribution fixes (about 300 to 1700 tokens). The step benchmarks need a
 batch of ``B`` samples padded to a width ``T`` (``seq_length``) for several ``T``, so this module
 draws each sample's real length first and fits the media and the answer into it:
@@ -16,7 +16,7 @@ draws each sample's real length first and fits the media and the answer into it:
   patch grid ``(t, 2h', 2w')``.
 
 Token ids and the patch width are those of the tiny test-bed model (:class:`~megatron.bridge_thd.
-testbed.data.ReceiptSpec`). Samples are a pure function of the seed. Building is a host-side
+bridge_thd_cpu.data.ReceiptSpec`). Samples are a pure function of the seed. Building is a host-side
 Python loop: never time it.
 """
 
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron.bridge_thd.testbed.data import ReceiptSpec, VisualInputs, batch_dict
+from megatron.bridge_thd_cpu.data import ReceiptSpec, VisualInputs, batch_dict
 
 __all__ = ["MEDIA", "VIDEO_TOKEN_ID", "TIMESTAMP_TOKENS", "vlm_batch"]
 
 MEDIA = ("images", "videos")
-VIDEO_TOKEN_ID = 251  # the tiny model's video placeholder (testbed.model.VIDEO_TOKEN_ID)
+VIDEO_TOKEN_ID = 251  # the tiny model's video placeholder (bridge_thd_cpu.model.VIDEO_TOKEN_ID)
 TIMESTAMP_TOKENS = 3  # text tokens before each video frame ("<0.5 seconds>")
 
 
@@ -80,7 +80,7 @@ def vlm_batch(batch_size: int, width: int, *, media: str = "images", seed: int =
     Returns:
         dict with ``tokens``, ``labels`` (-100 at padding), ``loss_mask`` (float), ``attention_mask``
         (bool keep mask), ``position_ids`` (``(B, T)`` arange) and ``visual_inputs``
-        (:class:`~megatron.bridge_thd.testbed.data.VisualInputs`: pixel rows and grids of the
+        (:class:`~megatron.bridge_thd_cpu.data.VisualInputs`: pixel rows and grids of the
         images, and of the videos with ``media="videos"``, in order of appearance).
     """
     if media not in MEDIA:

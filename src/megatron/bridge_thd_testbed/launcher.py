@@ -3,13 +3,13 @@
 Parallelism on the CPU is tested with real process groups: :func:`run_on_gloo` starts
 ``world_size`` processes, each initialises ``torch.distributed`` with the gloo backend and
 Megatron-Core's ``parallel_state`` with the requested TP / CP / PP / EP sizes, calls ``fn(*args)``
-inside :func:`~megatron.bridge_thd.testbed.stack.cpu_stack`, and hands its return value back
+inside :func:`~megatron.bridge_thd_cpu.stack.cpu_stack`, and hands its return value back
 (``torch.save`` through a temporary folder). Ranks that do not import Megatron-Bridge whole start
 without NVIDIA ModelOpt (:func:`without_modelopt`). A rank that fails raises in the caller with its
 traceback; a rank that hangs is killed after ``timeout`` seconds.
 
 The ranks are forked by multiprocessing's forkserver, a fresh interpreter that imported torch and
-Megatron-Core once (:mod:`~megatron.bridge_thd.testbed.forkserver_preload`): a spawned rank spent
+Megatron-Core once (:mod:`~megatron.bridge_thd_testbed.forkserver_preload`): a spawned rank spent
 5-10 s of a two-core machine on those imports, a 4-rank world about 20 s before its first line.
 Each rank is a fresh process still: it takes the caller's current environment and import path,
 imports the test's function, Megatron-Bridge and Megatron's training package itself, under its
@@ -31,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron.bridge_thd.patches import Patch, applied
-from megatron.bridge_thd.testbed.standalone import free_port
+from megatron.bridge_thd_cpu.standalone import free_port
 
 __all__ = ["run_on_gloo", "without_modelopt"]
 
@@ -48,10 +48,10 @@ def without_modelopt() -> Patch:
 
 
 def _context():
-    """The forkserver, with :mod:`~megatron.bridge_thd.testbed.forkserver_preload` imported once for every world
+    """The forkserver, with :mod:`~megatron.bridge_thd_testbed.forkserver_preload` imported once for every world
     of this process."""
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["megatron.bridge_thd.testbed.forkserver_preload"])
+    context.set_forkserver_preload(["megatron.bridge_thd_testbed.forkserver_preload"])
     return context
 
 
@@ -74,7 +74,7 @@ def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initia
             # after the patch above.
             fn, args = pickle.loads(payload)
             if whole_bridge:
-                from megatron.bridge_thd.testbed.bridge_package import bridge_package
+                from megatron.bridge_thd_cpu.bridge_package import bridge_package
 
                 stack.enter_context(bridge_package())
                 import megatron.bridge  # noqa: F401 - the whole package, before any bare load
@@ -88,7 +88,7 @@ def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initia
                     context_parallel_size=sizes["cp"],
                     expert_model_parallel_size=sizes["ep"],
                 )
-            from megatron.bridge_thd.testbed.stack import cpu_stack
+            from megatron.bridge_thd_cpu.stack import cpu_stack
 
             stack.enter_context(cpu_stack())
             result = fn(*args)
@@ -113,7 +113,7 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
         timeout: seconds for the whole world (one deadline, not per process) before every
             process still alive is killed and an error is raised.
         whole_bridge: import Megatron-Bridge whole first, inside
-            :func:`~megatron.bridge_thd.testbed.bridge_package.bridge_package` (kept for the call),
+            :func:`~megatron.bridge_thd_cpu.bridge_package.bridge_package` (kept for the call),
             for recipes, ``ConfigContainer`` and the training loop.
         initialize: create the gloo process group and Megatron-Core's groups; False leaves that to
             ``fn`` (Megatron-Bridge's own ``initialize_megatron``), with torchrun's ``RANK`` /

@@ -12,17 +12,17 @@ That spec function asserts ``transformer_impl == "transformer_engine"`` (TE modu
 so :func:`hybrid_block_spec` assembles the same per-layer structure from Megatron-Core's local
 modules: GDN layers get ``GatedDeltaNet`` with a separate input norm and a ``ColumnParallelLinear``
 ``in_proj`` (TE fuses the norm into ``TELayerNormColumnParallelLinear``: same math), full-attention
-layers the local GPT layer spec with :class:`~megatron.bridge_thd.testbed.attention.THDCoreAttention`
+layers the local GPT layer spec with :class:`~megatron.bridge_thd_cpu.attention.THDCoreAttention`
 and ``Qwen3VLSelfAttention``. The norms are :class:`RMSNorm` (zero-centred gamma, which
 Megatron-Core's ``WrappedTorchNorm`` refuses). The GDN kernels are the pure-torch varlen ones of
-:mod:`megatron.bridge_thd.testbed.gdn`, installed by :func:`~megatron.bridge_thd.testbed.stack.cpu_stack`.
+:mod:`megatron.bridge_thd_cpu.gdn`, installed by :func:`~megatron.bridge_thd_cpu.stack.cpu_stack`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd.upstream import load_bridge_module
 
 __all__ = ["RMSNorm", "tiny_qwen35_vl_config", "hybrid_block_spec", "build_qwen35_vl", "gdn_layers"]
@@ -50,7 +50,7 @@ class RMSNorm(torch.nn.Module):
 
 def tiny_qwen35_vl_config(*, moe: bool = False, linear_attention_freq=(1, 0, 1, 0), **overrides):
     """A ``Qwen3VLTransformerConfig`` with Qwen3.5's hybrid settings on the tiny Qwen3-VL of
-    :func:`~megatron.bridge_thd.testbed.model.tiny_qwen3_vl_config`.
+    :func:`~megatron.bridge_thd_cpu.model.tiny_qwen3_vl_config`.
 
     Layers follow ``linear_attention_freq`` (1 = Gated DeltaNet, 0 = full attention; default
     GDN, attention, GDN, attention). GDN: 2 key heads and 4 value heads (grouped, like 16/48),
@@ -90,7 +90,7 @@ def hybrid_block_spec(config):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from megatron.bridge_thd.testbed.attention import THDCoreAttention
+    from megatron.bridge_thd_cpu.attention import THDCoreAttention
 
     attention_module = load_bridge_module("models.qwen_vl.modelling_qwen3_vl.attention").Qwen3VLSelfAttention
 
@@ -138,13 +138,13 @@ def hybrid_block_spec(config):
 
 def build_qwen35_vl(config, *, pg_collection=None, pre_process: bool = True, post_process: bool = True, seed: int = 0):
     """Megatron-Bridge 0.6.2's ``Qwen3VLModel`` with the Qwen3.5 hybrid block, built on the CPU
-    by :func:`~megatron.bridge_thd.testbed.model.build_qwen3_vl` inside ``cpu_stack()`` (so the GDN layers bind
+    by :func:`~megatron.bridge_thd_cpu.model.build_qwen3_vl` inside ``cpu_stack()`` (so the GDN layers bind
     the pure-torch varlen kernels).
 
     Args:
         config: from :func:`tiny_qwen35_vl_config`.
         pg_collection, pre_process, post_process, seed: as in
-            :func:`~megatron.bridge_thd.testbed.model.build_qwen3_vl`.
+            :func:`~megatron.bridge_thd_cpu.model.build_qwen3_vl`.
     """
     return build_qwen3_vl(config, pg_collection=pg_collection, pre_process=pre_process, post_process=post_process,
                           seed=seed, layer_spec=hybrid_block_spec)

@@ -146,7 +146,7 @@ def _check_not_loaded_bare() -> None:
         raise RuntimeError(
             "megatron.bridge was already loaded without its __init__ in this process "
             "(megatron.bridge_thd.upstream.load_bridge_module on a machine without Transformer Engine); "
-            "enter testbed.bridge_package.bridge_package() before any such load, e.g. in a fresh process"
+            "enter bridge_thd_cpu.bridge_package.bridge_package() before any such load, e.g. in a fresh process"
         )
 
 

@@ -14,9 +14,9 @@ Shared by ``tests/test_interop_verl.py`` (which asserts on them) and ``benchmark
   metadata only, the padded ``(B, T)`` batch goes to the model, which packs it itself.
 * :func:`real_model_worker`: all of it on one CP rank of Megatron-Bridge 0.6.2's real
   ``Qwen3VLModel`` (run it in-process at CP = 1 or on gloo with
-  :func:`~megatron.bridge_thd.testbed.launcher.run_on_gloo`).
+  :func:`~megatron.bridge_thd_testbed.launcher.run_on_gloo`).
 
-Run model calls inside :func:`~megatron.bridge_thd.testbed.stack.cpu_stack`.
+Run model calls inside :func:`~megatron.bridge_thd_cpu.stack.cpu_stack`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.bridge_thd.testbed.parity import gradients, worst_relative_gradient_error
+from megatron.bridge_thd_cpu.parity import gradients, worst_relative_gradient_error
 
 __all__ = [
     "VERL_VERSION",
@@ -315,7 +315,7 @@ def real_model_worker(state_dict: dict, batch: dict, verl_path: str | None, cp: 
     under ``"extra"``. ``"same_row_as_verl"``: our packed ids and padded boundaries equal VERL's.
     Module level: pickled by reference for spawn.
     """
-    from megatron.bridge_thd.testbed.model import build_qwen3_vl, tiny_qwen3_vl_config
+    from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
     from megatron.bridge_thd.verl import postprocess_packed_seqs, preprocess_packed_seqs
 
     model = build_qwen3_vl(tiny_qwen3_vl_config(cp=cp), seed=0)

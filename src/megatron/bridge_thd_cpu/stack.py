@@ -29,7 +29,7 @@ def local_vit_layer_spec():
     attends to itself bidirectionally, images are separate THD segments)."""
     from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
 
-    from megatron.bridge_thd.testbed.attention import THDCoreAttention
+    from megatron.bridge_thd_cpu.attention import THDCoreAttention
 
     spec = get_vit_layer_with_local_spec()
     spec.submodules.self_attention.submodules.core_attention = THDCoreAttention
@@ -136,7 +136,7 @@ def _gdn_patches() -> list[Patch]:
     except ImportError:  # a Megatron-Core without Gated DeltaNet
         return patches
     if not _fla_available():
-        from megatron.bridge_thd.testbed import gdn as kernels
+        from megatron.bridge_thd_cpu import gdn as kernels
 
         no_fla = "fla is absent: Gated DeltaNet refuses to build (HAVE_FLA) and its kernels are None"
         bound = "gdn.py imported the fla kernel by name: the pure-torch varlen one (cu_seqlens honoured)"

@@ -1,5 +1,5 @@
 """What the gloo launcher's forkserver imports once, before it forks any rank
-(``multiprocessing``'s ``set_forkserver_preload``; :mod:`megatron.bridge_thd.testbed.launcher`).
+(``multiprocessing``'s ``set_forkserver_preload``; :mod:`megatron.bridge_thd_testbed.launcher`).
 
 A rank needs torch, Megatron-Core and the third-party packages Megatron-Bridge's modules import
 before it can run its first line: 5-10 s of imports per process on a two-core machine when each rank
@@ -9,7 +9,7 @@ Nothing here imports Megatron-Bridge, Megatron's training package or NVIDIA Mode
 imports those itself, under the patches its kind of rank needs (``launcher._worker``). Nor anything
 that reads the environment when it is imported: Hugging Face's ``transformers`` / ``huggingface_hub``
 fix their cache and offline settings then (``huggingface_hub.constants``), and a rank must see the
-caller's environment as it is when the world starts (``testbed.hf_hub.offline_hub`` sets them), not as
+caller's environment as it is when the world starts (``bridge_thd_cpu.hf_hub.offline_hub`` sets them), not as
 it was when the forkserver started.
 
 One thing differs from a spawned rank and is kept from leaking: on a machine without an NVIDIA
@@ -41,7 +41,7 @@ PRELOADED_MODULES = (
     "megatron.core.optimizer",
     "megatron.core.dist_checkpointing",
     "megatron.core.ssm",
-    "megatron.bridge_thd.testbed.stack",
+    "megatron.bridge_thd_cpu.stack",
     # Third-party packages Megatron-Bridge's modules import that read no environment variable at import.
     "omegaconf",
     "PIL.Image",
