@@ -1,4 +1,4 @@
-"""Figures for the combinations of issue 16, on Megatron-Bridge 0.6.2's real Qwen3VLModel (CPU build).
+"""Figures for the edge-case combinations (layouts x parallelism x features), on Megatron-Bridge 0.6.2's real Qwen3VLModel (CPU build).
 
 * PP=2 x CP=2 over gloo with Megatron-Core's 1F1B schedule vs PP=1 / CP=1, per layout: the
   difference of the loss sums and the worst relative gradient error;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Global-batch packing (issue 19) against Megatron-Bridge's in-batch placement and VERL's balancer, on the CPU.
+"""Global-batch packing against Megatron-Bridge's in-batch placement and VERL's balancer, on the CPU.
 
 No model runs: every figure comes from per-sample lengths, Megatron-Bridge's FLOPs terms
 (``batching.sample_cost``) and the placements themselves. Deterministic (fixed seeds) except the

@@ -89,7 +89,7 @@ warnings.filterwarnings("ignore", category=UserWarning, message=r".*(Transformer
 
 from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch  # noqa: E402
 
-try:  # the step's plan and its host path (issue 24); absent on the "before" commit
+try:  # the step's plan and its host path; absent on the "before" commit
     from megatron.bridge_thd.adapters import QWEN3_VL  # noqa: E402
     from megatron.bridge_thd.step import prepare_with_plan  # noqa: E402
     from megatron.bridge_thd.step_plan import build_step_plan  # noqa: E402

@@ -1,4 +1,4 @@
-"""Global-batch packing's loaders as Megatron-Bridge 0.6.2's loop drives them (issue 28).
+"""Global-batch packing's loaders as Megatron-Bridge's loop drives them.
 
 The reference is Megatron-Bridge itself: its ``build_pretraining_data_loader`` (``data/samplers.py``)
 builds each rank's loader, and its loop iterates a ``single`` loader once and a ``cyclic`` one through

@@ -401,7 +401,7 @@ def test_either_packing_name_alone_sets_both(given):
 
 @pytest.mark.parametrize("pack, enable", [(True, False), (False, True)])
 def test_both_packing_names_set_differently_is_refused(pack, enable):
-    """Changed by issue 16 item 7: the name set to False is refused as an explicit setting the layout
+    """The name set to False is refused as an explicit setting the layout
     contradicts (one rule for every flag, with force=True as the way out), not by a message of its own."""
     cfg = make_cfg(dataset=dict(pack_sequences_in_batch=pack, enable_in_batch_packing=enable))
     before = snapshot(cfg)
@@ -630,7 +630,7 @@ def test_thd_with_pp_sets_variable_seq_lengths():
 
 
 def test_thd_with_pp_refuses_an_explicit_variable_seq_lengths_false(caplog):
-    """Changed by issue 16 item 7: this used to be overwritten with an INFO line."""
+    """An explicit setting the layout contradicts is refused, never overwritten (force=True is the way out)."""
     cfg = make_cfg(model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=False))
     before = snapshot(cfg)
     with pytest.raises(ValueError, match=r"model.variable_seq_lengths=False was set explicitly, but layout 'thd' with "
@@ -777,9 +777,9 @@ def test_cuda_graphs_with_variable_seq_lengths_is_a_contradiction(layout):
 def test_variable_seq_lengths_set_by_bridges_hook_is_not_the_users_contradiction():
     """After Bridge's validate() (hook + finalize) a static layout with PP>1 has variable_seq_lengths=True.
 
-    Changed by issue 16 item 7: with CUDA graphs in the model config and PP>1 the config is now
-    refused (Qwen3VLModel asserts at build, see the tests below); this note remains for graphs
-    declared only through ``cuda_graphs=True``, which Qwen3VLModel does not see."""
+    With CUDA graphs in the model config and PP>1 the config is refused (Qwen3VLModel asserts at build, see
+    the tests below); this note is for graphs declared only through ``cuda_graphs=True``, which Qwen3VLModel
+    does not see."""
     cfg = make_cfg(
         model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=True, _enable_in_batch_packing=True)
     )
@@ -828,7 +828,7 @@ def test_hybridep_without_cuda_graphs_allows_thd_and_pads(layout, caplog):
 
 
 # ---------------------------------------------------------------------------------------------
-# refusals of what fails later (issue 16 item 7)
+# refusals of what would fail later
 # ---------------------------------------------------------------------------------------------
 
 PIPELINE_GRAPHS = {
@@ -861,7 +861,11 @@ def test_cuda_graphs_with_pipeline_parallelism_are_refused_for_every_layout(layo
 @pytest.mark.parametrize("layout", ["thd_static", "bshd"])
 def test_cuda_graphs_without_pipeline_parallelism_are_accepted(layout):
     impl = "local" if layout == "thd_static" else "transformer_engine"  # docs/cuda-graphs.md
-    configure(make_cfg(model=dict(cuda_graph_impl=impl)), layout)
+    cfg = make_cfg(model=dict(cuda_graph_impl=impl))
+    assert configure(cfg, layout) is cfg
+    # Accepted means configured for that layout, with the user's graph setting kept as it was.
+    assert configured_layout(cfg) == layout
+    assert cfg.model.cuda_graph_impl == impl
 
 
 def test_cuda_graphs_declared_by_argument_only_are_not_the_pipeline_refusal():
@@ -942,7 +946,10 @@ def test_moe_overlap_with_a_thd_layout_is_refused(layout, where):
 def test_moe_overlap_with_bshd_is_accepted():
     cfg = make_cfg(model=dict(MOE_EP, overlap_moe_expert_parallel_comm=True))
     configure(cfg, "bshd")
-    configure(make_cfg(model=MOE_EP), "thd")  # off: fine
+    assert configured_layout(cfg) == "bshd" and cfg.model.overlap_moe_expert_parallel_comm is True
+    cfg = make_cfg(model=MOE_EP)  # off: fine with THD
+    configure(cfg, "thd")
+    assert configured_layout(cfg) == "thd" and not getattr(cfg.model, "overlap_moe_expert_parallel_comm", False)
 
 
 class _ModelWithoutPlan:
@@ -986,6 +993,7 @@ def test_moe_overlap_with_bshd_is_accepted_when_the_provider_builds_a_model_with
     cfg = make_cfg()
     cfg.model = _ProviderBuildingPlan(**{**vars(cfg.model), **MOE_EP, "overlap_moe_expert_parallel_comm": True})
     configure(cfg, "bshd")
+    assert configured_layout(cfg) == "bshd" and cfg.model.overlap_moe_expert_parallel_comm is True
 
 
 def test_moe_overlap_in_the_model_that_comm_overlap_turns_off_is_accepted():
@@ -994,6 +1002,8 @@ def test_moe_overlap_in_the_model_that_comm_overlap_turns_off_is_accepted():
     cfg = make_cfg(model=dict(MOE_EP, overlap_moe_expert_parallel_comm=True))
     cfg.comm_overlap = SimpleNamespace(overlap_moe_expert_parallel_comm=None)
     configure(cfg, "thd")
+    assert configured_layout(cfg) == "thd"
+    assert cfg.comm_overlap.overlap_moe_expert_parallel_comm is None  # left for CommOverlapConfig to resolve
 
 
 def test_seq_length_mismatch_is_refused_naming_both_values():
@@ -1227,7 +1237,7 @@ def test_configured_config_passes_bridges_packing_validation(
     dataset = mock_vlm_config_cls(seq_length=4096, hf_processor_path="Qwen/Qwen3-VL-8B-Instruct")
     cfg = SimpleNamespace(dataset=dataset, model=model, train=SimpleNamespace(micro_batch_size=4))
     with_graphs = graphs == "te_graphs"
-    if with_graphs and pp > 1:  # issue 16 item 7: Qwen3VLModel would assert at build
+    if with_graphs and pp > 1:  # Qwen3VLModel would assert at build
         with pytest.raises(ValueError, match=r"cuda_graph_impl='transformer_engine' with "
                            r"model.pipeline_model_parallel_size=2: .*modelling_qwen3_vl/model.py:388"):
             configure(cfg, layout)
