@@ -126,8 +126,9 @@ def _fail_if_unsupported(config) -> None:
     cuda_graph_impl = getattr(config, "cuda_graph_impl", "none")
     if cuda_graph_impl not in (None, "none"):
         raise ValueError(
-            f"config.cuda_graph_impl={cuda_graph_impl!r}: CUDA-graphed transformer layers bypass module hooks, so "
-            "with_padding_mask cannot hand the padding mask to their MoE routers. Set cuda_graph_impl='none' or do "
+            f"config.cuda_graph_impl={cuda_graph_impl!r}: CUDA-graphed transformer layers replay captured kernels instead "
+            "of running their MoE layer's Python forward, so with_padding_mask cannot hand the padding mask to their "
+            "MoE routers. Set cuda_graph_impl='none' or do "
             "not use with_padding_mask."
         )
     chunks = getattr(config, "mlp_chunks_for_training", 1) or 1
@@ -547,7 +548,9 @@ def with_padding_mask(model):
     """Make a Megatron-Bridge 0.6.2 ``Qwen3VLModel`` take ``padding_mask`` and hand it to its MoE routers.
 
     In place: the model (or, for a wrapper chain such as DDP / ``Float16Module``, the innermost
-    ``.module``) changes class to ``PaddingMask<Class>``; see docs/moe-padding-mask.md.
+    ``.module``) changes class to ``PaddingMask<Class>``, each MoE layer of its decoder to
+    :class:`PaddingMaskMoELayer` and each router to :class:`PaddingMaskTopKRouter`; see
+    docs/moe-padding-mask.md.
 
     Args:
         model: a Megatron-Bridge 0.6.2 ``Qwen3VLModel`` (a model chunk), or a ``.module`` wrapper
@@ -559,7 +562,8 @@ def with_padding_mask(model):
         passed through this function).
 
     Raises:
-        TypeError: ``model`` is not a Megatron-Bridge ``Qwen3VLModel`` (and declares no ``padding_mask``).
+        TypeError: ``model`` is not a Megatron-Bridge ``Qwen3VLModel`` (and declares no ``padding_mask``),
+            or a decoder MoE layer is not Megatron-Core's ``MoELayer`` with its ``TopKRouter``.
         ValueError: ``recompute_granularity='full'``, ``cuda_graph_impl`` other than ``'none'`` or
             ``mlp_chunks_for_training > 1`` (the mask could not reach every router); the message
             names the setting and the fix.
