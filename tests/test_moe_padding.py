@@ -33,6 +33,8 @@ from _real_model import FakeGroup
 from megatron.bridge_thd import qwen3_vl_step, step
 from megatron.bridge_thd.moe_padding import (
     PaddingMaskForward,
+    PaddingMaskMoELayer,
+    PaddingMaskTopKRouter,
     declares_padding_mask,
     padding_mask_from_packed_seq_params,
     padding_mask_pre_wrap_hook,
@@ -281,6 +283,21 @@ def test_the_model_keeps_its_class_interface(models):
     assert inspect.signature(masked.forward).parameters["padding_mask"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
+def test_the_routers_are_the_padding_aware_classes(models):
+    """with_padding_mask gives each decoder MoE layer and its router the padding-aware subclass of
+    Megatron-Core's class, in place; the unwrapped model keeps Megatron-Core's own classes, and no
+    method is bound on an instance."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    plain, masked = models
+    for layer in masked.language_model.decoder.layers:
+        assert type(layer.mlp) is PaddingMaskMoELayer and type(layer.mlp.router) is PaddingMaskTopKRouter
+        assert not {"forward", "routing", "_apply_expert_bias", "_apply_seq_aux_loss"} & set(vars(layer.mlp.router))
+    for layer in plain.language_model.decoder.layers:
+        assert type(layer.mlp) is MoELayer and type(layer.mlp.router) is TopKRouter
+
+
 def test_models_that_declare_padding_mask_are_returned_unchanged(models):
     """Megatron-Bridge main's Qwen3VLModel declares padding_mask: nothing to do, same object, same
     class, no router touched. So is a model already passed through with_padding_mask."""
@@ -295,6 +312,7 @@ def test_models_that_declare_padding_mask_are_returned_unchanged(models):
     model.__class__ = MainStyleQwen3VLModel
     assert with_padding_mask(model) is model and type(model) is MainStyleQwen3VLModel
     assert all("_apply_expert_bias" not in vars(router) for router in _routers(model))
+    assert not any(isinstance(router, PaddingMaskTopKRouter) for router in _routers(model))
     _, masked = models
     cls = type(masked)
     assert with_padding_mask(masked) is masked and type(masked) is cls
@@ -389,7 +407,7 @@ def test_expert_bias_crashes_upstream_and_counts_real_tokens_with_the_wrapper(mo
     with pytest.raises(RuntimeError, match="must match the size"):
         _routers(plain)[0](hidden, mask)
     router = _routers(masked)[0]
-    assert "_apply_expert_bias" in vars(router)
+    assert isinstance(router, PaddingMaskTopKRouter)
     router.local_tokens_per_expert.zero_()
     _, routing_map = router(hidden, mask)
     assert torch.equal(router.local_tokens_per_expert, routing_map[:7].sum(dim=0).float())

@@ -148,6 +148,23 @@ def test_capacity_loss_is_the_same_in_every_layout(batches, pad_to_capacity):
     assert unwrapped[0] != pytest.approx(results["bshd"][0], rel=1e-6)
 
 
+def test_megatrons_token_dropping_is_never_replaced(batches):
+    """The capacity of real tokens lives in the padding-aware router's own code path: after a
+    wrapped model with expert capacity has been built and run, Megatron-Core's router module still
+    calls Megatron-Core's own ``apply_router_token_dropping``."""
+    from megatron.core.transformer.moe import moe_utils, router
+
+    from megatron.bridge_thd.moe_padding import PaddingMaskTopKRouter
+
+    padded, _ = batches
+    wrapped = _model(True, **CAPACITY)
+    assert all(isinstance(layer.mlp.router, PaddingMaskTopKRouter) for layer in wrapped.language_model.decoder.layers)
+    for layout, (side, settings) in CASES.items():
+        _run(wrapped, padded[side], layout, settings)
+    assert router.apply_router_token_dropping is moe_utils.apply_router_token_dropping
+    assert router.apply_router_token_dropping.__module__ == "megatron.core.transformer.moe.moe_utils"
+
+
 SEQ_AUX = dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2)
 
 

@@ -61,14 +61,13 @@ def test_targets_name_the_owner():
 
 
 def _every_record() -> list[Patch]:
-    from megatron.bridge_thd import moe_padding, upstream
+    from megatron.bridge_thd import upstream
     from megatron.bridge_thd_testbed.qwen25_vl import _OmegaConfPlaceholder  # noqa: F401 - the module loads
     from megatron.bridge_thd_cpu.stack import cpu_patches
 
     from megatron.bridge_thd_testbed.launcher import without_modelopt
 
-    records = cpu_patches() + upstream._flop_utils_placeholders() + [moe_padding._token_dropping_patch(),
-                                                                      without_modelopt()]
+    records = cpu_patches() + upstream._flop_utils_placeholders() + [without_modelopt()]
     # qwen25_vl_import_patches() is empty where omegaconf is installed; its one record by name:
     records.append(Patch(sys.modules, "omegaconf", None, "qwen25_vl_import_patches"))
     # batching.bridge.loader_patch() and overlong.collate_patch() need Megatron-Bridge imported whole

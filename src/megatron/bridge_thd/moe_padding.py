@@ -3,32 +3,35 @@
 0.6.2's ``Qwen3VLModel.forward`` declares no ``padding_mask``, so its routers count every padding
 slot of a packed row (alignment padding, the ``thd_static`` tail, BSHD pad columns) in the aux
 loss, z-loss and expert-bias statistics. :func:`with_padding_mask` gives a 0.6.2 model what
-Megatron-Bridge main's has: the model's class becomes ``PaddingMask<Class>`` (same parameters and
-state-dict keys) whose ``forward`` declares ``padding_mask`` (True = padding); the mask, cut as the
-model cuts its row (CP, SP), reaches every MoE router of the decoder; padding also stays out of
-expert capacity and ``seq_aux_loss`` is per sample. Usage, before Megatron wraps the model::
+Megatron-Bridge main's has, through one mechanism: padding-aware subclasses, assigned in place
+(same parameters and state-dict keys). The model becomes ``PaddingMask<Class>``, whose ``forward``
+declares ``padding_mask`` (True = padding) and, for the duration of the call, makes the mask, cut
+as the model cuts its row (CP, SP), available through one context variable; each decoder MoE
+layer becomes :class:`PaddingMaskMoELayer` (takes that mask; from there Megatron-Core's own path
+carries it to the router) and its router :class:`PaddingMaskTopKRouter` (expert-bias counts that
+take the mask, capacity from the real tokens, ``seq_aux_loss`` per sample). Usage, before
+Megatron wraps the model::
 
     from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
     cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)   # or: model = with_padding_mask(model)
 
 Refused with the setting named: full recompute, CUDA graphs, ``mlp_chunks_for_training > 1``.
 Models that already declare ``padding_mask`` are returned unchanged. Details, the upstream bug
-worked around, what is not covered: docs/moe-padding-mask.md, docs/moe-routing.md; the patches
-and per-instance bindings: docs/patches.md.
+worked around, why subclasses of the built model rather than a layer spec, what is not covered:
+docs/moe-padding-mask.md, docs/moe-routing.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import inspect
 import logging
-import types
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
 
-from megatron.bridge_thd.patches import Patch, apply_permanently
 from megatron.bridge_thd.rules import uses_seq_aux_loss
 from megatron.bridge_thd.upstream import load_bridge_module
 
@@ -38,6 +41,10 @@ __all__ = [
     "declares_padding_mask",
     "padding_mask_from_packed_seq_params",
     "PaddingMaskForward",
+    "PaddingMaskMoELayer",
+    "PaddingMaskTopKRouter",
+    "capacity_token_dropping",
+    "thd_sample_index",
 ]
 
 logger = logging.getLogger(__name__)
@@ -119,8 +126,9 @@ def _fail_if_unsupported(config) -> None:
     cuda_graph_impl = getattr(config, "cuda_graph_impl", "none")
     if cuda_graph_impl not in (None, "none"):
         raise ValueError(
-            f"config.cuda_graph_impl={cuda_graph_impl!r}: CUDA-graphed transformer layers bypass module hooks, so "
-            "with_padding_mask cannot hand the padding mask to their MoE routers. Set cuda_graph_impl='none' or do "
+            f"config.cuda_graph_impl={cuda_graph_impl!r}: CUDA-graphed transformer layers replay captured kernels instead "
+            "of running their MoE layer's Python forward, so with_padding_mask cannot hand the padding mask to their "
+            "MoE routers. Set cuda_graph_impl='none' or do "
             "not use with_padding_mask."
         )
     chunks = getattr(config, "mlp_chunks_for_training", 1) or 1
@@ -151,49 +159,11 @@ def _fail_if_unsupported(config) -> None:
 
 def _moe_layers(model) -> list:
     """The decoder's MoE ``TransformerLayer`` s on this pipeline stage (empty without a language model)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
     language_model = getattr(model, "language_model", None)
     decoder = getattr(language_model, "decoder", None)
     if decoder is None:
         return []
     return [layer for layer in decoder.layers if isinstance(getattr(layer, "mlp", None), MoELayer)]
-
-
-def _apply_expert_bias_with_token_mask(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None):
-    """``TopKRouter._apply_expert_bias`` with the ``(tokens,)`` mask as ``(tokens, 1)``.
-
-    Megatron-Core 0.19.2 computes ``routing_map & (~padding_mask)`` with ``routing_map`` of shape
-    ``(tokens, experts)`` and the flattened ``(tokens,)`` mask, which does not broadcast. The
-    column view makes it drop every padding token's row; the rest is Megatron-Core's method.
-    """
-    if padding_mask is not None and padding_mask.dim() == 1:
-        padding_mask = padding_mask.unsqueeze(-1)
-    return type(self)._apply_expert_bias(self, routing_map, padding_mask)
-
-
-def _fix_expert_bias(layers: list) -> None:
-    for layer in layers:
-        router = layer.mlp.router
-        if not getattr(router, "enable_expert_bias", False):
-            continue
-        if not callable(getattr(type(router), "_apply_expert_bias", None)):
-            raise ValueError(
-                "config.moe_router_enable_expert_bias=True: the router class "
-                f"{type(router).__name__} has no _apply_expert_bias to fix for the padding mask (this module targets "
-                "Megatron-Core 0.19.2's TopKRouter). Set moe_router_enable_expert_bias=False or do not use "
-                "with_padding_mask."
-            )
-        # A bound method on the instance: it shadows the class method for this router only
-        # (state dicts and other models are untouched).
-        router._apply_expert_bias = types.MethodType(_apply_expert_bias_with_token_mask, router)
-
-
-# The padding mask of the router call in progress ((tokens,) bool, True = padding), for the token
-# dropping Megatron-Core's TopKRouter.routing calls without it; and the samples of the THD row in
-# the model forward in progress (see _thd_samples).
-_ROUTING_PADDING: contextvars.ContextVar = contextvars.ContextVar("bridge_thd_routing_padding", default=None)
-_THD_SAMPLES: contextvars.ContextVar = contextvars.ContextVar("bridge_thd_thd_samples", default=None)
 
 
 def capacity_token_dropping(
@@ -243,89 +213,6 @@ def capacity_token_dropping(
     return routing_probs * kept, final_map
 
 
-_UPSTREAM_TOKEN_DROPPING = None
-
-
-def _token_dropping(routing_probs, routing_map, router_topk, capacity_factor, drop_policy="probs",
-                    pad_to_capacity=False):
-    """Stands in for ``megatron.core.transformer.moe.router.apply_router_token_dropping``: inside a
-    router of a :func:`with_padding_mask` model that got a mask, :func:`capacity_token_dropping`;
-    anywhere else Megatron-Core's own function, unchanged."""
-    padding_mask = _ROUTING_PADDING.get()
-    if padding_mask is None:
-        return _UPSTREAM_TOKEN_DROPPING(routing_probs, routing_map, router_topk=router_topk,
-                                        capacity_factor=capacity_factor, drop_policy=drop_policy,
-                                        pad_to_capacity=pad_to_capacity)
-    return capacity_token_dropping(routing_probs, routing_map, padding_mask, router_topk=router_topk,
-                                   capacity_factor=capacity_factor, pad_to_capacity=pad_to_capacity)
-
-
-def _token_dropping_patch() -> Patch:
-    from megatron.core.transformer.moe import router as router_module
-
-    return Patch(router_module, "apply_router_token_dropping", _token_dropping,
-                 "TopKRouter.routing calls it without the padding mask: capacity from the real tokens, padding takes none")
-
-
-def _install_token_dropping() -> None:
-    """Point Megatron-Core's router module at :func:`_token_dropping`, permanently and once
-    (:func:`megatron.bridge_thd.patches.apply_permanently`); it defers to the original whenever no
-    mask is in flight."""
-    global _UPSTREAM_TOKEN_DROPPING
-    _UPSTREAM_TOKEN_DROPPING = apply_permanently(_token_dropping_patch())
-
-
-def _routing_with_padding(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
-    """``TopKRouter.routing`` with the call's padding mask visible to the token dropping.
-
-    The mask arrives as the routing argument itself (also when ``recompute_modules=['moe']``
-    re-runs the router in the backward pass), so dropping is the same in both passes."""
-    token = _ROUTING_PADDING.set(None if padding_mask is None else padding_mask.reshape(-1))
-    try:
-        return type(self).routing(self, logits, padding_mask=padding_mask)
-    finally:
-        _ROUTING_PADDING.reset(token)
-
-
-def _apply_seq_aux_loss_per_sample(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
-                                   with_padding_mask=False):
-    """``TopKRouter._apply_seq_aux_loss`` per sample of a THD row (``router.py``).
-
-    Megatron-Core folds the batch dimension into the experts: ``(s, b * E)``, a switch loss per
-    sequence, divided by ``b``. A THD row reaches the router as one sequence (``b = 1``), so it
-    would become a whole-row statistic. Here each token's scores and routing go to its sample's
-    block, ``(samples, E)`` summed per sample, with ``b`` = the number of samples of the
-    micro-batch (zero-length samples count, as all-padding rows of the padded layout do; padding
-    segments such as the static tail do not): Megatron-Core's own formula on the same numbers.
-    Outside a THD forward (the padded layout, ``b > 1``) it is Megatron-Core's method unchanged.
-    """
-    samples = _THD_SAMPLES.get()
-    if samples is None or bsz != 1:
-        return type(self)._apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
-                                              with_padding_mask=with_padding_mask)
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
-
-    coeff = self.get_aux_loss_coeff("seq_aux_loss")
-    if coeff == 0:
-        return probs
-    sample_of_token, num_slots, num_samples = samples
-    experts = self.config.num_moe_experts
-    index = sample_of_token.reshape(-1)
-    scores = scores_for_aux_loss.new_zeros(num_slots, experts).index_add(0, index, scores_for_aux_loss)
-    counts = scores_for_aux_loss.new_zeros(num_slots, experts).index_add(0, index, routing_map.to(scores.dtype))
-    global_counts = reduce_from_tensor_model_parallel_region(counts.reshape(-1), self.tp_cp_group)
-    local_num_tokens = counts.sum() / (self.topk * num_samples)
-    total_num_tokens = global_counts.sum() / (self.topk * num_samples)
-    aux_loss = switch_load_balancing_loss_func(
-        probs=scores.reshape(1, -1), tokens_per_expert=global_counts, total_num_tokens=total_num_tokens,
-        topk=self.topk, num_experts=experts, moe_aux_loss_coeff=coeff, fused=self.config.moe_router_fusion,
-    ) / num_samples
-    return self.attach_and_log_load_balancing_loss(
-        probs, coeff, aux_loss, "seq_load_balancing_loss", self.tp_cp_group, valid_token_count=local_num_tokens * num_samples,
-    )
-
-
 def thd_sample_index(packed_seq_params, total_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which sample each slot of a THD row belongs to, and how many samples the row holds.
 
@@ -343,17 +230,177 @@ def thd_sample_index(packed_seq_params, total_tokens: int) -> tuple[torch.Tensor
     return segment.unsqueeze(0), (~padding_segment).sum()
 
 
-def _fix_routers(layers: list) -> None:
-    """Per router instance (state dicts and other models untouched): token dropping that sees the
-    padding mask, and seq_aux_loss per sample of a THD row."""
+class _ForwardPadding(NamedTuple):
+    """What a :func:`with_padding_mask` model's forward hands its MoE layers and routers."""
+
+    # (b, s_local) bool, True = padding, cut exactly as the model cuts its hidden states.
+    mask: torch.Tensor
+    # For seq_aux_loss of a THD row: (sample of each token (s_local, b) int64, segments, 0-dim sample
+    # count), cut like the mask; None otherwise (see thd_sample_index).
+    samples: tuple | None
+
+
+# The one channel from the model to its MoE layers: set by PaddingMaskForward.forward for the
+# duration of the call (0.6.2's Qwen3-VL decoder calls its layers without padding_mask), read by
+# PaddingMaskMoELayer.forward (the mask) and PaddingMaskTopKRouter._apply_seq_aux_loss (the samples).
+_FORWARD_PADDING: contextvars.ContextVar[_ForwardPadding | None] = contextvars.ContextVar(
+    "bridge_thd_forward_padding", default=None
+)
+
+
+class PaddingMaskMoELayer(MoELayer):
+    """Megatron-Core's ``MoELayer`` that, called without ``padding_mask`` inside the forward of a
+    :func:`with_padding_mask` model, takes that forward's mask (``(b, s_local)``, True = padding).
+
+    From there on the mask follows Megatron-Core's own path: ``MoELayer.forward`` transposes it to
+    ``(s, b)`` and hands it to the router, and with ``recompute_modules=['moe']`` checkpoints the
+    layer with the mask as an argument, so the recomputed router sees it too. A caller that passes
+    a mask keeps it. Outside such a forward it is Megatron-Core's ``MoELayer`` unchanged.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: torch.Tensor | None = None):
+        forward_padding = _FORWARD_PADDING.get()
+        if padding_mask is None and forward_padding is not None:
+            padding_mask = forward_padding.mask
+            if tuple(padding_mask.shape) != (hidden_states.shape[1], hidden_states.shape[0]):
+                raise ValueError(
+                    f"padding_mask: the rank-local mask has shape {tuple(padding_mask.shape)} but the MoE layer "
+                    f"{self.layer_number} sees hidden states of shape {tuple(hidden_states.shape)} (s, b, h); "
+                    "expected (b, s)"
+                )
+        return super().forward(hidden_states, intermediate_tensors, padding_mask=padding_mask)
+
+
+class PaddingMaskTopKRouter(TopKRouter):
+    """Megatron-Core's ``TopKRouter`` made layout-independent for a padding mask (True = padding).
+
+    * Expert-bias counts: Megatron-Core computes ``routing_map & (~padding_mask)`` with the mask
+      flattened to ``(tokens,)`` against ``(tokens, experts)``, which raises (or, with as many tokens
+      as experts, masks the wrong axis); here the mask is ``(tokens, 1)``.
+    * Expert capacity (``moe_expert_capacity_factor``) with a mask: :func:`capacity_token_dropping`
+      (capacity from the real tokens, padding takes none) instead of Megatron-Core's
+      ``apply_router_token_dropping``, in this class's own :meth:`routing`.
+    * ``seq_aux_loss`` in the forward of a THD row: per sample (:meth:`_apply_seq_aux_loss`).
+    * Refuses to route without a mask inside the forward of a :func:`with_padding_mask` model (a
+      code path dropped it: its statistics would count padding).
+
+    Without a mask, or in the padded layout, every method is Megatron-Core's.
+    """
+
+    def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        if padding_mask is None and _FORWARD_PADDING.get() is not None:
+            raise RuntimeError(
+                f"with_padding_mask: the MoE router of layer {self.layer_number} ran without the padding mask (a "
+                "code path that drops the MoE layer's padding_mask, e.g. CUDA graphs or chunked MLP); its "
+                "load-balancing statistics would count padding tokens"
+            )
+        return super().forward(input, padding_mask=padding_mask)
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        if padding_mask is not None and padding_mask.dim() == 1:
+            padding_mask = padding_mask.unsqueeze(-1)
+        return super()._apply_expert_bias(routing_map, padding_mask=padding_mask)
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        if padding_mask is None or self.config.moe_expert_capacity_factor is None:
+            return super().routing(logits, padding_mask=padding_mask)
+        return self._routing_with_real_token_capacity(logits, padding_mask)
+
+    def _routing_with_real_token_capacity(self, logits: torch.Tensor, padding_mask: torch.Tensor):
+        """Megatron-Core's ``TopKRouter.routing`` step for step, with :func:`capacity_token_dropping`
+        (the mask, recomputed tokens included, is the routing argument itself) where it calls
+        ``apply_router_token_dropping``."""
+        from megatron.core.transformer.moe.moe_utils import (
+            compute_routing_scores_for_aux_loss,
+            topk_routing_with_score_function,
+        )
+
+        config = self.config
+        seq_length, bsz = logits.shape[:2]
+        logits = logits.view(-1, config.num_moe_experts)
+        padding_mask = padding_mask.reshape(-1)
+        logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+        if self.routing_type == "sinkhorn":
+            probs, routing_map = self.sinkhorn_load_balancing(logits)
+        elif self.routing_type == "quantile_balancing":
+            raise ValueError("config.moe_router_load_balancing_type: quantile balancing does not support padding masks")
+        else:
+            probs, routing_map = topk_routing_with_score_function(
+                logits, self.topk, use_pre_softmax=config.moe_router_pre_softmax,
+                num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
+                scaling_factor=config.moe_router_topk_scaling_factor, score_function=self.score_function,
+                expert_bias=self.expert_bias, fused=config.moe_router_fusion, router_replay=self.router_replay,
+            )
+        probs, routing_map = capacity_token_dropping(
+            probs, routing_map, padding_mask, router_topk=self.topk, capacity_factor=config.moe_expert_capacity_factor,
+            pad_to_capacity=config.moe_pad_expert_input_to_capacity,
+        )
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            routing_map_for_aux_loss, scores_for_aux_loss = compute_routing_scores_for_aux_loss(
+                logits, self.topk, self.score_function, fused=config.moe_router_fusion, padding_mask=padding_mask,
+            )
+            probs = self._apply_aux_loss(probs, scores_for_aux_loss, routing_map_for_aux_loss, with_padding_mask=True)
+            probs = self._apply_seq_aux_loss(probs, scores_for_aux_loss, routing_map_for_aux_loss, seq_length, bsz,
+                                             with_padding_mask=True)
+            probs = self._apply_global_aux_loss(probs, scores_for_aux_loss, routing_map_for_aux_loss,
+                                                with_padding_mask=True)
+        self._apply_expert_bias(routing_map, padding_mask=padding_mask)
+        return probs, routing_map
+
+    def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz, with_padding_mask=False):
+        """``TopKRouter._apply_seq_aux_loss`` per sample of a THD row.
+
+        Megatron-Core folds the batch dimension into the experts: ``(s, b * E)``, a switch loss per
+        sequence, divided by ``b``. A THD row reaches the router as one sequence (``b = 1``), so it
+        would become a whole-row statistic. Here each token's scores and routing go to its sample's
+        block, ``(samples, E)`` summed per sample, with ``b`` = the number of samples of the
+        micro-batch (zero-length samples count, as all-padding rows of the padded layout do; padding
+        segments such as the static tail do not): Megatron-Core's own formula on the same numbers.
+        Outside a THD forward (the padded layout, ``b > 1``) it is Megatron-Core's method unchanged.
+        """
+        forward_padding = _FORWARD_PADDING.get()
+        samples = None if forward_padding is None else forward_padding.samples
+        if samples is None or bsz != 1:
+            return super()._apply_seq_aux_loss(probs, scores_for_aux_loss, routing_map, seq_length, bsz,
+                                               with_padding_mask=with_padding_mask)
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+        from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+        coeff = self.get_aux_loss_coeff("seq_aux_loss")
+        if coeff == 0:
+            return probs
+        sample_of_token, num_slots, num_samples = samples
+        experts = self.config.num_moe_experts
+        index = sample_of_token.reshape(-1)
+        scores = scores_for_aux_loss.new_zeros(num_slots, experts).index_add(0, index, scores_for_aux_loss)
+        counts = scores_for_aux_loss.new_zeros(num_slots, experts).index_add(0, index, routing_map.to(scores.dtype))
+        global_counts = reduce_from_tensor_model_parallel_region(counts.reshape(-1), self.tp_cp_group)
+        local_num_tokens = counts.sum() / (self.topk * num_samples)
+        total_num_tokens = global_counts.sum() / (self.topk * num_samples)
+        aux_loss = switch_load_balancing_loss_func(
+            probs=scores.reshape(1, -1), tokens_per_expert=global_counts, total_num_tokens=total_num_tokens,
+            topk=self.topk, num_experts=experts, moe_aux_loss_coeff=coeff, fused=self.config.moe_router_fusion,
+        ) / num_samples
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, aux_loss, "seq_load_balancing_loss", self.tp_cp_group,
+            valid_token_count=local_num_tokens * num_samples,
+        )
+
+
+def _use_padding_aware_modules(layers: list) -> None:
+    """Each MoE layer of ``layers`` becomes a :class:`PaddingMaskMoELayer` and its router a
+    :class:`PaddingMaskTopKRouter` (in place: parameters, buffers and state-dict keys unchanged).
+    Every layer is checked before any changes."""
     for layer in layers:
-        router = layer.mlp.router
-        config = router.config
-        if getattr(config, "moe_expert_capacity_factor", None) is not None:
-            _install_token_dropping()
-            router.routing = types.MethodType(_routing_with_padding, router)
-        if uses_seq_aux_loss(config):
-            router._apply_seq_aux_loss = types.MethodType(_apply_seq_aux_loss_per_sample, router)
+        moe, router = layer.mlp, layer.mlp.router
+        if type(moe) not in (MoELayer, PaddingMaskMoELayer) or type(router) not in (TopKRouter, PaddingMaskTopKRouter):
+            raise TypeError(
+                f"model: with_padding_mask takes MoE layers built as Megatron-Core's MoELayer with its TopKRouter; "
+                f"layer {layer.layer_number} has {type(moe).__name__} with {type(router).__name__}"
+            )
+    for layer in layers:
+        layer.mlp.__class__ = PaddingMaskMoELayer
+        layer.mlp.router.__class__ = PaddingMaskTopKRouter
 
 
 class PaddingMaskForward:
@@ -421,50 +468,6 @@ class PaddingMaskForward:
             mask = mask.narrow(1, self.pg_collection.tp.rank() * chunk, chunk)
         return mask.contiguous()
 
-    @contextlib.contextmanager
-    def _padding_mask_hooks(self, layers: list, mask: torch.Tensor):
-        """For the duration of one forward: the MoE ``layers`` get ``padding_mask=mask`` and their
-        routers report whether it arrived."""
-        arrived = {id(layer.mlp.router): 0 for layer in layers}
-        missing: list[int] = []
-
-        def layer_hook(module, args, kwargs):
-            if kwargs.get("padding_mask") is not None:
-                return None  # a caller that already passes one keeps it
-            hidden_states = kwargs.get("hidden_states", args[0] if args else None)
-            if hidden_states is not None and tuple(mask.shape) != (hidden_states.shape[1], hidden_states.shape[0]):
-                raise ValueError(
-                    f"padding_mask: the rank-local mask has shape {tuple(mask.shape)} but layer {module.layer_number} "
-                    f"sees hidden states of shape {tuple(hidden_states.shape)} (s, b, h); expected (b, s)"
-                )
-            kwargs = dict(kwargs)
-            kwargs["padding_mask"] = mask
-            return args, kwargs
-
-        def router_hook(module, args, kwargs):
-            given = args[1] if len(args) > 1 else kwargs.get("padding_mask")
-            if given is None:
-                missing.append(module.layer_number)
-            else:
-                arrived[id(module)] += 1
-
-        handles = []
-        try:
-            for layer in layers:
-                handles.append(layer.register_forward_pre_hook(layer_hook, with_kwargs=True))
-                handles.append(layer.mlp.router.register_forward_pre_hook(router_hook, with_kwargs=True))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-        never = [layer.layer_number for layer in layers if not arrived[id(layer.mlp.router)]]
-        if missing or never:
-            raise RuntimeError(
-                f"with_padding_mask: the MoE routers of layers {sorted(set(missing + never))} ran without the padding "
-                "mask (a code path that drops the layer's padding_mask keyword, e.g. CUDA graphs or chunked MLP); "
-                "their load-balancing statistics would count padding tokens"
-            )
-
     def _forward_with_padding_mask(self, base_forward, base_signature, args, kwargs, padding_mask):
         _fail_if_unsupported(self.config)
         layers = _moe_layers(self)
@@ -497,12 +500,12 @@ class PaddingMaskForward:
             # Cut exactly as the mask (and the hidden states): CP zigzag, SP scatter.
             local = self._padding_mask_for_layers(segment, input_ids, packed_seq_params, dtype=torch.int64)
             samples = (local.transpose(0, 1), packed_seq_params.cu_seqlens_q.numel() - 1, num_samples)
-        token = _THD_SAMPLES.set(samples)
+        # For the duration of the call its MoE layers (PaddingMaskMoELayer) take the mask from here.
+        token = _FORWARD_PADDING.set(_ForwardPadding(mask, samples))
         try:
-            with self._padding_mask_hooks(layers, mask):
-                return base_forward(self, *args, **kwargs)
+            return base_forward(self, *args, **kwargs)
         finally:
-            _THD_SAMPLES.reset(token)
+            _FORWARD_PADDING.reset(token)
 
 
 def _signature_with_padding_mask(base_forward) -> inspect.Signature:
@@ -537,8 +540,6 @@ def _padding_mask_class(cls: type) -> type:
         "See megatron.bridge_thd.moe_padding.\n\n" + (cls.forward.__doc__ or "")
     )
     subclass = type(name, (PaddingMaskForward, cls), {"forward": forward, "__module__": __name__, "__qualname__": name})
-    # Module-level name: pickle finds the class by reference.
-    globals()[name] = subclass
     _SUBCLASSES[cls] = subclass
     return subclass
 
@@ -547,7 +548,9 @@ def with_padding_mask(model):
     """Make a Megatron-Bridge 0.6.2 ``Qwen3VLModel`` take ``padding_mask`` and hand it to its MoE routers.
 
     In place: the model (or, for a wrapper chain such as DDP / ``Float16Module``, the innermost
-    ``.module``) changes class to ``PaddingMask<Class>``; see docs/moe-padding-mask.md.
+    ``.module``) changes class to ``PaddingMask<Class>``, each MoE layer of its decoder to
+    :class:`PaddingMaskMoELayer` and each router to :class:`PaddingMaskTopKRouter`; see
+    docs/moe-padding-mask.md.
 
     Args:
         model: a Megatron-Bridge 0.6.2 ``Qwen3VLModel`` (a model chunk), or a ``.module`` wrapper
@@ -559,7 +562,8 @@ def with_padding_mask(model):
         passed through this function).
 
     Raises:
-        TypeError: ``model`` is not a Megatron-Bridge ``Qwen3VLModel`` (and declares no ``padding_mask``).
+        TypeError: ``model`` is not a Megatron-Bridge ``Qwen3VLModel`` (and declares no ``padding_mask``),
+            or a decoder MoE layer is not Megatron-Core's ``MoELayer`` with its ``TopKRouter``.
         ValueError: ``recompute_granularity='full'``, ``cuda_graph_impl`` other than ``'none'`` or
             ``mlp_chunks_for_training > 1`` (the mask could not reach every router); the message
             names the setting and the fix.
@@ -587,8 +591,7 @@ def with_padding_mask(model):
     config = core.config
     _fail_if_unsupported(config)
     layers = _moe_layers(core)
-    _fix_expert_bias(layers)
-    _fix_routers(layers)
+    _use_padding_aware_modules(layers)
     mtp = getattr(getattr(core, "language_model", None), "mtp", None)
     if mtp is not None:
         from megatron.core.transformer.moe.moe_layer import MoELayer

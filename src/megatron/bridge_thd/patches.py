@@ -36,10 +36,6 @@ The patches (targets, where they are built and applied, why; one line each in do
 * Scoped: ``upstream.py`` ``load_flop_utils()``: ``sys.modules['megatron.bridge.peft.lora']`` and
   ``sys.modules['megatron.bridge.training.config']``, placeholders while ``flop_utils`` is
   imported (only without TE).
-* Permanent (:func:`apply_permanently`): ``moe_padding.py``, the first time a
-  ``with_padding_mask`` model has expert capacity:
-  ``megatron.core.transformer.moe.router.apply_router_token_dropping`` (sees the padding mask;
-  defers to the original whenever no mask is in flight).
 * Permanent (:func:`apply_permanently`): ``batching/bridge.py`` ``loader_patch()``, applied by
   ``configure`` for a Megatron-Bridge config or with ``global_batch_packing=...``:
   ``megatron.bridge.data.loaders`` ``build_train_valid_test_data_loaders`` (gives a configured run's loaders
@@ -57,10 +53,10 @@ Not a patch of a name, listed so that nothing that changes upstream objects is h
 ``bridge_thd_cpu/bridge_package.py`` ``bridge_package()`` serves import-time stand-ins for
 ``transformer_engine`` / ``nvidia_resiliency_ext`` to Megatron-Bridge's unguarded imports;
 ``upstream.py`` puts a ``sys.meta_path`` finder first (once; Megatron-Bridge's packages load
-without their ``__init__`` when TE is absent); ``moe_padding.with_padding_mask`` swaps the user's
-model class to ``PaddingMask<Class>`` (registered as a module-level name of ``moe_padding`` for
-pickle), binds ``_apply_expert_bias`` / ``routing`` / ``_apply_seq_aux_loss`` on that model's own
-router instances, and adds forward pre-hooks for the duration of one forward.
+without their ``__init__`` when TE is absent); ``moe_padding.with_padding_mask`` changes the class of the user's
+model to ``PaddingMask<Class>`` and of its decoder's MoE layers and routers to
+``PaddingMaskMoELayer`` / ``PaddingMaskTopKRouter`` (subclasses of Megatron-Core's; nothing is bound
+on an instance and no upstream name is replaced).
 """
 
 from __future__ import annotations
