@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.bridge_thd.checks import check_int
+
 __all__ = ["thd_partition_indices", "thd_local_positions", "thd_padding_chunks", "PaddingChunks"]
 
 
 def _check_cp(cp_size, cp_rank) -> None:
-    for name, value, low in (("cp_size", cp_size, 1), ("cp_rank", cp_rank, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    check_int("cp_size", cp_size, 1)
+    check_int("cp_rank", cp_rank, 0)
     if cp_rank >= cp_size:
         raise ValueError(f"cp_rank: {cp_rank} is not below cp_size={cp_size}; pass the rank within the CP group")
 

@@ -19,6 +19,7 @@ import torch
 if TYPE_CHECKING:  # imported where a row is built: importing megatron.core runs its whole package
     from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.lengths import (
     DeferredCheck,
     cu_seqlens_from_lengths,
@@ -99,7 +100,7 @@ def required_alignment(
         The alignment, an int >= 1, to pass as ``align_to``.
     """
     for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
-        _check_int(name, value, 1, "pass the parallel group size")
+        check_int(name, value, 1, "pass the parallel group size")
     align = 2 * cp_size if cp_size > 1 else 1
     if sequence_parallel and tp_size > 1:
         align *= tp_size
@@ -109,11 +110,6 @@ def required_alignment(
 def round_up(x, multiple):
     """The smallest multiple of ``multiple`` that is >= ``x`` (ints or integer tensors)."""
     return (x + multiple - 1) // multiple * multiple
-
-
-def _check_int(name: str, value, minimum: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}; {hint}")
 
 
 def _check_tensor(name: str, value) -> None:
@@ -244,8 +240,8 @@ def pack_bshd_to_thd(
         raise ValueError(f"input_ids: expected a (B, T) tensor, got {shape}; add a batch dimension")
     batch_size, seq_len = input_ids.shape
     device = input_ids.device
-    _check_int("align_to", align_to, 1, "use required_alignment(tp, cp, sequence_parallel=..., fp8=...)")
-    _check_int("min_length", min_length, 0, "pass 0 (no minimum) or align_to")
+    check_int("align_to", align_to, 1, "use required_alignment(tp, cp, sequence_parallel=..., fp8=...)")
+    check_int("min_length", min_length, 0, "pass 0 (no minimum) or align_to")
     if min_length % align_to:
         raise ValueError(f"min_length: {min_length} is not a multiple of align_to={align_to}; pass align_to")
     _check_companion("labels", labels, (batch_size, seq_len))
@@ -306,7 +302,7 @@ def pack_bshd_to_thd(
             cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:]])
             cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((1,), row_length)])
     else:
-        _check_int("total_length", total_length, 0, "pass micro_batch_size * seq_length rounded up to align_to")
+        check_int("total_length", total_length, 0, "pass micro_batch_size * seq_length rounded up to align_to")
         if total_length % align_to:
             raise ValueError(
                 f"total_length: {total_length} is not a multiple of align_to={align_to}; round it up to "
@@ -323,12 +319,12 @@ def pack_bshd_to_thd(
                 )
             ]
         segments = batch_size + 1 if segments is None else segments
-        _check_int("segments", segments, batch_size + 1,
+        check_int("segments", segments, batch_size + 1,
                    f"a static row of {batch_size} samples needs a segment per sample and one for the tail")
         if max_seqlen is None:
             max_seqlen = round_up(seq_len, align_to)
         else:
-            _check_int("max_seqlen", max_seqlen, 1, "pass round_up(seq_length, align_to)")
+            check_int("max_seqlen", max_seqlen, 1, "pass round_up(seq_length, align_to)")
             if max_seqlen < round_up(seq_len, align_to):
                 checks = checks + [DeferredCheck(
                     slots.max() > max_seqlen,

@@ -16,6 +16,7 @@ import math
 import os
 from typing import Any
 
+from megatron.bridge_thd.checks import is_int_at_least
 from megatron.bridge_thd.layouts import LAYOUT_NAMES, THD_LAYOUTS, bshd_alignment, thd_alignment
 from megatron.bridge_thd.packing import round_up
 
@@ -360,10 +361,10 @@ def _global_batch_problems(s: Setup) -> list[str]:
             "or 'cyclic' sampler ('batch' splits a per-rank global batch into equal micro-batches in the training "
             "step, 'external' has no sampler to draw from); set it to 'cyclic' (or 'single')")
     row = g.row_length
-    if row is not None and (isinstance(row, bool) or not isinstance(row, int) or row < 1):
+    if row is not None and not is_int_at_least(row, 1):
         problems.append(f"global_batch_packing.row_length: {row!r}; expected None (chosen from the data) or an int >= 1")
     buckets = g.row_buckets
-    if buckets is not None and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1):
+    if buckets is not None and not is_int_at_least(buckets, 1):
         problems.append(f"global_batch_packing.row_buckets: {buckets!r}; expected None (the default: "
                         f"{DEFAULT_ROW_BUCKETS}, or 1 where only one row shape can run) or an int >= 1")
     elif buckets is not None and buckets > 1 and s.layout == "thd_static" and one_row_shape(s):

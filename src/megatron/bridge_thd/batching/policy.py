@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 
 from megatron.bridge_thd.batching.cost import SampleCost
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.layouts import row_bucket
 
 __all__ = ["Assignment", "assign", "in_batch_assignment", "PlacementStats", "placement_stats", "aligned_lengths",
@@ -68,8 +69,7 @@ def _check_inputs(lengths: torch.Tensor, dp_size, num_micro_batches, row_length,
                   vision_patches_squared, names):
     for name, value in (("dp_size", dp_size), ("num_micro_batches", num_micro_batches), ("row_length", row_length),
                         ("align_to", align_to)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        check_int(name, value)
     if lengths.dim() != 1:
         raise ValueError(f"lengths: expected a 1-D sequence of per-sample token counts, got shape {tuple(lengths.shape)}")
     if lengths.numel() and int(lengths.min()) < 1:

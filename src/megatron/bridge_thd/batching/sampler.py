@@ -31,6 +31,7 @@ from megatron.bridge_thd.batching.cost import SampleCost
 from megatron.bridge_thd.batching.policy import (DoesNotFit, aligned_lengths, assign, in_batch_assignment,
                                                  placement_stats, sample_costs)
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.packing import round_up
 
 __all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "run_draws", "cycles",
@@ -410,8 +411,7 @@ def optimal_row_lengths(slots: torch.Tensor, weights: torch.Tensor | None = None
         weights: ``(M,)`` how many micro-batches each stands for (default 1 each).
         count: the most rows (``count - 1`` below ``largest``); 1 gives ``(largest,)``.
     """
-    if count < 1:
-        raise ValueError(f"count: expected an int >= 1, got {count!r}")
+    check_int("count", count)
     slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
     if count == 1 or slots.numel() == 0:
         return (largest,)

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_sample_ids
 from megatron.bridge_thd.packing import PackedBatch, pack_bshd_to_thd
 
@@ -296,9 +297,8 @@ def _pack_rows(
             segment rather than an empty sample.
     """
     n = input_ids.shape[1]
-    for name, value in (("align_to", align_to), ("pad_to_multiple_of", pad_to_multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    check_int("align_to", align_to)
+    check_int("pad_to_multiple_of", pad_to_multiple_of)
     if align_to > 1 and align_to % pad_to_multiple_of:
         raise ValueError(
             f"pad_to_multiple_of: {pad_to_multiple_of} does not divide align_to={align_to}, so aligned slots would "

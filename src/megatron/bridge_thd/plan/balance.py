@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from megatron.bridge_thd import layouts
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.estimate import PlanSettings
 from megatron.bridge_thd.plan.flops import flops_config, micro_batch_flops
 from megatron.bridge_thd.plan.layouts import LAYOUTS, MicroBatch, layout_stats
@@ -137,8 +138,7 @@ def micro_batches_per_rank(global_batch_size, micro_batch_size: int, dp: int, nu
             ``micro_batch_size * dp``, or larger than the ``num_samples`` samples.
     """
     per_micro = micro_batch_size * dp
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"--global-batch-size: expected an int >= 1, got {global_batch_size!r}")
+    check_int("--global-batch-size", global_batch_size)
     if global_batch_size % per_micro:
         raise ValueError(
             f"--global-batch-size {global_batch_size}: must be a multiple of micro_batch_size * DP = "
@@ -196,10 +196,8 @@ def check_row_buckets(row_buckets) -> int:
     Raises:
         ValueError: naming ``--row-buckets``.
     """
-    if isinstance(row_buckets, bool) or not isinstance(row_buckets, int) or row_buckets < 1:
-        raise ValueError(f"--row-buckets: expected an int >= 1 (how many thd_static rows global-batch packing may "
-                         f"use; the runtime's default is {DEFAULT_ROW_BUCKETS}), got {row_buckets!r}")
-    return row_buckets
+    return check_int("--row-buckets", row_buckets, 1, f"how many thd_static rows global-batch packing may use (the "
+                     f"runtime's default is {DEFAULT_ROW_BUCKETS})")
 
 
 def static_rows_for_steps(steps: list[Step], *, row: int, row_buckets: int, dp: int, micro_batch_size: int,
