@@ -39,6 +39,7 @@ __all__ = [
     "gather_from_row",
     "thd_packed_seq_params",
     "round_up",
+    "ceil_div",
 ]
 
 INT32_MAX = torch.iinfo(torch.int32).max
@@ -107,9 +108,16 @@ def required_alignment(
     return math.lcm(align, 16) if fp8 else align
 
 
+def ceil_div(x, divisor):
+    """``ceil(x / divisor)`` in integer arithmetic, for ints or integer tensors of any shape (elementwise;
+    ``divisor`` an int >= 1 or a tensor that broadcasts). No float: exact for any int64."""
+    return (x + divisor - 1) // divisor
+
+
 def round_up(x, multiple):
-    """The smallest multiple of ``multiple`` that is >= ``x`` (ints or integer tensors)."""
-    return (x + multiple - 1) // multiple * multiple
+    """The smallest multiple of ``multiple`` that is >= ``x``, for ints or integer tensors of any shape
+    (elementwise; ``multiple`` an int >= 1). The one rounding rule of THD slots: ``round_up(length, align_to)``."""
+    return ceil_div(x, multiple) * multiple
 
 
 def _check_tensor(name: str, value) -> None:

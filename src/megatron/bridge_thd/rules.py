@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import os
 from typing import Any
 
@@ -656,7 +655,7 @@ def _static_pipeline_problems(s: Setup) -> list[str]:
         problems.append(
             f"model.seq_length: {seq_length} is not a multiple of the {s.layout} alignment {align} (TP/CP/SP/FP8), "
             f"so {what} cannot fill the pipeline's fixed (seq_length, micro_batch_size, H) buffers; set seq_length "
-            f"to {math.ceil(seq_length / align) * align}, or set model.variable_seq_lengths=True")
+            f"to {round_up(seq_length, align)}, or set model.variable_seq_lengths=True")
     mbs = s.micro_batch_size
     if s.row_length is not None and mbs is not None and round_up(s.row_length, align) != mbs * round_up(
             seq_length, align):

@@ -32,7 +32,7 @@ from megatron.bridge_thd.batching.policy import (DoesNotFit, aligned_lengths, as
                                                  placement_stats, sample_costs)
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
 from megatron.bridge_thd.checks import check_int
-from megatron.bridge_thd.packing import round_up
+from megatron.bridge_thd.packing import ceil_div, round_up
 
 __all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "run_draws", "cycles",
            "choose_row_length", "row_length_for_steps", "row_lower_bound", "first_unfit_step", "distinct_steps",
@@ -252,7 +252,7 @@ def row_lower_bound(step_lengths, *, rows: int, align_to: int = 1) -> int:
     slots = aligned_lengths(_as_steps(step_lengths), align_to)
     if slots.numel() == 0:
         return round_up(1, align_to)
-    bound = max(int(slots.max()), int(((slots.sum(dim=1) + rows - 1) // rows).max()))
+    bound = max(int(slots.max()), int(ceil_div(slots.sum(dim=1), rows).max()))
     return round_up(bound, align_to)
 
 
@@ -421,7 +421,7 @@ def optimal_row_lengths(slots: torch.Tensor, weights: torch.Tensor | None = None
         weights, dtype=torch.float64).reshape(-1)
     values, inverse = torch.unique(slots, return_inverse=True)
     if len(values) > grid:
-        grain = round_up(-(-largest // grid), align_to)
+        grain = round_up(ceil_div(largest, grid), align_to)
         values, inverse = torch.unique(torch.clamp(round_up(slots, grain), max=largest), return_inverse=True)
     mass = torch.zeros(len(values), dtype=torch.float64).index_add_(0, inverse, weights)
     m = len(values)

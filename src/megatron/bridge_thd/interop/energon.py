@@ -20,7 +20,7 @@ import torch
 
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_sample_ids
-from megatron.bridge_thd.packing import PackedBatch, pack_bshd_to_thd
+from megatron.bridge_thd.packing import PackedBatch, pack_bshd_to_thd, round_up
 
 __all__ = [
     "packed_batch_from_cu_lengths",
@@ -316,12 +316,12 @@ def _pack_rows(
         keep &= real[None, :]
     # The row never shrinks below the input row (rounded up): the tail after the last sample,
     # and the padding SP/CP need, become one dummy segment (the packer's min_length).
-    min_length = -(-n // math.lcm(align_to, pad_to_multiple_of)) * math.lcm(align_to, pad_to_multiple_of)
+    min_length = round_up(n, math.lcm(align_to, pad_to_multiple_of))
     # The packer widens max_seqlen to min_length whenever it extends the row (so that a row of
     # padding only gets a usable bound); here the extension is the dummy tail, which, as in the
     # packer's static mode, max_seqlen need not bound. The longest real slot rides along with
     # the packer's one host read instead.
-    longest_slot = (-(-keep.sum(dim=1, dtype=torch.int64) // align_to) * align_to).max()
+    longest_slot = round_up(keep.sum(dim=1, dtype=torch.int64), align_to).max()
     tail_flag = longest_slot.new_zeros(()) if last_row_may_be_padding is None else last_row_may_be_padding.long()
     packed = pack_bshd_to_thd(
         input_ids.expand(rows, n), keep, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
