@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.bridge_thd.checks import check_int
+from megatron.bridge_thd.lengths import seq_idx
 
 __all__ = ["thd_partition_indices", "thd_local_positions", "thd_padding_chunks", "PaddingChunks"]
 
@@ -56,7 +57,7 @@ def thd_local_positions(
     local = torch.arange(total_tokens // cp_size, device=device)
     # A segment of length L contributes L / cp tokens to every rank, in segment order.
     local_starts = cu // cp_size
-    segment = torch.searchsorted(local_starts[1:], local, right=True)
+    segment = seq_idx(local_starts, local)
     segment = segment.clamp_max(cu.numel() - 2)
     j = local - local_starts[segment]
     chunk = (cu[segment + 1] - cu[segment]) // (2 * cp_size)

@@ -35,6 +35,7 @@ __all__ = [
     "real_lengths",
     "cu_seqlens_from_lengths",
     "cu_seqlens_from_sample_ids",
+    "seq_idx",
 ]
 
 
@@ -229,6 +230,22 @@ def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
         the total fits).
     """
     return F.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
+
+
+def seq_idx(cu_seqlens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The segment each row slot lies in (Megatron-Core's ``seq_idx``).
+
+    Args:
+        cu_seqlens: ``(S + 1,)`` non-decreasing integer boundaries of a row (for the slots of a padded
+            row, its physical pair ``cu_seqlens_padded``).
+        slots: any shape, integer row positions, the dtype of ``cu_seqlens``.
+
+    Returns:
+        ``slots``' shape, int64: s with ``cu_seqlens[s] <= slot < cu_seqlens[s + 1]``. A slot on a boundary
+        belongs to the segment that starts there, so a zero-width segment is never returned; a slot at or
+        past ``cu_seqlens[-1]`` gives S (callers clamp it, or read it as "no segment").
+    """
+    return torch.searchsorted(cu_seqlens[1:], slots, right=True)
 
 
 def cu_seqlens_from_sample_ids(sample_ids: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.bridge_thd.checks import check_int
-from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_lengths, raise_failed_checks
+from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_lengths, raise_failed_checks, seq_idx
 from megatron.bridge_thd.packing import round_up, thd_packed_seq_params
 
 __all__ = ["ExpandedBoundaries", "expand_cu_seqlens", "expanded_positions", "expand_row"]
@@ -270,7 +270,7 @@ def expand_cu_seqlens(
 
     # positions[j] = E[j] + alignment padding added before j's segment.
     num_segments = lengths.shape[0]
-    segment = torch.searchsorted(cu_padded[1:], torch.arange(num_slots, device=cu.device), right=True)
+    segment = seq_idx(cu_padded, torch.arange(num_slots, device=cu.device))
     shift = F.pad(cu_padded_out[:-1] - start_out, (0, 1))  # index S (bad input) reads 0
     positions = mapping[:-1] + shift[segment.clamp(max=num_segments)]
 
