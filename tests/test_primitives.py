@@ -1,11 +1,11 @@
 """The package's shared primitives, each at its one home: argument checks (checks), rounding
-(packing.round_up / ceil_div), slot-to-segment (lengths.seq_idx)."""
+(packing.round_up / ceil_div), slot-to-segment (lengths.seq_idx), the one host read (lengths.read_once)."""
 
 import pytest
 import torch
 
 from megatron.bridge_thd.checks import check_int, is_int_at_least
-from megatron.bridge_thd.lengths import seq_idx
+from megatron.bridge_thd.lengths import DeferredCheck, read_once, seq_idx
 from megatron.bridge_thd.packing import ceil_div, round_up
 
 
@@ -38,3 +38,13 @@ def test_seq_idx_steps_over_zero_width_segments():
     assert seq_idx(cu, slots).tolist() == [0, 0, 0, 2, 2, 3, 3, 3, 4, 4]  # past the row: S = 4
     assert seq_idx(cu, slots.reshape(2, 5)).shape == (2, 5)
     assert seq_idx(cu, slots).dtype == torch.int64
+
+
+def test_read_once_splits_sizes_flags_and_extra():
+    ok, bad = DeferredCheck(torch.tensor(False), "ok"), DeferredCheck(torch.tensor(True), "x: bad", lambda: "detail")
+    assert read_once() == ([], None)
+    assert read_once([torch.tensor(5), torch.tensor(2)], [ok], torch.tensor([[3, 4]])) == ([5, 2], [3, 4])
+    assert read_once(checks=[ok]) == ([], None)
+    assert read_once(extra=torch.tensor([1, 0])) == ([], [1, 0])
+    with pytest.raises(ValueError, match=r"^x: bad \(detail\)$"):
+        read_once([torch.tensor(5)], [ok, bad], torch.tensor([1]))

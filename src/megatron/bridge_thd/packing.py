@@ -25,7 +25,7 @@ from megatron.bridge_thd.lengths import (
     cu_seqlens_from_lengths,
     keep_mask_from_attention_mask,
     keep_mask_from_real_lengths,
-    raise_failed_checks,
+    read_once,
 )
 from megatron.bridge_thd.lengths import real_lengths as lengths_of_keep_mask
 
@@ -273,7 +273,6 @@ def pack_bshd_to_thd(
     else:
         keep, checks = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device), []
     checks = checks + caller_checks
-    extra = host_values.reshape(-1).to(torch.int64) if host_values is not None else None
 
     lengths = lengths_of_keep_mask(keep)
     slots = round_up(lengths, align_to)
@@ -291,16 +290,9 @@ def pack_bshd_to_thd(
         ]
         # The one host synchronisation: the row length sizes the output, and the validity flags
         # ride along so that checking costs nothing extra.
-        host = torch.cat([
-            torch.stack(
-                [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(()), cu_seqlens[-1]]
-                + [check.failed.to(torch.int64) for check in checks]
-            ),
-            extra if extra is not None else slots.new_zeros(0),
-        ]).tolist()
-        raise_failed_checks(checks, host[3 : 3 + len(checks)])
-        row_length, max_seqlen, real_total = host[0], host[1], host[2]
-        read_values = host[3 + len(checks) :] if extra is not None else None
+        (row_length, max_seqlen, real_total), read_values = read_once(
+            [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(()), cu_seqlens[-1]], checks,
+            host_values)
         # Padding anywhere (also in the last slot only) makes the padded total exceed the real one.
         pad_between_seqs = row_length != real_total
         if row_length < min_length:

@@ -28,7 +28,7 @@ import torch
 from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
 from megatron.bridge_thd.layouts import LAYOUT_NAMES as LAYOUTS
 from megatron.bridge_thd.layouts import bshd_width, row_bucket
-from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, raise_failed_checks
+from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, read_once
 from megatron.bridge_thd.overlong import LENGTHS_KEY, cut_report, log_cut
 from megatron.bridge_thd.packing import pack_bshd_to_thd, round_up, scatter_into_row
 from megatron.bridge_thd.step_plan import (
@@ -216,12 +216,7 @@ def relay_right_padded(values: torch.Tensor, keep: torch.Tensor, width: int, fil
 def _read_now(checks: list[DeferredCheck], truncated: torch.Tensor | None) -> list[int] | None:
     """One read of every deferred check and the truncation counts (layouts without the packer's read); nothing
     at all when there is nothing to read. Free when the batch is on the host."""
-    if not checks and truncated is None:
-        return None
-    flags = [check.failed.to(torch.int64).reshape(1) for check in checks]
-    host = torch.cat(flags + ([truncated.to(torch.int64)] if truncated is not None else [])).tolist()
-    raise_failed_checks(checks, host[: len(checks)])
-    return host[len(checks) :] if truncated is not None else None
+    return read_once(checks=checks, extra=truncated)[1]
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron.bridge_thd.checks import check_int
-from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_lengths, raise_failed_checks, seq_idx
+from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_lengths, read_once, seq_idx
 from megatron.bridge_thd.packing import round_up, thd_packed_seq_params
 
 __all__ = ["ExpandedBoundaries", "expand_cu_seqlens", "expanded_positions", "expand_row"]
@@ -310,11 +310,7 @@ def expand_cu_seqlens(
         ),
     ]
     # The one host read: the output sizes, with every validity flag riding along.
-    host = torch.stack(
-        [cu_padded_out[-1], longest, cu_out[-1]] + [check.failed.to(torch.int64) for check in checks]
-    ).tolist()
-    raise_failed_checks(checks, host[3:])
-    row_length, max_seqlen, real_total = host[:3]
+    (row_length, max_seqlen, real_total), _ = read_once([cu_padded_out[-1], longest, cu_out[-1]], checks)
     max_seqlen = max_seqlen if max_seqlen > 0 else align_to
 
     cu_out = cu_out.to(torch.int32)
