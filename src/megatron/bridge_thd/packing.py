@@ -35,6 +35,7 @@ __all__ = [
     "unpack_thd_to_bshd",
     "required_alignment",
     "segment_index",
+    "row_index",
     "scatter_into_row",
     "gather_from_row",
     "thd_packed_seq_params",
@@ -131,6 +132,25 @@ def _check_companion(name: str, tensor: torch.Tensor | None, shape: tuple[int, .
         raise ValueError(
             f"{name}: shape {tuple(tensor.shape)} does not match input_ids; expected {shape}"
         )
+
+
+def row_index(keep: torch.Tensor, starts: torch.Tensor, row_length: int) -> torch.Tensor:
+    """Where each position of a padded batch goes in a row: its sample's start plus its rank among the
+    sample's kept positions; ``row_length`` (the trash slot :func:`scatter_into_row` cuts off) where not kept.
+
+    Args:
+        keep: ``(B, T)`` bool, the positions that go into the row.
+        starts: ``(B,)`` int64, where each sample's part of the row begins.
+        row_length: N, the row length.
+
+    Returns:
+        ``(B, T)`` int64 in ``[0, N]``. Built in place: on the CPU each ``(B, T)`` temporary costs as much as
+        a scatter.
+    """
+    index = keep.cumsum(dim=1)
+    index.add_(starts[:, None] - 1)
+    index.masked_fill_(~keep, row_length)
+    return index
 
 
 def scatter_into_row(values: torch.Tensor, index: torch.Tensor, row_length: int, fill) -> torch.Tensor:
@@ -344,10 +364,7 @@ def pack_bshd_to_thd(
         cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((fixed,), total_length)])
 
     # slot = start of the sample's slot + rank among its real tokens; padding -> trash slot N.
-    # Built in place: on the CPU each (B, T) temporary costs as much as a scatter.
-    packed_index = keep.cumsum(dim=1)
-    packed_index.add_(cu_seqlens_padded[:batch_size, None] - 1)
-    packed_index.masked_fill_(~keep, row_length)
+    packed_index = row_index(keep, cu_seqlens_padded[:batch_size], row_length)
 
     cu_seqlens = cu_seqlens.to(torch.int32)
     cu_seqlens_padded = cu_seqlens_padded.to(torch.int32)

@@ -30,7 +30,7 @@ from megatron.bridge_thd.layouts import LAYOUT_NAMES as LAYOUTS
 from megatron.bridge_thd.layouts import bshd_width, row_bucket
 from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, read_once
 from megatron.bridge_thd.overlong import LENGTHS_KEY, cut_report, log_cut
-from megatron.bridge_thd.packing import pack_bshd_to_thd, round_up, scatter_into_row
+from megatron.bridge_thd.packing import pack_bshd_to_thd, round_up, row_index, scatter_into_row
 from megatron.bridge_thd.step_plan import (
     StepPlan,
     build_step_plan,
@@ -207,8 +207,7 @@ def relay_right_padded(values: torch.Tensor, keep: torch.Tensor, width: int, fil
     """
     batch_size = keep.shape[0]
     row_length = batch_size * width
-    rank = keep.cumsum(dim=1) - 1
-    index = torch.where(keep, torch.arange(batch_size, device=keep.device)[:, None] * width + rank, row_length)
+    index = row_index(keep, torch.arange(batch_size, device=keep.device) * width, row_length)
     row = scatter_into_row(values, index, row_length, fill)  # (..., 1, B * width)
     return row.reshape(*values.shape[:-2], batch_size, width)
 
