@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,6 +34,7 @@ __all__ = [
     "thd_slots",
     "static_row_length",
     "row_bucket",
+    "renamed_from_layouts",
 ]
 
 
@@ -130,3 +132,15 @@ def row_bucket(row_lengths: Sequence[int], slots: int) -> int:
     (0, 1, 1)
     """
     return bisect.bisect_left(row_lengths, slots)
+
+
+def renamed_from_layouts(module: str, new: str, value):
+    """A module ``__getattr__`` for a module whose layout tuple was called ``LAYOUTS`` (the name of this
+    module's registry dict): ``LAYOUTS`` still gives ``value``, with a DeprecationWarning naming ``new``."""
+    def __getattr__(name: str):
+        if name == "LAYOUTS":
+            warnings.warn(f"{module}.LAYOUTS is renamed {new}", DeprecationWarning, stacklevel=2)
+            return value
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -203,6 +203,30 @@ def thd_packed_seq_params(
     )
 
 
+def _keep_mask(attention_mask, real_lengths, keep, batch_size: int, seq_len: int, device: torch.device):
+    """The ``(B, T)`` bool keep mask from whichever of ``attention_mask``, ``real_lengths``, ``keep`` the
+    caller passed (none: every token is real), and the deferred checks of its values."""
+    for name, value in (("attention_mask", attention_mask), ("real_lengths", real_lengths), ("keep", keep)):
+        _check_tensor(name, value)
+    if attention_mask is not None and real_lengths is not None:
+        raise ValueError("attention_mask, real_lengths: pass one of them, not both")
+    if keep is not None and (attention_mask is not None or real_lengths is not None):
+        given = "attention_mask" if attention_mask is not None else "real_lengths"
+        raise ValueError(f"keep, {given}: pass one of them, not both")
+    if keep is not None:
+        if keep.dtype != torch.bool or tuple(keep.shape) != (batch_size, seq_len):
+            raise ValueError(
+                f"keep: expected a ({batch_size}, {seq_len}) bool tensor, got {keep.dtype} {tuple(keep.shape)}; "
+                "pass a dataset's mask as attention_mask"
+            )
+        return keep.to(device), []
+    if attention_mask is not None:
+        return keep_mask_from_attention_mask(attention_mask.to(device), batch_size, seq_len)
+    if real_lengths is not None:
+        return keep_mask_from_real_lengths(real_lengths.to(device), batch_size, seq_len)
+    return torch.ones(batch_size, seq_len, dtype=torch.bool, device=device), []
+
+
 def pack_bshd_to_thd(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -211,6 +235,7 @@ def pack_bshd_to_thd(
     loss_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     real_lengths: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
     align_to: int = 1,
     total_length: int | None = None,
     segments: int | None = None,
@@ -232,6 +257,9 @@ def pack_bshd_to_thd(
         position_ids: ``(B, T)`` or MRoPE ``(3, B, T)``, packed to ``(1, N)`` / ``(3, 1, N)``.
         real_lengths: ``(B,)`` instead of a mask: sample i's first ``real_lengths[i]`` tokens
             are real.
+        keep: ``(B, T)`` bool instead of a mask: the keep mask a caller already derived and
+            checked (True = the token goes into the row; the step's, after truncation), packed as
+            given. Pass at most one of ``attention_mask``, ``real_lengths`` and ``keep``.
         align_to: every sample's physical slot is a multiple of this (see
             :func:`required_alignment`).
         total_length: static mode: the row is exactly this long, the tail after the last
@@ -280,19 +308,8 @@ def pack_bshd_to_thd(
             f"position_ids: shape {tuple(position_ids.shape)} does not match input_ids; expected "
             f"({batch_size}, {seq_len}) or MRoPE (3, {batch_size}, {seq_len})"
         )
-    _check_tensor("attention_mask", attention_mask)
-    _check_tensor("real_lengths", real_lengths)
-    if attention_mask is not None and real_lengths is not None:
-        raise ValueError("attention_mask, real_lengths: pass one of them, not both")
-
-    caller_checks = list(checks)
-    if attention_mask is not None:
-        keep, checks = keep_mask_from_attention_mask(attention_mask.to(device), batch_size, seq_len)
-    elif real_lengths is not None:
-        keep, checks = keep_mask_from_real_lengths(real_lengths.to(device), batch_size, seq_len)
-    else:
-        keep, checks = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device), []
-    checks = checks + caller_checks
+    keep, mask_checks = _keep_mask(attention_mask, real_lengths, keep, batch_size, seq_len, device)
+    checks = mask_checks + list(checks)
 
     lengths = lengths_of_keep_mask(keep)
     slots = round_up(lengths, align_to)

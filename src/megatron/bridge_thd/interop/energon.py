@@ -326,7 +326,7 @@ def _pack_rows(
     longest_slot = round_up(keep.sum(dim=1, dtype=torch.int64), align_to).max()
     tail_flag = longest_slot.new_zeros(()) if last_row_may_be_padding is None else last_row_may_be_padding.long()
     packed = pack_bshd_to_thd(
-        input_ids.expand(rows, n), keep, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
+        input_ids.expand(rows, n), keep=keep, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
         align_to=align_to, min_length=min_length, pad_token_id=pad_token_id, checks=checks,
         host_values=torch.stack([longest_slot, tail_flag]),
     )

@@ -45,7 +45,7 @@ from megatron.bridge_thd import layouts
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.estimate import PlanSettings
 from megatron.bridge_thd.plan.flops import flops_config, micro_batch_flops
-from megatron.bridge_thd.plan.layouts import LAYOUTS, MicroBatch, layout_stats
+from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, MicroBatch, layout_stats
 from megatron.bridge_thd.plan.memory import GraphMemory, activation_bytes, cuda_graph_bytes, parameter_counts
 from megatron.bridge_thd.plan.presets import ModelSpec
 from megatron.bridge_thd.plan.roofline import step_seconds
@@ -287,7 +287,7 @@ def _estimate(layout: str, placement: str, steps: list[Step], assignments, costs
 
 def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings, global_batch_size: int | None = None,
                  seed: int = 0, row_buckets: int = DEFAULT_ROW_BUCKETS) -> BalancePlan:
-    """Every layout of :data:`~.layouts.LAYOUTS` with in-batch placement and with global-batch packing
+    """Every layout of :data:`~.layouts.LAYOUT_ORDER` with in-batch placement and with global-batch packing
     (module docstring). ``global_batch_size`` defaults to ``micro_batch_size * micro_batches_per_step * DP``;
     ``row_buckets``: the most ``thd_static`` rows global-batch packing may use (the runtime's
     ``dataset.global_batch_packing.row_buckets``; 1: one row, the figures before row buckets).
@@ -326,7 +326,7 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
     costs = [cost(list(s.lengths), list(s.patches), list(s.patches_squared)).tolist() for s in steps]
     placed = {}  # (placement, row_length) -> per step assignment, shared by layouts with the same row
     out: dict[str, dict[str, PlacementEstimate]] = {}
-    for layout in LAYOUTS:
+    for layout in LAYOUT_ORDER:
         out[layout] = {}
         for placement in PLACEMENTS:
             if placement == "packed" and layout not in PACKABLE:

@@ -22,10 +22,10 @@ from megatron.bridge_thd import layouts
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
 
-__all__ = ["LAYOUTS", "Parallel", "MicroBatch", "micro_batches", "layout_stats"]
+__all__ = ["LAYOUT_ORDER", "Parallel", "MicroBatch", "micro_batches", "layout_stats"]
 
-# The planner lists the baseline first.
-LAYOUTS = ("bshd",) + tuple(name for name in layouts.LAYOUT_NAMES if name != "bshd")
+# The order the planner estimates and lists the layouts in: the baseline first.
+LAYOUT_ORDER = ("bshd",) + tuple(name for name in layouts.LAYOUT_NAMES if name != "bshd")
 
 
 @dataclass(frozen=True)
@@ -118,4 +118,4 @@ def layout_stats(layout: str, batch: MicroBatch, seq_length: int, parallel: Para
         return layouts.thd_slots(batch.lengths, align), real_sq
     if layout == "thd_static":
         return layouts.static_row_length(b, seq_length=seq_length, align=align), real_sq
-    raise ValueError(f"layout {layout!r} is not known; valid layouts: {', '.join(LAYOUTS)}")
+    raise ValueError(f"layout {layout!r} is not known; valid layouts: {', '.join(LAYOUT_ORDER)}")
