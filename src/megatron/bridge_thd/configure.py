@@ -471,5 +471,5 @@ def _log(s: Setup, changes: list[str], notes: list[str], overrides: list[_Overri
         logger.warning("%s", override.warning())
 
 
-# Still answers the old name LAYOUTS (a DeprecationWarning says the new one).
+# Still answers the old name LAYOUTS (a PendingDeprecationWarning says the new one).
 __getattr__ = renamed_from_layouts(__name__, "LAYOUT_NAMES", LAYOUT_NAMES)

@@ -136,10 +136,11 @@ def row_bucket(row_lengths: Sequence[int], slots: int) -> int:
 
 def renamed_from_layouts(module: str, new: str, value):
     """A module ``__getattr__`` for a module whose layout tuple was called ``LAYOUTS`` (the name of this
-    module's registry dict): ``LAYOUTS`` still gives ``value``, with a DeprecationWarning naming ``new``."""
+    module's registry dict): ``LAYOUTS`` still gives ``value``, with a PendingDeprecationWarning naming ``new``
+    (silent unless asked for: ``testbed/demo.py``'s screen must stay free of warnings until it imports ``new``)."""
     def __getattr__(name: str):
         if name == "LAYOUTS":
-            warnings.warn(f"{module}.LAYOUTS is renamed {new}", DeprecationWarning, stacklevel=2)
+            warnings.warn(f"{module}.LAYOUTS is renamed {new}", PendingDeprecationWarning, stacklevel=2)
             return value
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 

@@ -24,5 +24,5 @@ from megatron.bridge_thd.step import (  # noqa: F401 - the names users and tests
 __all__ = ["forward_step", "prepare_micro_batch", "prepare_with_plan", "PackingStats", "PreparedMicroBatch", "LAYOUT_NAMES", "QWEN3_VL"]
 
 
-# Still answers the old name LAYOUTS (a DeprecationWarning says the new one).
+# Still answers the old name LAYOUTS (a PendingDeprecationWarning says the new one).
 __getattr__ = renamed_from_layouts(__name__, "LAYOUT_NAMES", LAYOUT_NAMES)

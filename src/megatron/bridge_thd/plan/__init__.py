@@ -35,5 +35,5 @@ __all__ = ["Plan", "PlanSettings", "plan", "LAYOUT_ORDER", "Parallel", "SampleLe
            "format_balance"]
 
 
-# Still answers the old name LAYOUTS (a DeprecationWarning says the new one).
+# Still answers the old name LAYOUTS (a PendingDeprecationWarning says the new one).
 __getattr__ = renamed_from_layouts(__name__, "LAYOUT_ORDER", LAYOUT_ORDER)
