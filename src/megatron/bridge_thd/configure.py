@@ -32,8 +32,6 @@ import logging
 from typing import Any, NamedTuple
 
 from megatron.bridge_thd.layouts import LAYOUT_NAMES, renamed_from_layouts
-from megatron.bridge_thd.layouts import STATIC_LAYOUTS as _STATIC_LAYOUTS
-from megatron.bridge_thd.layouts import THD_LAYOUTS as _THD_LAYOUTS
 from megatron.bridge_thd.rules import (  # noqa: F401 - the predicates users import from here
     Setup,
     configure_problems,
@@ -46,7 +44,6 @@ from megatron.bridge_thd.rules import (  # noqa: F401 - the predicates users imp
 __all__ = [
     "configure",
     "LAYOUT_NAMES",
-    "STATIC_LAYOUTS",
     "cuda_graphs_enabled",
     "effective_cuda_graph_impl",
     "uses_hybridep",
@@ -98,8 +95,6 @@ FLAG_RULES_NOTE = (
     "when the config is written to YAML and read back (re-run `configure` after loading)."
 )
 
-# The layout names and their kinds come from the one layout contract.
-STATIC_LAYOUTS, THD_LAYOUTS = _STATIC_LAYOUTS, _THD_LAYOUTS
 # Megatron-Bridge 0.6.2 models/transformer_config.py _HYBRIDEP_PADDING_FIELDS (0.19.2 has the first).
 HYBRIDEP_PADDING_FIELDS = ("moe_hybridep_pad_uneven_dispatch_inputs", "moe_hybridep_pad_variable_tokens")
 _MISSING = object()

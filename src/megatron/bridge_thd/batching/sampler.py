@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -169,19 +169,22 @@ class GlobalBatchSampler:
             step (only a loader's prefetch past the run's end asks for one) that does not fit is given
             Megatron-Bridge's own placement with a warning instead of stopping the run.
         setting: the setting an error tells the user to change.
+        on_step: called with each step's :class:`StepPlacement` as it is placed (the figures of the log
+            line, on every rank), e.g. ``records.append``; nothing is kept otherwise.
     """
 
     def __init__(self, samplers: Sequence, *, dp_rank: int, num_micro_batches: int, row_length: int,
                  sizes: SampleSizes, static_row: bool, align_to: int = 1, seed: int = 0,
                  cost: SampleCost | None = None, log: bool = True, label: str = "train", cycle: bool = False,
                  first_step: int = 1, planned_steps: int | None = None,
-                 setting: str = "dataset.global_batch_packing.row_length", row_lengths: Sequence[int] | None = None):
+                 setting: str = "dataset.global_batch_packing.row_length", row_lengths: Sequence[int] | None = None,
+                 on_step: Callable[[StepPlacement], None] | None = None):
         self.samplers, self.dp_rank, self.num_micro_batches = list(samplers), dp_rank, num_micro_batches
         self.row_length, self.sizes, self.static_row = row_length, sizes, static_row
         self.row_lengths = tuple(row_lengths) if row_lengths is not None else (row_length,)
         self.align_to, self.seed, self.cost, self.log, self.label = align_to, seed, cost, log, label
         self.cycle, self.step, self.planned_steps, self.setting = cycle, first_step, planned_steps, setting
-        self.history: list[StepPlacement] = []
+        self.on_step = on_step
 
     def __len__(self) -> int:
         return len(self.samplers[self.dp_rank])
@@ -208,6 +211,9 @@ class GlobalBatchSampler:
         return [[[drawn[i] for i in row] for row in rank] for rank in placement]
 
     def _record(self, index: torch.Tensor, placement) -> None:
+        logs = self.log and is_global_rank_zero()
+        if not logs and self.on_step is None:
+            return  # nobody reads the figures
         dp = len(self.samplers)
         lengths, patches, squared = self.sizes.take(index)
         costs = sample_costs(lengths, patches, squared, self.cost)
@@ -218,8 +224,9 @@ class GlobalBatchSampler:
         in_batch = placement_stats(own, lengths, costs=costs, align_to=self.align_to)
         record = StepPlacement(self.step, stats.real_tokens, stats.slots, stats.padding,
                                stats.rank_imbalance, stats.micro_batch_imbalance, in_batch.rank_imbalance)
-        self.history.append(record)
-        if self.log and is_global_rank_zero():
+        if self.on_step is not None:
+            self.on_step(record)
+        if logs:
             logger.info(
                 "bridge_thd global-batch packing (%s): step %d: real tokens %d in %d slots (padding %.1f%%); per-rank cost "
                 "max/mean %.3f (in-batch placement of the same samples: %.3f); per-micro-batch max/mean %.3f",
