@@ -20,7 +20,7 @@ MICRO_BATCH_SIZE = 4
 DP = 2
 GLOBAL_BATCH_SIZE = 16  # 2 micro-batches of 4 per rank
 NUM_LAYERS = 2  # the DP equality test's depth
-LAYOUTS = ("thd", "thd_static")
+LAYOUT_NAMES = ("thd", "thd_static")
 PLACEMENTS = ("in_batch", "global")
 FLOOR_REPEATS = 5
 

@@ -112,7 +112,7 @@ FULL = {"base_examples": 1000, "target_length": 10_000_000, "before_indices": 20
 QUICK = {"base_examples": 100, "target_length": 320_000, "before_indices": 200, "pilot_steps": 3_000,
          "placement_samples": (1024, 2048), "row_steps": 3}
 # (name, dp_size, how the step is cut: ("mbs", micro_batch_size) or ("nmb", micro-batches per rank))
-LAYOUTS = (("DP 8 x MBS 4", 8, ("mbs", 4)), ("DP 8 x 4 µb", 8, ("nmb", 4)), ("DP 64 x 4 µb", 64, ("nmb", 4)))
+PARALLEL_SETUPS = (("DP 8 x MBS 4", 8, ("mbs", 4)), ("DP 8 x 4 µb", 8, ("nmb", 4)), ("DP 64 x 4 µb", 64, ("nmb", 4)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def measure_row_search(n: int, steps: int, name: str, dp: int, cut) -> dict:
 
 def measure_threads(n: int, threads: int) -> dict:
     """One ``assign`` (DP 8 x 4 µb, tight row) at ``threads`` and at torch's default thread count."""
-    name, dp, cut = LAYOUTS[1]
+    name, dp, cut = PARALLEL_SETUPS[1]
     lengths = torch.tensor(long_tailed(n, SEQ_LENGTH, seed=SEED).tokens, dtype=torch.int64)
     zeros = torch.zeros_like(lengths)
     nmb, _ = _layout(n, dp, cut)
@@ -463,9 +463,9 @@ def run(config: dict, quick: bool, threads: int) -> dict:
         runs.append(measure_run(dataset, sizes, kind, config))
         print(f"(2) {kind}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     placements = [measure_placement(n, name, dp, cut, 1 if quick else REPEATS)
-                  for n in config["placement_samples"] for name, dp, cut in LAYOUTS]
+                  for n in config["placement_samples"] for name, dp, cut in PARALLEL_SETUPS]
     largest = config["placement_samples"][-1]
-    searches = [measure_row_search(largest, config["row_steps"], name, dp, cut) for name, dp, cut in LAYOUTS]
+    searches = [measure_row_search(largest, config["row_steps"], name, dp, cut) for name, dp, cut in PARALLEL_SETUPS]
     threads_result = measure_threads(largest, threads)
     print(f"(3) placement: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return {

@@ -82,7 +82,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _global_batch_step import (  # noqa: E402
-    DISTRIBUTIONS, DP, GLOBAL_BATCH_SIZE, LAYOUTS, MICRO_BATCH_SIZE, NUM_LAYERS, PLACEMENTS, SEQ_LENGTH, sample_sizes,
+    DISTRIBUTIONS, DP, GLOBAL_BATCH_SIZE, LAYOUT_NAMES, MICRO_BATCH_SIZE, NUM_LAYERS, PLACEMENTS, SEQ_LENGTH, sample_sizes,
     step_batch, step_time_worker, tiny_model_spec)
 from _tables import cpu_name, markdown  # noqa: E402
 
@@ -192,7 +192,7 @@ def summarise(results: dict) -> list[dict]:
     warmup = results["parameters"]["warmup_steps"]
     for distribution, d in results["distributions"].items():
         measured = [s for s in d["steps"] if s["step"] >= warmup]
-        for layout in LAYOUTS:
+        for layout in LAYOUT_NAMES:
             row = {"distribution": distribution, "layout": layout, "measured_steps": len(measured)}
             for placement in PLACEMENTS:
                 runs = [s["runs"][f"{layout}/{placement}"] for s in measured]
@@ -348,7 +348,7 @@ def run(args) -> dict:
     schedule = []
     for name, d in plans.items():
         for s in d["steps"]:
-            for layout in LAYOUTS:
+            for layout in LAYOUT_NAMES:
                 for placement in PLACEMENTS:
                     entry = s["runs"][f"{layout}/{placement}"]
                     schedule.append(dict(distribution=name, step=s["step"], layout=layout, placement=placement,
@@ -376,7 +376,7 @@ def run(args) -> dict:
         run_entry["placement"] = [[list(mb) for mb in rank] for rank in entry["assignment"]]
     for d in plans.values():
         for s in d["steps"]:
-            for layout in LAYOUTS:
+            for layout in LAYOUT_NAMES:
                 own, placed = s["runs"][f"{layout}/in_batch"], s["runs"][f"{layout}/global"]
                 worst = max(worst, abs(placed["loss_sum"] - own["loss_sum"]) / abs(own["loss_sum"]))
                 tokens_equal &= placed["loss_tokens"] == own["loss_tokens"]
@@ -386,7 +386,7 @@ def run(args) -> dict:
         "parameters": {"quick": args.quick, "dp": DP, "micro_batch_size": MICRO_BATCH_SIZE,
                        "global_batch_size": GLOBAL_BATCH_SIZE, "micro_batches_per_rank": NUM_MICRO_BATCHES,
                        "seq_length": SEQ_LENGTH, "num_layers": NUM_LAYERS, "align": ALIGN, "seed": SEED,
-                       "warmup_steps": args.warmup, "measured_steps": args.steps, "layouts": list(LAYOUTS),
+                       "warmup_steps": args.warmup, "measured_steps": args.steps, "layouts": list(LAYOUT_NAMES),
                        "placements": {"in_batch": "batching.in_batch_assignment (Megatron-Bridge's samplers)",
                                       "global": "batching.assign (thd: row cap MBS * seq_length; thd_static: the "
                                                 "run's fixed row)"},

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "parity_report.json"
-LAYOUTS = ("thd", "thd_static", "bshd")
+LAYOUT_NAMES = ("thd", "thd_static", "bshd")
 PP_CONFIGS = [("thd", True), ("thd_static", False), ("thd", False), ("bshd", False)]
 
 
@@ -55,7 +55,7 @@ def single_process_rows(batch) -> list[dict]:
     for moe in (False, True):
         model = build_qwen3_vl(tiny_qwen3_vl_config(moe=moe), seed=0)
         alone, total, reference = _alone(model, batch)
-        for layout in LAYOUTS:
+        for layout in LAYOUT_NAMES:
             run, grads = _packed(model, batch, layout)
             dlogp = max_abs_dlogp(per_sample_from_output(run, batch), alone, batch)
             error, _ = worst_relative_gradient_error(grads, reference)

@@ -106,7 +106,7 @@ from megatron.bridge_thd.upstream import load_bridge_module  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_JSON = ROOT / "benchmarks" / "results" / "step_host_time.json"
 RESULTS_MD = RESULTS_JSON.with_suffix(".md")
-LAYOUTS = ("thd", "thd_static", "bshd")
+LAYOUT_NAMES = ("thd", "thd_static", "bshd")
 BATCH_SIZES = (8, 32)
 WIDTHS = (2048, 4096)
 FLOOR = (8, 256)  # (B, T) of the floor rows: a tiny batch, the host cost that does not grow with B x T
@@ -214,17 +214,17 @@ def measure_step(model, batch: dict, width: int, repeats: int, warmup: int, meta
     """Per layout: ops, syncs and host time of the batch already on the model's device; with ``meta_model`` (where
     the step has its host path) also the host time of the batch on the host bound for the model on ``meta``, what
     Megatron-Bridge's loader and a GPU give the step; all timed in the same interleaved rounds."""
-    states = {layout: make_state(model, batch, layout, width) for layout in LAYOUTS}
-    calls = {layout: (lambda s=states[layout]: call(model, batch, s)) for layout in LAYOUTS}
+    states = {layout: make_state(model, batch, layout, width) for layout in LAYOUT_NAMES}
+    calls = {layout: (lambda s=states[layout]: call(model, batch, s)) for layout in LAYOUT_NAMES}
     if meta_model is not None and prepare_with_plan is not None:
-        for layout in LAYOUTS:
+        for layout in LAYOUT_NAMES:
             meta_state = make_state(meta_model, batch, layout, width)
             calls[HOST_BATCH + layout] = lambda s=meta_state: call(meta_model, batch, s)
     calls[CALIBRATION] = calibration_workload
     for _ in range(warmup):
         calibration_workload()
     out = {}
-    for layout in LAYOUTS:
+    for layout in LAYOUT_NAMES:
         for _ in range(warmup):
             call(model, batch, states[layout])
         with count_ops() as counts:
@@ -261,7 +261,7 @@ def measure_step(model, batch: dict, width: int, repeats: int, warmup: int, meta
     finally:
         gc.enable()
     calibration_ms = statistics.median(wall[CALIBRATION])
-    for layout in LAYOUTS:
+    for layout in LAYOUT_NAMES:
         q = statistics.quantiles(wall[layout], n=4) if len(wall[layout]) > 1 else [wall[layout][0]] * 3
         host_ms = statistics.median(wall[layout])
         out[layout].update(host_ms=host_ms, host_ms_quartiles=[q[0], q[2]],
@@ -500,7 +500,7 @@ def render(results: dict) -> str:
     keys = []
     for label in labels:
         keys += [k for k in by_label[label] if k not in keys]
-    keys.sort(key=lambda k: (k[1], k[2], MEDIA.index(k[3]), LAYOUTS.index(k[0])))
+    keys.sort(key=lambda k: (k[1], k[2], MEDIA.index(k[3]), LAYOUT_NAMES.index(k[0])))
     rows = []
     for key in keys:
         cells = [key[0], str(key[1]), str(key[2]), key[3]]
@@ -609,7 +609,7 @@ def run(args) -> dict:
         for media in MEDIA:
             batch = vlm_batch(batch_size, width, media=media, seed=batch_size + width)
             measured = measure_step(model, batch, width, args.repeats, args.warmup, meta_model)
-            for layout in LAYOUTS:
+            for layout in LAYOUT_NAMES:
                 row = measured[layout]
                 prepared = row.pop("prepared")
                 row.update(measure_host_batch(meta_model, batch, layout, width))

@@ -78,12 +78,14 @@ def _real_steps(kind, dataset, *, consumed=0):
     return [_steps(list(_real(kind, dataset, rank, consumed=consumed))) for rank in range(DP)]
 
 
-def _ours(kind, dataset, *, consumed=0, row=ROW, static=False, cost=COST, seed=0):
-    """Per rank: its GlobalBatchSampler (built, as in a run, from that rank's own real sampler)."""
+def _ours(kind, dataset, *, consumed=0, row=ROW, static=False, cost=COST, seed=0, records=None):
+    """Per rank: its GlobalBatchSampler (built, as in a run, from that rank's own real sampler). ``records``:
+    a list per rank that collects the rank's StepPlacement records (its ``on_step``)."""
     sizes = dataset_sizes(dataset)
     return [GlobalBatchSampler(rank_samplers(_real(kind, dataset, rank, consumed=consumed), DP), dp_rank=rank,
                                num_micro_batches=NMB, row_length=row, sizes=sizes, static_row=static,
-                               align_to=ALIGN, seed=seed, cost=cost, log=False) for rank in range(DP)]
+                               align_to=ALIGN, seed=seed, cost=cost, log=False,
+                               on_step=None if records is None else records[rank].append) for rank in range(DP)]
 
 
 def _aligned(n):
@@ -128,9 +130,10 @@ def test_ranks_agree_without_talking(kind):
     """Every rank computes the whole placement; rank r yields rank r's part of it, so the per-rank
     samplers' histories are equal and their yields are disjoint."""
     dataset = _tiny(seed=3)
-    samplers = _ours(kind, dataset)
+    records = [[] for _ in range(DP)]
+    samplers = _ours(kind, dataset, records=records)
     yields = [list(s) for s in samplers]
-    assert all(s.history == samplers[0].history for s in samplers[1:])
+    assert records[0] and all(r == records[0] for r in records[1:])
     for step in range(WHOLE_STEPS):
         per_rank = [{i for micro in yields[r][step * NMB:(step + 1) * NMB] for i in micro} for r in range(DP)]
         assert sum(len(p) for p in per_rank) == len(set().union(*per_rank)) == GBS
@@ -232,10 +235,11 @@ def test_choose_row_length_without_a_whole_step():
 def test_history_measures_the_placement(kind, static):
     dataset = _tiny(seed=5)
     row = ROW if not static else _lower_bound(dataset, _draws(kind, dataset, WHOLE_STEPS)) + 8 * ALIGN
-    samplers = _ours(kind, dataset, row=row, static=static)
+    records = [[] for _ in range(DP)]
+    samplers = _ours(kind, dataset, row=row, static=static, records=records)
     yields = [list(s) for s in samplers]
     real = _real_steps(kind, dataset)
-    history = samplers[0].history
+    history = records[0]
     assert [h.step for h in history] == list(range(1, WHOLE_STEPS + 1))
 
     def imbalance(values):
@@ -261,13 +265,15 @@ def test_history_measures_the_placement(kind, static):
 def test_history_is_logged_on_rank_zero(caplog):
     dataset = _tiny(seed=6)
     sizes = dataset_sizes(dataset)
+    records = []
     sampler = GlobalBatchSampler(rank_samplers(_real("single", dataset, 0), DP), dp_rank=0, num_micro_batches=NMB,
-                                 row_length=ROW, sizes=sizes, static_row=False, align_to=ALIGN, log=True)
+                                 row_length=ROW, sizes=sizes, static_row=False, align_to=ALIGN, log=True,
+                                 on_step=records.append)
     with caplog.at_level(logging.INFO, logger="megatron.bridge_thd.batching.sampler"):
         list(sampler)
     lines = [r.getMessage() for r in caplog.records if "global-batch packing" in r.getMessage()]
     assert len(lines) == WHOLE_STEPS
-    assert f"real tokens {sampler.history[0].real_tokens} " in lines[0]
+    assert f"real tokens {records[0].real_tokens} " in lines[0]
 
 
 # --- sizes ---------------------------------------------------------------------------------------------

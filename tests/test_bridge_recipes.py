@@ -19,7 +19,7 @@ import traceback
 import pytest
 
 
-LAYOUTS = ("thd", "thd_static", "bshd")
+LAYOUT_NAMES = ("thd", "thd_static", "bshd")
 
 # recipe key -> (module, function, GPUs the recipe is written for)
 RECIPES = {
@@ -287,7 +287,7 @@ def all_cases() -> dict:
     variants = {"own": ({}, None), "pp2": (PP2, None), "cp2": (CP2, cp_ready)}
     for recipe in RECIPES:
         for variant_name, (variant, edit) in variants.items():
-            for layout in (None, *LAYOUTS):
+            for layout in (None, *LAYOUT_NAMES):
                 results[("matrix", recipe, variant_name, layout)] = run_case(recipe, variant, layout, edit)
     for table in (CONTRADICTIONS, ALLOWED):
         for name, (recipe, variant, layout, edit, kwargs) in table.items():
@@ -323,7 +323,7 @@ def _fail_text(outcome: dict) -> str:
     return f"{outcome.get('stage')}: {outcome.get('type')}: {outcome.get('message')}\n{outcome.get('traceback', '')}"
 
 
-MATRIX = [(recipe, variant, layout) for recipe in RECIPES for variant in VARIANT_SIZES for layout in (None, *LAYOUTS)]
+MATRIX = [(recipe, variant, layout) for recipe in RECIPES for variant in VARIANT_SIZES for layout in (None, *LAYOUT_NAMES)]
 
 
 @pytest.mark.parametrize("recipe,variant,layout", MATRIX, ids=["-".join(map(str, case)) for case in MATRIX])

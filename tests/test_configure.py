@@ -42,7 +42,7 @@ import torch
 
 from megatron.bridge_thd import configure as configure_module
 from megatron.bridge_thd import qwen3_vl_step
-from megatron.bridge_thd.configure import LAYOUTS, configure, cuda_graphs_enabled, is_explicit, uses_hybridep
+from megatron.bridge_thd.configure import LAYOUT_NAMES, configure, cuda_graphs_enabled, is_explicit, uses_hybridep
 from megatron.bridge_thd.layouts import layout_for
 from megatron.bridge_thd.rules import requested_layout
 from megatron.bridge_thd.upstream import bridge_available, load_bridge_module
@@ -340,8 +340,13 @@ def test_cited_upstream_lines_are_current(cited):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_layouts_match_the_step():
-    assert LAYOUTS == qwen3_vl_step.LAYOUTS
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_every_layout_the_step_runs_is_one_configure_sets_up(layout):
+    # Each name of the step's layout registry is accepted and resolves to itself (the registry is one list:
+    # tests/test_layouts.py::test_layout_names_are_one_list_everywhere).
+    cfg = make_cfg()
+    configure(cfg, layout)
+    assert configured_layout(cfg) == layout
 
 
 @pytest.mark.parametrize("layout", ["THD", "static", "", None, 3, ("thd",)])
@@ -368,7 +373,7 @@ def test_missing_sections():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_sets_the_dataset_flags_and_returns_the_same_object(layout):
     cfg = make_cfg()
     out = configure(cfg, layout)
@@ -671,7 +676,7 @@ def test_static_layouts_with_pp_keep_variable_seq_lengths_false(layout):
 @pytest.mark.parametrize(
     "pp, ep, expected", [(1, 1, False), (2, 1, True), (1, 4, True), (2, 2, True)]
 )
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_pad_to_max_length_follows_bridge_rule(layout, pp, ep, expected):
     model = dict(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
     if ep > 1:
@@ -841,7 +846,7 @@ PIPELINE_GRAPHS = {
 
 
 @pytest.mark.parametrize("graphs", list(PIPELINE_GRAPHS))
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_cuda_graphs_with_pipeline_parallelism_are_refused_for_every_layout(layout, graphs):
     settings, named = PIPELINE_GRAPHS[graphs]
     cfg = make_cfg(model=dict(pipeline_model_parallel_size=2, **settings))
@@ -1061,7 +1066,7 @@ def test_changes_are_logged_at_info(caplog):
         assert change in text
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_second_call_changes_nothing(layout, caplog):
     cfg = make_bridge_like_cfg(model=dict(pipeline_model_parallel_size=2))
     configure(cfg, layout)
@@ -1221,7 +1226,7 @@ GRAPHS = {"no_graphs": dict(), "te_graphs": dict(cuda_graph_impl="transformer_en
 @pytest.mark.parametrize("graphs", list(GRAPHS))
 @pytest.mark.parametrize("model_kind", list(MODELS))
 @pytest.mark.parametrize("pp", [1, 2])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_configured_config_passes_bridges_packing_validation(
     bridge, mock_vlm_config_cls, qwen3_vl_build_check, layout, pp, model_kind, graphs
 ):

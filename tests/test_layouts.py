@@ -54,7 +54,8 @@ def test_layout_names_are_one_list_everywhere():
     from megatron.bridge_thd import configure, qwen3_vl_step
     from megatron.bridge_thd.plan import layouts as plan_layouts
 
-    assert set(qwen3_vl_step.LAYOUTS) == set(configure.LAYOUTS) == set(plan_layouts.LAYOUTS) == set(layouts.LAYOUTS)
+    assert qwen3_vl_step.LAYOUT_NAMES == configure.LAYOUT_NAMES == layouts.LAYOUT_NAMES == tuple(layouts.LAYOUTS)
+    assert set(plan_layouts.LAYOUT_ORDER) == set(layouts.LAYOUTS) and plan_layouts.LAYOUT_ORDER[0] == "bshd"
 
 
 @pytest.mark.parametrize("requested,pp,variable,expected", [

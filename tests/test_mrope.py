@@ -29,7 +29,7 @@ from megatron.bridge_thd.upstream import load_bridge_module
 
 TOKEN_IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START)
 
-LAYOUTS = {
+SAMPLE_LAYOUTS = {
     "text_only": [17],
     "one_image": [5, ("image", 4, 4), 6],
     "image_first": [("image", 8, 4), 3],
@@ -89,9 +89,9 @@ def degenerate_1d(length: int) -> torch.Tensor:
     return torch.arange(length)[None].expand(3, -1)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(SAMPLE_LAYOUTS))
 def test_single_sample_matches_hugging_face(hf_model, name):
-    sample = sample_from_layout(LAYOUTS[name], seed=1)
+    sample = sample_from_layout(SAMPLE_LAYOUTS[name], seed=1)
     ours = our_positions(collate([sample]))
     assert ours.shape == (3, 1, len(sample))
     assert ours.dtype == torch.int64
@@ -119,7 +119,7 @@ def test_video_frames_are_separate_items(hf_model):
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_padded_batch_matches_hugging_face_per_sample(hf_model, padding_side):
-    samples = [sample_from_layout(layout, seed=i) for i, layout in enumerate(LAYOUTS.values())]
+    samples = [sample_from_layout(layout, seed=i) for i, layout in enumerate(SAMPLE_LAYOUTS.values())]
     batch = collate(samples, padding_side, row_length=max(len(s) for s in samples) + 3)
     ours = our_positions(batch)
     keep = batch.attention_mask.bool()
@@ -176,7 +176,7 @@ def test_padding_holes_inside_text(hf_model):
 @pytest.mark.parametrize("seed", [0, 3])
 def test_packed_row_matches_megatron_bridge(bridge_rope, padding_side, seed):
     batch = make_batch(seed, 16, 120, padding_side=padding_side, video_prob=0.4)
-    extra = sample_from_layout(LAYOUTS["image_and_video"], seed=9)
+    extra = sample_from_layout(SAMPLE_LAYOUTS["image_and_video"], seed=9)
     batch = collate(batch.samples + [extra], padding_side)
     packed = pack_bshd_to_thd(
         batch.input_ids, batch.attention_mask, position_ids=our_positions(batch), align_to=4
@@ -201,10 +201,10 @@ def test_packed_row_matches_megatron_bridge(bridge_rope, padding_side, seed):
 def test_degenerate_1d_positions_differ_from_hugging_face(hf_model):
     """The check above can fail: plain 1D positions (arange per sample on all three channels,
     what a packer that ignores MRoPE produces) are wrong as soon as a sample holds an image."""
-    text = sample_from_layout(LAYOUTS["text_only"], seed=0)
+    text = sample_from_layout(SAMPLE_LAYOUTS["text_only"], seed=0)
     assert torch.equal(degenerate_1d(len(text)), hf_positions(hf_model, text))
     for name in ("one_image", "mixed_image_sizes", "video"):
-        sample = sample_from_layout(LAYOUTS[name], seed=1)
+        sample = sample_from_layout(SAMPLE_LAYOUTS[name], seed=1)
         assert not torch.equal(degenerate_1d(len(sample)), hf_positions(hf_model, sample)), name
 
 

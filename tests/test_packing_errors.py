@@ -106,6 +106,19 @@ def test_attention_mask_and_real_lengths_together(ids, keep):
         pack_bshd_to_thd(ids, keep, real_lengths=keep.sum(1))
 
 
+def test_keep_is_packed_as_the_bool_mask_is_and_takes_no_other_mask(ids, keep):
+    a, b = pack_bshd_to_thd(ids, keep=keep, align_to=2), pack_bshd_to_thd(ids, keep, align_to=2)
+    for name in ("input_ids", "cu_seqlens", "cu_seqlens_padded", "padding_mask", "packed_index"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.max_seqlen == b.max_seqlen
+    with pytest.raises(ValueError, match=r"^keep, attention_mask: pass one of them"):
+        pack_bshd_to_thd(ids, keep, keep=keep)
+    with pytest.raises(ValueError, match=r"^keep, real_lengths: pass one of them"):
+        pack_bshd_to_thd(ids, keep=keep, real_lengths=keep.sum(1))
+    with pytest.raises(ValueError, match=r"^keep: expected a \(\d+, \d+\) bool tensor, got torch.int64"):
+        pack_bshd_to_thd(ids, keep=keep.long())
+
+
 @pytest.mark.parametrize(
     "lengths",
     [torch.tensor([1, 2]), torch.tensor([[1, 2, 3]]), torch.tensor(3), torch.tensor([1.0, 2.0, 3.0]),

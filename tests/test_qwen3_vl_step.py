@@ -203,7 +203,7 @@ def per_sample_loss(ref, right_batch):
 def layout_runs(ref, right_batch, left_batch):
     runs = {}
     for padding, batch in (("right", right_batch), ("left", left_batch)):
-        for layout in qwen3_vl_step.LAYOUTS:
+        for layout in qwen3_vl_step.LAYOUT_NAMES:
             state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout=layout)
             runs[layout, padding] = run_step(ref, batch, state)
     return runs

@@ -33,7 +33,7 @@ from megatron.bridge_thd_cpu.parity import (
 )
 from megatron.bridge_thd.upstream import load_bridge_module
 
-LAYOUTS = ["thd", "thd_static", "bshd"]
+LAYOUT_NAMES = ["thd", "thd_static", "bshd"]
 DLOGP_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-5
 
@@ -59,7 +59,7 @@ def alone(model, batches):
         return per_sample_token_losses(model, batches["right"])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_per_token_logp_equals_each_sample_alone(model, batches, alone, layout, padding):
     batch = batches[padding]
@@ -76,7 +76,7 @@ def test_per_token_logp_equals_each_sample_alone(model, batches, alone, layout, 
     assert int(run.num_tokens) == int(batch["loss_mask"].sum())
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_gradients_equal_each_sample_alone(model, batches, layout):
     batch = batches["left"]
     _, reference = per_sample_losses_and_gradients(model, batch)
@@ -192,7 +192,7 @@ def test_parity_helpers_take_any_mask_the_step_takes(model, batches, alone):
         assert masked_loss_sum(alone, other) == pytest.approx(masked_loss_sum(alone, batch), rel=1e-12), kind
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_all_padding_micro_batch_trains_on_nothing(model, layout):
     """No real token at all: the model gets one aligned padding segment (thd), the static row or
     the padded batch, and the loss is 0 over 0 tokens with zero gradients, not a crash."""

@@ -2,8 +2,8 @@
 
 The step (:mod:`megatron.bridge_thd.step`) is family-agnostic: it captures the keep mask,
 truncates, packs and calls the model. A family supplies the four things that differ
-(:class:`ModelAdapter`); :data:`ADAPTERS` is the registry where the next family goes. Reasoning and
-how to add one: docs/adapters.md.
+(:class:`ModelAdapter`); a family's step is ``step.make_forward_step(adapter)``, handed to
+Megatron-Bridge as its ``forward_step_func``. Reasoning and how to add one: docs/adapters.md.
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ import torch
 from megatron.bridge_thd.lengths import DeferredCheck
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids_deferred
 
-__all__ = ["ModelAdapter", "VisionTokens", "Qwen3VLAdapter", "Qwen25VLAdapter", "QWEN3_VL", "QWEN25_VL", "ADAPTERS",
-           "register_adapter"]
+__all__ = ["ModelAdapter", "VisionTokens", "Qwen3VLAdapter", "Qwen25VLAdapter", "QWEN3_VL", "QWEN25_VL"]
 
 
 class ModelAdapter(Protocol):
     """What the packed step needs from a model family.
 
     Attributes:
-        name: registry key, e.g. ``"qwen3_vl"``.
+        name: the family's name, e.g. ``"qwen3_vl"``.
     """
 
     name: str
@@ -173,15 +172,3 @@ class Qwen25VLAdapter:
 
 QWEN3_VL = Qwen3VLAdapter()
 QWEN25_VL = Qwen25VLAdapter()
-ADAPTERS: dict[str, ModelAdapter] = {QWEN3_VL.name: QWEN3_VL, QWEN25_VL.name: QWEN25_VL}
-
-
-def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
-    """Add a family to :data:`ADAPTERS` (its ``name`` must be new); returns it."""
-    for method in ("tokens", "position_ids", "p2p_decoder", "check_supported", "data_checks"):
-        if not callable(getattr(adapter, method, None)):
-            raise TypeError(f"adapter: {type(adapter).__name__} has no {method}(); see ModelAdapter")
-    if adapter.name in ADAPTERS:
-        raise ValueError(f"adapter: a family named {adapter.name!r} is already registered")
-    ADAPTERS[adapter.name] = adapter
-    return adapter

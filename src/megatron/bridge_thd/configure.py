@@ -32,8 +32,6 @@ import logging
 from typing import Any, NamedTuple
 
 from megatron.bridge_thd.layouts import LAYOUT_NAMES
-from megatron.bridge_thd.layouts import STATIC_LAYOUTS as _STATIC_LAYOUTS
-from megatron.bridge_thd.layouts import THD_LAYOUTS as _THD_LAYOUTS
 from megatron.bridge_thd.rules import (  # noqa: F401 - the predicates users import from here
     Setup,
     configure_problems,
@@ -45,8 +43,7 @@ from megatron.bridge_thd.rules import (  # noqa: F401 - the predicates users imp
 
 __all__ = [
     "configure",
-    "LAYOUTS",
-    "STATIC_LAYOUTS",
+    "LAYOUT_NAMES",
     "cuda_graphs_enabled",
     "effective_cuda_graph_impl",
     "uses_hybridep",
@@ -98,8 +95,6 @@ FLAG_RULES_NOTE = (
     "when the config is written to YAML and read back (re-run `configure` after loading)."
 )
 
-# The layout names and their kinds come from the one layout contract.
-LAYOUTS, STATIC_LAYOUTS, THD_LAYOUTS = LAYOUT_NAMES, _STATIC_LAYOUTS, _THD_LAYOUTS
 # Megatron-Bridge 0.6.2 models/transformer_config.py _HYBRIDEP_PADDING_FIELDS (0.19.2 has the first).
 HYBRIDEP_PADDING_FIELDS = ("moe_hybridep_pad_uneven_dispatch_inputs", "moe_hybridep_pad_variable_tokens")
 _MISSING = object()
@@ -234,8 +229,8 @@ def _pin_visual_inputs(notes: list[str]) -> None:
 
 def _check_arguments(layout: Any, cuda_graphs: Any, force: Any) -> None:
     """Refuse a ``layout``, ``cuda_graphs`` or ``force`` argument that ``configure`` does not know."""
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout: {layout!r} is not one of {LAYOUTS}")
+    if not isinstance(layout, str) or layout not in LAYOUT_NAMES:
+        raise ValueError(f"layout: {layout!r} is not one of {LAYOUT_NAMES}")
     if cuda_graphs not in (None, True, False):
         raise ValueError(f"cuda_graphs: {cuda_graphs!r}; pass None (read the model config), True or False")
     if not isinstance(force, bool):
@@ -469,3 +464,5 @@ def _log(s: Setup, changes: list[str], notes: list[str], overrides: list[_Overri
     )
     for override in overrides:
         logger.warning("%s", override.warning())
+
+

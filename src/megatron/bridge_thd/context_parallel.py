@@ -17,13 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.bridge_thd.checks import check_int
+from megatron.bridge_thd.lengths import seq_idx
+
 __all__ = ["thd_partition_indices", "thd_local_positions", "thd_padding_chunks", "PaddingChunks"]
 
 
 def _check_cp(cp_size, cp_rank) -> None:
-    for name, value, low in (("cp_size", cp_size, 1), ("cp_rank", cp_rank, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    check_int("cp_size", cp_size, 1)
+    check_int("cp_rank", cp_rank, 0)
     if cp_rank >= cp_size:
         raise ValueError(f"cp_rank: {cp_rank} is not below cp_size={cp_size}; pass the rank within the CP group")
 
@@ -55,7 +57,7 @@ def thd_local_positions(
     local = torch.arange(total_tokens // cp_size, device=device)
     # A segment of length L contributes L / cp tokens to every rank, in segment order.
     local_starts = cu // cp_size
-    segment = torch.searchsorted(local_starts[1:], local, right=True)
+    segment = seq_idx(local_starts, local)
     segment = segment.clamp_max(cu.numel() - 2)
     j = local - local_starts[segment]
     chunk = (cu[segment + 1] - cu[segment]) // (2 * cp_size)

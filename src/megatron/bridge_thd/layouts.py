@@ -25,7 +25,6 @@ __all__ = [
     "LAYOUTS",
     "LAYOUT_NAMES",
     "THD_LAYOUTS",
-    "STATIC_LAYOUTS",
     "layout_for",
     "thd_alignment",
     "bshd_alignment",
@@ -43,35 +42,22 @@ class Layout:
     Attributes:
         name: the value users set.
         packed: the model gets one ``(1, N)`` THD row with ``packed_seq_params``.
-        static_shapes: the row / batch length depends only on the configuration, never on the data
-            (pipeline p2p buffers without ``variable_seq_lengths``, CUDA graphs).
-        summary: what the model gets, one line (docs and logs).
     """
 
     name: str
     packed: bool
-    static_shapes: bool
-    summary: str
 
 
 LAYOUTS: dict[str, Layout] = {
     layout.name: layout
     for layout in (
-        Layout("thd", packed=True, static_shapes=False,
-               summary="one (1, N) row of real tokens, each slot aligned for TP / CP / SP / FP8"),
-        Layout("thd_static", packed=True, static_shapes=True,
-               summary="the same row padded to micro_batch_size * round_up(seq_length, align); the tail is one "
-                       "segment without real tokens"),
-        Layout("bshd", packed=False, static_shapes=True,
-               summary="the padded (B, W) batch as Megatron-Bridge 0.6.2's own step lays it out, samples "
-                       "re-laid right-padded"),
+        Layout("thd", packed=True),  # one (1, N) row of real tokens, each slot aligned for TP / CP / SP / FP8
+        Layout("thd_static", packed=True),  # the same row padded to a length fixed by the configuration
+        Layout("bshd", packed=False),  # the padded (B, W) batch, samples re-laid right-padded
     )
 }
 LAYOUT_NAMES = tuple(LAYOUTS)
 THD_LAYOUTS = tuple(name for name, layout in LAYOUTS.items() if layout.packed)
-# static_shapes is about the pipeline case where the width is forced to seq_length (bshd) or the
-# row is sized from it (thd_static).
-STATIC_LAYOUTS = tuple(name for name, layout in LAYOUTS.items() if layout.static_shapes)
 
 
 def layout_for(requested: str, *, pp: int, variable_seq_lengths: bool) -> str:

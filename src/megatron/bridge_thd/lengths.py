@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,14 @@ import torch.nn.functional as F
 __all__ = [
     "DeferredCheck",
     "raise_failed_checks",
+    "read_once",
     "keep_mask_from_2d",
     "keep_mask_from_attention_mask",
     "keep_mask_from_real_lengths",
     "real_lengths",
     "cu_seqlens_from_lengths",
     "cu_seqlens_from_sample_ids",
+    "seq_idx",
 ]
 
 
@@ -71,6 +73,37 @@ def raise_failed_checks(checks: list[DeferredCheck], flags: list | None = None) 
     for check, failed in zip(checks, flags):
         if failed:
             raise ValueError(check.text())
+
+
+def read_once(
+    sizes: Sequence[torch.Tensor] = (), checks: Sequence[DeferredCheck] = (), extra: torch.Tensor | None = None
+) -> tuple[list[int], list[int] | None]:
+    """The one host read: ``sizes``, every check's flag and ``extra`` in a single ``tolist()``, then the
+    first failed check raised.
+
+    The layout of what is read (``[*sizes, *flags, *extra]``) lives here only, so that a caller adds a
+    value or a check without re-deriving where the others are.
+
+    Args:
+        sizes: 0-dim int64 tensors the caller sizes its output with (row length, ``max_seqlen``, ...).
+        checks: deferred checks; their ``failed`` flags ride along.
+        extra: ``(K,)`` (any shape, flattened) integer values the caller needs on the host, or None.
+            Every tensor on one device.
+
+    Returns:
+        ``(sizes as ints, extra as ints or None)``. Nothing to read (no size, no check, no extra): no read,
+        ``([], None)``.
+
+    Raises:
+        ValueError: the message of the first failed check.
+    """
+    head = list(sizes) + [check.failed.to(torch.int64) for check in checks]
+    parts = ([torch.stack(head)] if head else []) + ([extra.reshape(-1).to(torch.int64)] if extra is not None else [])
+    if not parts:
+        return [], None
+    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+    raise_failed_checks(list(checks), host[len(sizes) : len(head)])
+    return host[: len(sizes)], (host[len(head) :] if extra is not None else None)
 
 
 def keep_mask_from_2d(mask: torch.Tensor, name: str = "attention_mask") -> tuple[torch.Tensor, list[DeferredCheck]]:
@@ -229,6 +262,22 @@ def cu_seqlens_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
         the total fits).
     """
     return F.pad(lengths.to(torch.int64).cumsum(0), (1, 0))
+
+
+def seq_idx(cu_seqlens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The segment each row slot lies in (Megatron-Core's ``seq_idx``).
+
+    Args:
+        cu_seqlens: ``(S + 1,)`` non-decreasing integer boundaries of a row (for the slots of a padded
+            row, its physical pair ``cu_seqlens_padded``).
+        slots: any shape, integer row positions, the dtype of ``cu_seqlens``.
+
+    Returns:
+        ``slots``' shape, int64: s with ``cu_seqlens[s] <= slot < cu_seqlens[s + 1]``. A slot on a boundary
+        belongs to the segment that starts there, so a zero-width segment is never returned; a slot at or
+        past ``cu_seqlens[-1]`` gives S (callers clamp it, or read it as "no segment").
+    """
+    return torch.searchsorted(cu_seqlens[1:], slots, right=True)
 
 
 def cu_seqlens_from_sample_ids(sample_ids: torch.Tensor) -> torch.Tensor:

@@ -19,12 +19,13 @@ import torch
 if TYPE_CHECKING:  # imported where a row is built: importing megatron.core runs its whole package
     from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.lengths import (
     DeferredCheck,
     cu_seqlens_from_lengths,
     keep_mask_from_attention_mask,
     keep_mask_from_real_lengths,
-    raise_failed_checks,
+    read_once,
 )
 from megatron.bridge_thd.lengths import real_lengths as lengths_of_keep_mask
 
@@ -34,10 +35,12 @@ __all__ = [
     "unpack_thd_to_bshd",
     "required_alignment",
     "segment_index",
+    "row_index",
     "scatter_into_row",
     "gather_from_row",
     "thd_packed_seq_params",
     "round_up",
+    "ceil_div",
 ]
 
 INT32_MAX = torch.iinfo(torch.int32).max
@@ -99,21 +102,23 @@ def required_alignment(
         The alignment, an int >= 1, to pass as ``align_to``.
     """
     for name, value in (("tp_size", tp_size), ("cp_size", cp_size)):
-        _check_int(name, value, 1, "pass the parallel group size")
+        check_int(name, value, 1, "pass the parallel group size")
     align = 2 * cp_size if cp_size > 1 else 1
     if sequence_parallel and tp_size > 1:
         align *= tp_size
     return math.lcm(align, 16) if fp8 else align
 
 
+def ceil_div(x, divisor):
+    """``ceil(x / divisor)`` in integer arithmetic, for ints or integer tensors of any shape (elementwise;
+    ``divisor`` an int >= 1 or a tensor that broadcasts). No float: exact for any int64."""
+    return (x + divisor - 1) // divisor
+
+
 def round_up(x, multiple):
-    """The smallest multiple of ``multiple`` that is >= ``x`` (ints or integer tensors)."""
-    return (x + multiple - 1) // multiple * multiple
-
-
-def _check_int(name: str, value, minimum: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}; {hint}")
+    """The smallest multiple of ``multiple`` that is >= ``x``, for ints or integer tensors of any shape
+    (elementwise; ``multiple`` an int >= 1). The one rounding rule of THD slots: ``round_up(length, align_to)``."""
+    return ceil_div(x, multiple) * multiple
 
 
 def _check_tensor(name: str, value) -> None:
@@ -127,6 +132,25 @@ def _check_companion(name: str, tensor: torch.Tensor | None, shape: tuple[int, .
         raise ValueError(
             f"{name}: shape {tuple(tensor.shape)} does not match input_ids; expected {shape}"
         )
+
+
+def row_index(keep: torch.Tensor, starts: torch.Tensor, row_length: int) -> torch.Tensor:
+    """Where each position of a padded batch goes in a row: its sample's start plus its rank among the
+    sample's kept positions; ``row_length`` (the trash slot :func:`scatter_into_row` cuts off) where not kept.
+
+    Args:
+        keep: ``(B, T)`` bool, the positions that go into the row.
+        starts: ``(B,)`` int64, where each sample's part of the row begins.
+        row_length: N, the row length.
+
+    Returns:
+        ``(B, T)`` int64 in ``[0, N]``. Built in place: on the CPU each ``(B, T)`` temporary costs as much as
+        a scatter.
+    """
+    index = keep.cumsum(dim=1)
+    index.add_(starts[:, None] - 1)
+    index.masked_fill_(~keep, row_length)
+    return index
 
 
 def scatter_into_row(values: torch.Tensor, index: torch.Tensor, row_length: int, fill) -> torch.Tensor:
@@ -179,6 +203,30 @@ def thd_packed_seq_params(
     )
 
 
+def _keep_mask(attention_mask, real_lengths, keep, batch_size: int, seq_len: int, device: torch.device):
+    """The ``(B, T)`` bool keep mask from whichever of ``attention_mask``, ``real_lengths``, ``keep`` the
+    caller passed (none: every token is real), and the deferred checks of its values."""
+    for name, value in (("attention_mask", attention_mask), ("real_lengths", real_lengths), ("keep", keep)):
+        _check_tensor(name, value)
+    if attention_mask is not None and real_lengths is not None:
+        raise ValueError("attention_mask, real_lengths: pass one of them, not both")
+    if keep is not None and (attention_mask is not None or real_lengths is not None):
+        given = "attention_mask" if attention_mask is not None else "real_lengths"
+        raise ValueError(f"keep, {given}: pass one of them, not both")
+    if keep is not None:
+        if keep.dtype != torch.bool or tuple(keep.shape) != (batch_size, seq_len):
+            raise ValueError(
+                f"keep: expected a ({batch_size}, {seq_len}) bool tensor, got {keep.dtype} {tuple(keep.shape)}; "
+                "pass a dataset's mask as attention_mask"
+            )
+        return keep.to(device), []
+    if attention_mask is not None:
+        return keep_mask_from_attention_mask(attention_mask.to(device), batch_size, seq_len)
+    if real_lengths is not None:
+        return keep_mask_from_real_lengths(real_lengths.to(device), batch_size, seq_len)
+    return torch.ones(batch_size, seq_len, dtype=torch.bool, device=device), []
+
+
 def pack_bshd_to_thd(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
@@ -187,6 +235,7 @@ def pack_bshd_to_thd(
     loss_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     real_lengths: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
     align_to: int = 1,
     total_length: int | None = None,
     segments: int | None = None,
@@ -208,6 +257,9 @@ def pack_bshd_to_thd(
         position_ids: ``(B, T)`` or MRoPE ``(3, B, T)``, packed to ``(1, N)`` / ``(3, 1, N)``.
         real_lengths: ``(B,)`` instead of a mask: sample i's first ``real_lengths[i]`` tokens
             are real.
+        keep: ``(B, T)`` bool instead of a mask: the keep mask a caller already derived and
+            checked (True = the token goes into the row; the step's, after truncation), packed as
+            given. Pass at most one of ``attention_mask``, ``real_lengths`` and ``keep``.
         align_to: every sample's physical slot is a multiple of this (see
             :func:`required_alignment`).
         total_length: static mode: the row is exactly this long, the tail after the last
@@ -244,8 +296,8 @@ def pack_bshd_to_thd(
         raise ValueError(f"input_ids: expected a (B, T) tensor, got {shape}; add a batch dimension")
     batch_size, seq_len = input_ids.shape
     device = input_ids.device
-    _check_int("align_to", align_to, 1, "use required_alignment(tp, cp, sequence_parallel=..., fp8=...)")
-    _check_int("min_length", min_length, 0, "pass 0 (no minimum) or align_to")
+    check_int("align_to", align_to, 1, "use required_alignment(tp, cp, sequence_parallel=..., fp8=...)")
+    check_int("min_length", min_length, 0, "pass 0 (no minimum) or align_to")
     if min_length % align_to:
         raise ValueError(f"min_length: {min_length} is not a multiple of align_to={align_to}; pass align_to")
     _check_companion("labels", labels, (batch_size, seq_len))
@@ -256,20 +308,8 @@ def pack_bshd_to_thd(
             f"position_ids: shape {tuple(position_ids.shape)} does not match input_ids; expected "
             f"({batch_size}, {seq_len}) or MRoPE (3, {batch_size}, {seq_len})"
         )
-    _check_tensor("attention_mask", attention_mask)
-    _check_tensor("real_lengths", real_lengths)
-    if attention_mask is not None and real_lengths is not None:
-        raise ValueError("attention_mask, real_lengths: pass one of them, not both")
-
-    caller_checks = list(checks)
-    if attention_mask is not None:
-        keep, checks = keep_mask_from_attention_mask(attention_mask.to(device), batch_size, seq_len)
-    elif real_lengths is not None:
-        keep, checks = keep_mask_from_real_lengths(real_lengths.to(device), batch_size, seq_len)
-    else:
-        keep, checks = torch.ones(batch_size, seq_len, dtype=torch.bool, device=device), []
-    checks = checks + caller_checks
-    extra = host_values.reshape(-1).to(torch.int64) if host_values is not None else None
+    keep, mask_checks = _keep_mask(attention_mask, real_lengths, keep, batch_size, seq_len, device)
+    checks = mask_checks + list(checks)
 
     lengths = lengths_of_keep_mask(keep)
     slots = round_up(lengths, align_to)
@@ -287,16 +327,9 @@ def pack_bshd_to_thd(
         ]
         # The one host synchronisation: the row length sizes the output, and the validity flags
         # ride along so that checking costs nothing extra.
-        host = torch.cat([
-            torch.stack(
-                [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(()), cu_seqlens[-1]]
-                + [check.failed.to(torch.int64) for check in checks]
-            ),
-            extra if extra is not None else slots.new_zeros(0),
-        ]).tolist()
-        raise_failed_checks(checks, host[3 : 3 + len(checks)])
-        row_length, max_seqlen, real_total = host[0], host[1], host[2]
-        read_values = host[3 + len(checks) :] if extra is not None else None
+        (row_length, max_seqlen, real_total), read_values = read_once(
+            [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(()), cu_seqlens[-1]], checks,
+            host_values)
         # Padding anywhere (also in the last slot only) makes the padded total exceed the real one.
         pad_between_seqs = row_length != real_total
         if row_length < min_length:
@@ -306,7 +339,7 @@ def pack_bshd_to_thd(
             cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:]])
             cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((1,), row_length)])
     else:
-        _check_int("total_length", total_length, 0, "pass micro_batch_size * seq_length rounded up to align_to")
+        check_int("total_length", total_length, 0, "pass micro_batch_size * seq_length rounded up to align_to")
         if total_length % align_to:
             raise ValueError(
                 f"total_length: {total_length} is not a multiple of align_to={align_to}; round it up to "
@@ -323,12 +356,12 @@ def pack_bshd_to_thd(
                 )
             ]
         segments = batch_size + 1 if segments is None else segments
-        _check_int("segments", segments, batch_size + 1,
+        check_int("segments", segments, batch_size + 1,
                    f"a static row of {batch_size} samples needs a segment per sample and one for the tail")
         if max_seqlen is None:
             max_seqlen = round_up(seq_len, align_to)
         else:
-            _check_int("max_seqlen", max_seqlen, 1, "pass round_up(seq_length, align_to)")
+            check_int("max_seqlen", max_seqlen, 1, "pass round_up(seq_length, align_to)")
             if max_seqlen < round_up(seq_len, align_to):
                 checks = checks + [DeferredCheck(
                     slots.max() > max_seqlen,
@@ -348,10 +381,7 @@ def pack_bshd_to_thd(
         cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((fixed,), total_length)])
 
     # slot = start of the sample's slot + rank among its real tokens; padding -> trash slot N.
-    # Built in place: on the CPU each (B, T) temporary costs as much as a scatter.
-    packed_index = keep.cumsum(dim=1)
-    packed_index.add_(cu_seqlens_padded[:batch_size, None] - 1)
-    packed_index.masked_fill_(~keep, row_length)
+    packed_index = row_index(keep, cu_seqlens_padded[:batch_size], row_length)
 
     cu_seqlens = cu_seqlens.to(torch.int32)
     cu_seqlens_padded = cu_seqlens_padded.to(torch.int32)

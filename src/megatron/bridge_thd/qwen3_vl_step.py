@@ -11,7 +11,7 @@ Qwen3-VL adapter (:data:`megatron.bridge_thd.adapters.QWEN3_VL`). See docs/megat
 
 from megatron.bridge_thd.adapters import QWEN3_VL
 from megatron.bridge_thd.step import (  # noqa: F401 - the names users and tests import from here
-    LAYOUTS,
+    LAYOUT_NAMES,
     PackingStats,
     PreparedMicroBatch,
     forward_step,
@@ -20,4 +20,6 @@ from megatron.bridge_thd.step import (  # noqa: F401 - the names users and tests
     truncate_to_seq_length,
 )
 
-__all__ = ["forward_step", "prepare_micro_batch", "prepare_with_plan", "PackingStats", "PreparedMicroBatch", "LAYOUTS", "QWEN3_VL"]
+__all__ = ["forward_step", "prepare_micro_batch", "prepare_with_plan", "PackingStats", "PreparedMicroBatch", "LAYOUT_NAMES", "QWEN3_VL"]
+
+

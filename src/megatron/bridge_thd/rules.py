@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import os
 from typing import Any
 
+from megatron.bridge_thd.checks import is_int_at_least
 from megatron.bridge_thd.layouts import LAYOUT_NAMES, THD_LAYOUTS, bshd_alignment, thd_alignment
 from megatron.bridge_thd.packing import round_up
 
@@ -360,10 +360,10 @@ def _global_batch_problems(s: Setup) -> list[str]:
             "or 'cyclic' sampler ('batch' splits a per-rank global batch into equal micro-batches in the training "
             "step, 'external' has no sampler to draw from); set it to 'cyclic' (or 'single')")
     row = g.row_length
-    if row is not None and (isinstance(row, bool) or not isinstance(row, int) or row < 1):
+    if row is not None and not is_int_at_least(row, 1):
         problems.append(f"global_batch_packing.row_length: {row!r}; expected None (chosen from the data) or an int >= 1")
     buckets = g.row_buckets
-    if buckets is not None and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1):
+    if buckets is not None and not is_int_at_least(buckets, 1):
         problems.append(f"global_batch_packing.row_buckets: {buckets!r}; expected None (the default: "
                         f"{DEFAULT_ROW_BUCKETS}, or 1 where only one row shape can run) or an int >= 1")
     elif buckets is not None and buckets > 1 and s.layout == "thd_static" and one_row_shape(s):
@@ -655,7 +655,7 @@ def _static_pipeline_problems(s: Setup) -> list[str]:
         problems.append(
             f"model.seq_length: {seq_length} is not a multiple of the {s.layout} alignment {align} (TP/CP/SP/FP8), "
             f"so {what} cannot fill the pipeline's fixed (seq_length, micro_batch_size, H) buffers; set seq_length "
-            f"to {math.ceil(seq_length / align) * align}, or set model.variable_seq_lengths=True")
+            f"to {round_up(seq_length, align)}, or set model.variable_seq_lengths=True")
     mbs = s.micro_batch_size
     if s.row_length is not None and mbs is not None and round_up(s.row_length, align) != mbs * round_up(
             seq_length, align):

@@ -26,11 +26,11 @@ from typing import Any, Iterable
 import torch
 
 from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
-from megatron.bridge_thd.layouts import LAYOUT_NAMES as LAYOUTS
+from megatron.bridge_thd.layouts import LAYOUT_NAMES
 from megatron.bridge_thd.layouts import bshd_width, row_bucket
-from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, raise_failed_checks
+from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, read_once
 from megatron.bridge_thd.overlong import LENGTHS_KEY, cut_report, log_cut
-from megatron.bridge_thd.packing import pack_bshd_to_thd, round_up, scatter_into_row
+from megatron.bridge_thd.packing import pack_bshd_to_thd, round_up, row_index, scatter_into_row
 from megatron.bridge_thd.step_plan import (
     StepPlan,
     build_step_plan,
@@ -39,7 +39,7 @@ from megatron.bridge_thd.step_plan import (
 )
 from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
 
-__all__ = ["make_forward_step", "forward_step", "PackingStats", "LAYOUTS", "prepare_micro_batch", "PreparedMicroBatch",
+__all__ = ["make_forward_step", "forward_step", "PackingStats", "LAYOUT_NAMES", "prepare_micro_batch", "PreparedMicroBatch",
            "prepare_with_plan", "plan_for", "decoder_signature"]
 
 logger = logging.getLogger(__name__)
@@ -207,8 +207,7 @@ def relay_right_padded(values: torch.Tensor, keep: torch.Tensor, width: int, fil
     """
     batch_size = keep.shape[0]
     row_length = batch_size * width
-    rank = keep.cumsum(dim=1) - 1
-    index = torch.where(keep, torch.arange(batch_size, device=keep.device)[:, None] * width + rank, row_length)
+    index = row_index(keep, torch.arange(batch_size, device=keep.device) * width, row_length)
     row = scatter_into_row(values, index, row_length, fill)  # (..., 1, B * width)
     return row.reshape(*values.shape[:-2], batch_size, width)
 
@@ -216,12 +215,7 @@ def relay_right_padded(values: torch.Tensor, keep: torch.Tensor, width: int, fil
 def _read_now(checks: list[DeferredCheck], truncated: torch.Tensor | None) -> list[int] | None:
     """One read of every deferred check and the truncation counts (layouts without the packer's read); nothing
     at all when there is nothing to read. Free when the batch is on the host."""
-    if not checks and truncated is None:
-        return None
-    flags = [check.failed.to(torch.int64).reshape(1) for check in checks]
-    host = torch.cat(flags + ([truncated.to(torch.int64)] if truncated is not None else [])).tolist()
-    raise_failed_checks(checks, host[: len(checks)])
-    return host[len(checks) :] if truncated is not None else None
+    return read_once(checks=checks, extra=truncated)[1]
 
 
 @dataclass
@@ -325,7 +319,7 @@ def _build_packed(c: _Captured, plan: StepPlan) -> _Built:
             _log_truncation(_read_now(c.truncation_checks, c.truncated), plan.seq_length)
             checks = c.mask_checks + c.position_checks  # the truncation check was just read
     packed = pack_bshd_to_thd(
-        inputs.tokens, c.keep, labels=inputs.labels, loss_mask=inputs.loss_mask, position_ids=c.positions,
+        inputs.tokens, keep=c.keep, labels=inputs.labels, loss_mask=inputs.loss_mask, position_ids=c.positions,
         align_to=plan.align, total_length=None if row is None else row.length,
         segments=None if row is None else row.segments, max_seqlen=None if row is None else row.max_seqlen,
         # A micro-batch of padding only still reaches the model as one aligned padding segment.
@@ -344,7 +338,7 @@ def _build_packed(c: _Captured, plan: StepPlan) -> _Built:
     return _Built(forward_args, extras, (c.keep.sum(dim=1).to(torch.int64) ** 2).sum())
 
 
-# One row builder per layout (layouts.LAYOUTS names them).
+# One row builder per layout (layouts.LAYOUT_NAMES names them).
 _BUILDERS = {"thd": _build_packed, "thd_static": _build_packed, "bshd": _build_padded}
 
 

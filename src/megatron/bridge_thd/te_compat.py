@@ -32,6 +32,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from megatron.bridge_thd.checks import check_int
+
 __all__ = [
     "CpPaddingRule",
     "TE_CP_PADDING_RULE",
@@ -177,8 +179,7 @@ def check_te_cp_padding(
     Raises:
         ValueError: on an affected stack, naming the versions found, the issue and the fixes.
     """
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}; pass the context-parallel group size")
+    check_int("cp_size", cp_size, 1, "pass the context-parallel group size")
     rule = TE_CP_PADDING_RULE
     if cp_size == 1:
         return "cp_size=1: no context-parallel chunks"

@@ -74,7 +74,7 @@ _silence_cpu_build_noise()
 
 import torch  # noqa: E402  (after the filters above)
 
-from megatron.bridge_thd.qwen3_vl_step import LAYOUTS, forward_step  # noqa: E402
+from megatron.bridge_thd.qwen3_vl_step import LAYOUT_NAMES, forward_step  # noqa: E402
 from megatron.bridge_thd_cpu.data import synthetic_receipt_batch  # noqa: E402
 from megatron.bridge_thd_cpu.reference import ReferenceQwen3VL  # noqa: E402
 from megatron.bridge_thd_cpu.standalone import init_single_process_groups, minimal_state  # noqa: E402
@@ -308,7 +308,7 @@ def _trainer_flops(model, state, batch_size: int, **override) -> float | None:
 
 def _run_layouts(model, per_sample, batches, micro_batch_size, seq_length, progress) -> dict:
     micro_batches = len(batches)
-    bar = _Progress(micro_batches * (len(LAYOUTS) + 1), progress)
+    bar = _Progress(micro_batches * (len(LAYOUT_NAMES) + 1), progress)
     results = {}
     with torch.no_grad():
         alone = []
@@ -316,7 +316,7 @@ def _run_layouts(model, per_sample, batches, micro_batch_size, seq_length, progr
             alone.append(torch.cat(per_sample(model, batch)))
             bar.step("per-sample reference")
         alone = torch.cat(alone)
-        for layout in LAYOUTS:
+        for layout in LAYOUT_NAMES:
             state = minimal_state(seq_length=seq_length, micro_batch_size=micro_batch_size, packing_layout=layout)
             loss_sum, tokens, supervised_losses, seconds = 0.0, 0, [], 0.0
             for batch in batches:

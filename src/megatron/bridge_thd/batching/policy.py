@@ -33,7 +33,9 @@ from typing import Sequence
 import torch
 
 from megatron.bridge_thd.batching.cost import SampleCost
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.layouts import row_bucket
+from megatron.bridge_thd.packing import ceil_div, round_up
 
 __all__ = ["Assignment", "assign", "in_batch_assignment", "PlacementStats", "placement_stats", "aligned_lengths",
            "sample_costs", "DoesNotFit"]
@@ -51,8 +53,7 @@ class DoesNotFit(ValueError):
 def aligned_lengths(lengths, align_to: int) -> torch.Tensor:
     """``(N,)`` int64: each length rounded up to ``align_to``, the slots it takes in a THD row
     (``layouts.thd_slots``)."""
-    s = torch.as_tensor(lengths, dtype=torch.int64)
-    return (s + align_to - 1) // align_to * align_to
+    return round_up(torch.as_tensor(lengths, dtype=torch.int64), align_to)
 
 
 def sample_costs(lengths, vision_patches=None, vision_patches_squared=None, cost: SampleCost | None = None):
@@ -68,8 +69,7 @@ def _check_inputs(lengths: torch.Tensor, dp_size, num_micro_batches, row_length,
                   vision_patches_squared, names):
     for name, value in (("dp_size", dp_size), ("num_micro_batches", num_micro_batches), ("row_length", row_length),
                         ("align_to", align_to)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        check_int(name, value)
     if lengths.dim() != 1:
         raise ValueError(f"lengths: expected a 1-D sequence of per-sample token counts, got shape {tuple(lengths.shape)}")
     if lengths.numel() and int(lengths.min()) < 1:
@@ -322,7 +322,7 @@ def assign(lengths, *, dp_size: int, num_micro_batches: int, row_length: int, vi
         raise DoesNotFit(
             f"row_length: this step's {lengths.numel()} samples take {int(slots.sum())} aligned slots, more than "
             f"dp_size * num_micro_batches * row_length = {rows} x {row_length} = {rows * row_length}; raise row_length "
-            f"to at least {-(-int(slots.sum()) // rows)} (or the micro-batches per step)")
+            f"to at least {ceil_div(int(slots.sum()), rows)} (or the micro-batches per step)")
     costs = sample_costs(lengths, vision_patches, vision_patches_squared, cost)
     # Ties broken by a seeded permutation: decreasing cost, then the permutation's rank.
     tiebreak = torch.randperm(lengths.numel(), generator=torch.Generator().manual_seed(seed)).tolist()

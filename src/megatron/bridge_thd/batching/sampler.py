@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -31,7 +31,8 @@ from megatron.bridge_thd.batching.cost import SampleCost
 from megatron.bridge_thd.batching.policy import (DoesNotFit, aligned_lengths, assign, in_batch_assignment,
                                                  placement_stats, sample_costs)
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
-from megatron.bridge_thd.packing import round_up
+from megatron.bridge_thd.checks import check_int
+from megatron.bridge_thd.packing import ceil_div, round_up
 
 __all__ = ["GlobalBatchSampler", "StepPlacement", "rank_samplers", "step_draws", "run_draws", "cycles",
            "choose_row_length", "row_length_for_steps", "row_lower_bound", "first_unfit_step", "distinct_steps",
@@ -168,19 +169,22 @@ class GlobalBatchSampler:
             step (only a loader's prefetch past the run's end asks for one) that does not fit is given
             Megatron-Bridge's own placement with a warning instead of stopping the run.
         setting: the setting an error tells the user to change.
+        on_step: called with each step's :class:`StepPlacement` as it is placed (the figures of the log
+            line, on every rank), e.g. ``records.append``; nothing is kept otherwise.
     """
 
     def __init__(self, samplers: Sequence, *, dp_rank: int, num_micro_batches: int, row_length: int,
                  sizes: SampleSizes, static_row: bool, align_to: int = 1, seed: int = 0,
                  cost: SampleCost | None = None, log: bool = True, label: str = "train", cycle: bool = False,
                  first_step: int = 1, planned_steps: int | None = None,
-                 setting: str = "dataset.global_batch_packing.row_length", row_lengths: Sequence[int] | None = None):
+                 setting: str = "dataset.global_batch_packing.row_length", row_lengths: Sequence[int] | None = None,
+                 on_step: Callable[[StepPlacement], None] | None = None):
         self.samplers, self.dp_rank, self.num_micro_batches = list(samplers), dp_rank, num_micro_batches
         self.row_length, self.sizes, self.static_row = row_length, sizes, static_row
         self.row_lengths = tuple(row_lengths) if row_lengths is not None else (row_length,)
         self.align_to, self.seed, self.cost, self.log, self.label = align_to, seed, cost, log, label
         self.cycle, self.step, self.planned_steps, self.setting = cycle, first_step, planned_steps, setting
-        self.history: list[StepPlacement] = []
+        self.on_step = on_step
 
     def __len__(self) -> int:
         return len(self.samplers[self.dp_rank])
@@ -207,6 +211,9 @@ class GlobalBatchSampler:
         return [[[drawn[i] for i in row] for row in rank] for rank in placement]
 
     def _record(self, index: torch.Tensor, placement) -> None:
+        logs = self.log and is_global_rank_zero()
+        if not logs and self.on_step is None:
+            return  # nobody reads the figures
         dp = len(self.samplers)
         lengths, patches, squared = self.sizes.take(index)
         costs = sample_costs(lengths, patches, squared, self.cost)
@@ -217,8 +224,9 @@ class GlobalBatchSampler:
         in_batch = placement_stats(own, lengths, costs=costs, align_to=self.align_to)
         record = StepPlacement(self.step, stats.real_tokens, stats.slots, stats.padding,
                                stats.rank_imbalance, stats.micro_batch_imbalance, in_batch.rank_imbalance)
-        self.history.append(record)
-        if self.log and is_global_rank_zero():
+        if self.on_step is not None:
+            self.on_step(record)
+        if logs:
             logger.info(
                 "bridge_thd global-batch packing (%s): step %d: real tokens %d in %d slots (padding %.1f%%); per-rank cost "
                 "max/mean %.3f (in-batch placement of the same samples: %.3f); per-micro-batch max/mean %.3f",
@@ -251,7 +259,7 @@ def row_lower_bound(step_lengths, *, rows: int, align_to: int = 1) -> int:
     slots = aligned_lengths(_as_steps(step_lengths), align_to)
     if slots.numel() == 0:
         return round_up(1, align_to)
-    bound = max(int(slots.max()), int(((slots.sum(dim=1) + rows - 1) // rows).max()))
+    bound = max(int(slots.max()), int(ceil_div(slots.sum(dim=1), rows).max()))
     return round_up(bound, align_to)
 
 
@@ -410,8 +418,7 @@ def optimal_row_lengths(slots: torch.Tensor, weights: torch.Tensor | None = None
         weights: ``(M,)`` how many micro-batches each stands for (default 1 each).
         count: the most rows (``count - 1`` below ``largest``); 1 gives ``(largest,)``.
     """
-    if count < 1:
-        raise ValueError(f"count: expected an int >= 1, got {count!r}")
+    check_int("count", count)
     slots = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
     if count == 1 or slots.numel() == 0:
         return (largest,)
@@ -421,7 +428,7 @@ def optimal_row_lengths(slots: torch.Tensor, weights: torch.Tensor | None = None
         weights, dtype=torch.float64).reshape(-1)
     values, inverse = torch.unique(slots, return_inverse=True)
     if len(values) > grid:
-        grain = round_up(-(-largest // grid), align_to)
+        grain = round_up(ceil_div(largest, grid), align_to)
         values, inverse = torch.unique(torch.clamp(round_up(slots, grain), max=largest), return_inverse=True)
     mass = torch.zeros(len(values), dtype=torch.float64).index_add_(0, inverse, weights)
     m = len(values)

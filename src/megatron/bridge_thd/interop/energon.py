@@ -18,8 +18,9 @@ import math
 
 import torch
 
-from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_sample_ids
-from megatron.bridge_thd.packing import PackedBatch, pack_bshd_to_thd
+from megatron.bridge_thd.checks import check_int
+from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_sample_ids, seq_idx
+from megatron.bridge_thd.packing import PackedBatch, pack_bshd_to_thd, round_up
 
 __all__ = [
     "packed_batch_from_cu_lengths",
@@ -198,9 +199,10 @@ def cu_lengths_from_packed_batch(packed: PackedBatch) -> torch.Tensor:
             whole row) or a padding segment lies between samples (Energon cannot describe it).
             One host read (the number of samples sizes the output).
     """
-    starts, ends, has_real, order_of_real = _segments(packed)
+    cu_padded, has_real, order_of_real = _segments(packed)
+    ends = cu_padded[1:]
     count, bad_layout, bad_end = torch.stack(
-        [has_real.sum(), _padding_before_a_sample(starts, ends, has_real), _wrong_row_end(packed, ends)]
+        [has_real.sum(), _padding_before_a_sample(cu_padded, has_real), _wrong_row_end(packed, ends)]
     ).tolist()
     _raise_layout_errors(bad_layout, bad_end, packed)
     if count == 0:
@@ -229,15 +231,16 @@ def sample_ids_from_packed_batch(packed: PackedBatch) -> torch.Tensor:
         ValueError: when a padding segment lies between samples (zeros inside the row are not
             Energon's convention). One host read (the check).
     """
-    starts, ends, has_real, _ = _segments(packed)
+    cu_padded, has_real, _ = _segments(packed)
+    ends = cu_padded[1:]
     bad_layout, bad_end = torch.stack(
-        [_padding_before_a_sample(starts, ends, has_real), _wrong_row_end(packed, ends)]
+        [_padding_before_a_sample(cu_padded, has_real), _wrong_row_end(packed, ends)]
     ).tolist()
     _raise_layout_errors(bad_layout, bad_end, packed)
     row_length = packed.input_ids.shape[-1]
     slots = torch.arange(row_length, device=ends.device)
-    # Segment of every slot; right=True steps over zero-width segments.
-    segment = torch.searchsorted(ends, slots, right=True).clamp(max=max(ends.numel() - 1, 0))
+    # Segment of every slot (seq_idx steps over zero-width segments).
+    segment = seq_idx(cu_padded, slots).clamp(max=max(ends.numel() - 1, 0))
     ids = torch.where(has_real, has_real.cumsum(0), 0)[segment] if ends.numel() else slots.new_zeros(row_length)
     return ids[None]
 
@@ -296,9 +299,8 @@ def _pack_rows(
             segment rather than an empty sample.
     """
     n = input_ids.shape[1]
-    for name, value in (("align_to", align_to), ("pad_to_multiple_of", pad_to_multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    check_int("align_to", align_to)
+    check_int("pad_to_multiple_of", pad_to_multiple_of)
     if align_to > 1 and align_to % pad_to_multiple_of:
         raise ValueError(
             f"pad_to_multiple_of: {pad_to_multiple_of} does not divide align_to={align_to}, so aligned slots would "
@@ -316,15 +318,15 @@ def _pack_rows(
         keep &= real[None, :]
     # The row never shrinks below the input row (rounded up): the tail after the last sample,
     # and the padding SP/CP need, become one dummy segment (the packer's min_length).
-    min_length = -(-n // math.lcm(align_to, pad_to_multiple_of)) * math.lcm(align_to, pad_to_multiple_of)
+    min_length = round_up(n, math.lcm(align_to, pad_to_multiple_of))
     # The packer widens max_seqlen to min_length whenever it extends the row (so that a row of
     # padding only gets a usable bound); here the extension is the dummy tail, which, as in the
     # packer's static mode, max_seqlen need not bound. The longest real slot rides along with
     # the packer's one host read instead.
-    longest_slot = (-(-keep.sum(dim=1, dtype=torch.int64) // align_to) * align_to).max()
+    longest_slot = round_up(keep.sum(dim=1, dtype=torch.int64), align_to).max()
     tail_flag = longest_slot.new_zeros(()) if last_row_may_be_padding is None else last_row_may_be_padding.long()
     packed = pack_bshd_to_thd(
-        input_ids.expand(rows, n), keep, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
+        input_ids.expand(rows, n), keep=keep, labels=labels, loss_mask=loss_mask, position_ids=position_ids,
         align_to=align_to, min_length=min_length, pad_token_id=pad_token_id, checks=checks,
         host_values=torch.stack([longest_slot, tail_flag]),
     )
@@ -350,7 +352,7 @@ def _pack_rows(
 
 
 def _segments(packed: PackedBatch):
-    """Physical starts and ends, has_real ``(S,)`` (the segment holds a real token), and the
+    """Physical boundaries ``(S + 1,)`` int64, has_real ``(S,)`` (the segment holds a real token), and the
     segment indices with the real ones first, in row order (stable sort)."""
     if not isinstance(packed, PackedBatch):
         raise ValueError(f"packed: expected a PackedBatch, got {type(packed).__name__}")
@@ -362,11 +364,12 @@ def _segments(packed: PackedBatch):
         )
     has_real = cu[1:] > cu[:-1]
     order_of_real = torch.argsort((~has_real).to(torch.int8), stable=True)
-    return cu_padded[:-1], cu_padded[1:], has_real, order_of_real
+    return cu_padded, has_real, order_of_real
 
 
-def _padding_before_a_sample(starts, ends, has_real) -> torch.Tensor:
+def _padding_before_a_sample(cu_padded, has_real) -> torch.Tensor:
     """True when a segment without a real token but with a width lies before a real one."""
+    starts, ends = cu_padded[:-1], cu_padded[1:]
     if has_real.numel() == 0:
         return has_real.new_zeros((), dtype=torch.int64)
     index = torch.arange(has_real.numel(), device=has_real.device)

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_lengths, raise_failed_checks
+from megatron.bridge_thd.checks import check_int
+from megatron.bridge_thd.lengths import DeferredCheck, cu_seqlens_from_lengths, read_once, seq_idx
 from megatron.bridge_thd.packing import round_up, thd_packed_seq_params
 
 __all__ = ["ExpandedBoundaries", "expand_cu_seqlens", "expanded_positions", "expand_row"]
@@ -171,8 +172,8 @@ def expand_row(
                 f"expansion: every entry must be >= 1 (1 for text and padding, k for an image placeholder); "
                 f"{_first_bad(expansion, bad)}"
             )
-    elif isinstance(row_length, bool) or not isinstance(row_length, int) or row_length < 0:
-        raise ValueError(f"row_length: expected an int >= 0, got {row_length!r}")
+    else:
+        check_int("row_length", row_length, 0)
     slots = torch.arange(row_length, device=expansion.device)
     # The last collapsed slot starting at or before each expanded slot; uncovered -> N (fill).
     source = torch.searchsorted(positions, slots, right=True) - 1
@@ -237,10 +238,7 @@ def expand_cu_seqlens(
     _check_index_tensor("cu_seqlens", cu_seqlens)
     _check_index_tensor("cu_seqlens_padded", cu_seqlens_padded, allow_none=True)
     _check_index_tensor("expansion", expansion)
-    if isinstance(align_to, bool) or not isinstance(align_to, int) or align_to < 1:
-        raise ValueError(
-            f"align_to: expected an int >= 1, got {align_to!r}; use required_alignment(tp, cp, ...)"
-        )
+    check_int("align_to", align_to, 1, "use required_alignment(tp, cp, ...)")
     if cu_seqlens.numel() < 1:
         raise ValueError("cu_seqlens: expected (S + 1,) boundaries, got an empty tensor; pass at least [0]")
     if cu_seqlens_padded is not None and cu_seqlens_padded.shape != cu_seqlens.shape:
@@ -272,7 +270,7 @@ def expand_cu_seqlens(
 
     # positions[j] = E[j] + alignment padding added before j's segment.
     num_segments = lengths.shape[0]
-    segment = torch.searchsorted(cu_padded[1:], torch.arange(num_slots, device=cu.device), right=True)
+    segment = seq_idx(cu_padded, torch.arange(num_slots, device=cu.device))
     shift = F.pad(cu_padded_out[:-1] - start_out, (0, 1))  # index S (bad input) reads 0
     positions = mapping[:-1] + shift[segment.clamp(max=num_segments)]
 
@@ -312,11 +310,7 @@ def expand_cu_seqlens(
         ),
     ]
     # The one host read: the output sizes, with every validity flag riding along.
-    host = torch.stack(
-        [cu_padded_out[-1], longest, cu_out[-1]] + [check.failed.to(torch.int64) for check in checks]
-    ).tolist()
-    raise_failed_checks(checks, host[3:])
-    row_length, max_seqlen, real_total = host[:3]
+    (row_length, max_seqlen, real_total), _ = read_once([cu_padded_out[-1], longest, cu_out[-1]], checks)
     max_seqlen = max_seqlen if max_seqlen > 0 else align_to
 
     cu_out = cu_out.to(torch.int32)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.context_parallel import thd_partition_indices
 from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_2d, raise_failed_checks
 from megatron.bridge_thd.packing import (
@@ -242,9 +243,8 @@ def postprocess_packed_seqs(
     """
     if not _check_flag("post_process", post_process):
         return output
-    for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    check_int("batch_size", batch_size, 1)
+    check_int("seq_len", seq_len, 0)
     if not isinstance(output, torch.Tensor) or output.dim() < 2 or output.shape[0] != 1:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise ValueError(f"output: expected this rank's packed row (1, N / cp, ...), got {shape}")

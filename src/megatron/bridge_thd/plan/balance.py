@@ -42,9 +42,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from megatron.bridge_thd import layouts
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.estimate import PlanSettings
 from megatron.bridge_thd.plan.flops import flops_config, micro_batch_flops
-from megatron.bridge_thd.plan.layouts import LAYOUTS, MicroBatch, layout_stats
+from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, MicroBatch, layout_stats
 from megatron.bridge_thd.plan.memory import GraphMemory, activation_bytes, cuda_graph_bytes, parameter_counts
 from megatron.bridge_thd.plan.presets import ModelSpec
 from megatron.bridge_thd.plan.roofline import step_seconds
@@ -137,8 +138,7 @@ def micro_batches_per_rank(global_batch_size, micro_batch_size: int, dp: int, nu
             ``micro_batch_size * dp``, or larger than the ``num_samples`` samples.
     """
     per_micro = micro_batch_size * dp
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"--global-batch-size: expected an int >= 1, got {global_batch_size!r}")
+    check_int("--global-batch-size", global_batch_size)
     if global_batch_size % per_micro:
         raise ValueError(
             f"--global-batch-size {global_batch_size}: must be a multiple of micro_batch_size * DP = "
@@ -196,10 +196,8 @@ def check_row_buckets(row_buckets) -> int:
     Raises:
         ValueError: naming ``--row-buckets``.
     """
-    if isinstance(row_buckets, bool) or not isinstance(row_buckets, int) or row_buckets < 1:
-        raise ValueError(f"--row-buckets: expected an int >= 1 (how many thd_static rows global-batch packing may "
-                         f"use; the runtime's default is {DEFAULT_ROW_BUCKETS}), got {row_buckets!r}")
-    return row_buckets
+    return check_int("--row-buckets", row_buckets, 1, f"how many thd_static rows global-batch packing may use (the "
+                     f"runtime's default is {DEFAULT_ROW_BUCKETS})")
 
 
 def static_rows_for_steps(steps: list[Step], *, row: int, row_buckets: int, dp: int, micro_batch_size: int,
@@ -289,7 +287,7 @@ def _estimate(layout: str, placement: str, steps: list[Step], assignments, costs
 
 def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings, global_batch_size: int | None = None,
                  seed: int = 0, row_buckets: int = DEFAULT_ROW_BUCKETS) -> BalancePlan:
-    """Every layout of :data:`~.layouts.LAYOUTS` with in-batch placement and with global-batch packing
+    """Every layout of :data:`~.layouts.LAYOUT_ORDER` with in-batch placement and with global-batch packing
     (module docstring). ``global_batch_size`` defaults to ``micro_batch_size * micro_batches_per_step * DP``;
     ``row_buckets``: the most ``thd_static`` rows global-batch packing may use (the runtime's
     ``dataset.global_batch_packing.row_buckets``; 1: one row, the figures before row buckets).
@@ -328,7 +326,7 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
     costs = [cost(list(s.lengths), list(s.patches), list(s.patches_squared)).tolist() for s in steps]
     placed = {}  # (placement, row_length) -> per step assignment, shared by layouts with the same row
     out: dict[str, dict[str, PlacementEstimate]] = {}
-    for layout in LAYOUTS:
+    for layout in LAYOUT_ORDER:
         out[layout] = {}
         for placement in PLACEMENTS:
             if placement == "packed" and layout not in PACKABLE:

@@ -18,6 +18,7 @@ import argparse
 import sys
 import warnings
 
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS
 
 __all__ = ["build_parser", "main"]
@@ -92,8 +93,8 @@ def _run(args) -> str:
     if args.overhead_ms < 0:
         raise ValueError(f"--overhead-ms: expected >= 0, got {args.overhead_ms}")
     micro_batches = args.micro_batches
-    if micro_batches is not None and micro_batches < 1:
-        raise ValueError(f"--micro-batches: expected an int >= 1, got {micro_batches}")
+    if micro_batches is not None:
+        check_int("--micro-batches", micro_batches)
     if args.global_batch_size is not None:
         implied = micro_batches_per_rank(args.global_batch_size, args.micro_batch_size, parallel.dp, len(samples))
         if micro_batches is not None and micro_batches != implied:

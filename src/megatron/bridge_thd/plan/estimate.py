@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron.bridge_thd.plan.flops import FlopsBreakdown, flops_config, micro_batch_flops, moe_routed_tokens
-from megatron.bridge_thd.plan.layouts import LAYOUTS, Parallel, layout_stats, micro_batches
+from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, Parallel, layout_stats, micro_batches
 from megatron.bridge_thd.plan.memory import activation_bytes, model_state_bytes, parameter_counts
 from megatron.bridge_thd.plan.presets import ModelSpec
 from megatron.bridge_thd.plan.roofline import GPU, get_gpu, step_seconds
@@ -95,10 +95,10 @@ def _estimate_layout(layout, spec, cfg, batches, settings, state_bytes) -> Layou
 
 
 def plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings) -> Plan:
-    """Estimate every layout of :data:`LAYOUTS` for ``spec`` on ``samples`` under ``settings``."""
+    """Estimate every layout of :data:`~.layouts.LAYOUT_ORDER` for ``spec`` on ``samples`` under ``settings``."""
     batches = micro_batches(samples, settings.micro_batch_size, settings.seq_length)
     cfg = flops_config(spec, settings.parallel.tp, settings.seq_length)
     state = model_state_bytes(spec, settings.parallel)
-    layouts = {name: _estimate_layout(name, spec, cfg, batches, settings, state) for name in LAYOUTS}
+    layouts = {name: _estimate_layout(name, spec, cfg, batches, settings, state) for name in LAYOUT_ORDER}
     return Plan(spec, samples, settings, _mean(sum(b.lengths) for b in batches),
                 sum(b.truncated for b in batches), state, layouts)

@@ -19,18 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.bridge_thd import layouts
+from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
 
-__all__ = ["LAYOUTS", "Parallel", "MicroBatch", "micro_batches", "layout_stats"]
+__all__ = ["LAYOUT_ORDER", "Parallel", "MicroBatch", "micro_batches", "layout_stats"]
 
-# The planner lists the baseline first.
-LAYOUTS = ("bshd",) + tuple(name for name in layouts.LAYOUT_NAMES if name != "bshd")
-
-
-def _check(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return value
+# The order the planner estimates and lists the layouts in: the baseline first.
+LAYOUT_ORDER = ("bshd",) + tuple(name for name in layouts.LAYOUT_NAMES if name != "bshd")
 
 
 @dataclass(frozen=True)
@@ -49,7 +44,7 @@ class Parallel:
 
     def __post_init__(self):
         for name in ("tp", "cp", "pp", "ep", "gpus"):
-            _check(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if self.gpus % (self.tp * self.cp * self.pp):
             raise ValueError(f"gpus={self.gpus} is not divisible by tp*cp*pp={self.tp * self.cp * self.pp}")
         if (self.dp * self.cp) % self.ep:
@@ -92,8 +87,8 @@ def micro_batches(samples: SampleLengths, micro_batch_size: int, seq_length: int
         ValueError: bad sizes, or a ``seq_length`` whose truncation would cut an image of any sample
             (the step refuses those micro-batches; :func:`~.samples.check_seq_length`).
     """
-    _check("micro_batch_size", micro_batch_size)
-    _check("seq_length", seq_length)
+    check_int("micro_batch_size", micro_batch_size)
+    check_int("seq_length", seq_length)
     check_seq_length(samples, seq_length)
     count = len(samples) // micro_batch_size
     if count == 0:
@@ -123,4 +118,4 @@ def layout_stats(layout: str, batch: MicroBatch, seq_length: int, parallel: Para
         return layouts.thd_slots(batch.lengths, align), real_sq
     if layout == "thd_static":
         return layouts.static_row_length(b, seq_length=seq_length, align=align), real_sq
-    raise ValueError(f"layout {layout!r} is not known; valid layouts: {', '.join(LAYOUTS)}")
+    raise ValueError(f"layout {layout!r} is not known; valid layouts: {', '.join(LAYOUT_ORDER)}")

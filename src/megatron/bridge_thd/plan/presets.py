@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron.bridge_thd.checks import check_int
+
 __all__ = ["VisionSpec", "ModelSpec", "PRESETS", "get_preset", "spec_from_hf_config", "preset_names"]
 
 
@@ -177,9 +179,7 @@ def _field(config: dict, path: Path, name: str, default=None, required: bool = T
         return default
     else:
         raise ValueError(f"{path}: field {name!r} is missing; a Qwen-VL style config.json needs it")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{path}: field {name!r} must be a non-negative int, got {value!r}")
-    return value
+    return check_int(f"{path}: field {name!r}", value, 0)
 
 
 def _vision_from_hf(vision: dict, path: Path, hidden: int) -> VisionSpec:

@@ -38,6 +38,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron.bridge_thd.checks import check_int
+
 __all__ = ["SampleLengths", "receipt_lengths", "load_lengths", "check_seq_length"]
 
 
@@ -140,8 +142,7 @@ def receipt_lengths(num_samples: int, seed: int = 0) -> SampleLengths:
 
     from megatron.bridge_thd.plan.receipts import ReceiptSpec, receipt_sample
 
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples: expected an int >= 1, got {num_samples!r}")
+    check_int("num_samples", num_samples)
     generator = torch.Generator().manual_seed(seed)
     spec = ReceiptSpec()
     tokens, grids, ends = [], [], []
@@ -159,9 +160,7 @@ def _int(value, where: str, name: str, minimum: int) -> int:
         value = value.strip()
         if value.lstrip("-").isdigit():
             value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where}: field {name!r}: expected an int >= {minimum}, got {value!r}")
-    return value
+    return check_int(f"{where}: field {name!r}", value, minimum)
 
 
 def _grid(value, where: str) -> tuple[int, int, int]:
