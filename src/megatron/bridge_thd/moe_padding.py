@@ -32,6 +32,7 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron.bridge_thd.lengths import seq_idx
 from megatron.bridge_thd.rules import uses_seq_aux_loss
 from megatron.bridge_thd.upstream import load_bridge_module
 
@@ -110,7 +111,7 @@ def _physical_segments(packed_seq_params, total_tokens: int):
     positions = torch.arange(total_tokens, device=cu_real.device)
     # right=True: a slot on a boundary belongs to the segment that starts there (zero-length
     # segments are skipped); slots at or past the last boundary get index == segments.
-    segment = torch.searchsorted(cu_physical[1:], positions, right=True)
+    segment = seq_idx(cu_physical, positions)
     return cu_real, cu_physical, segment.clamp_max(segments - 1), segment < segments
 
 
