@@ -2,7 +2,7 @@
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: demo test bench figures clean
+.PHONY: demo test test-fast bench figures clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup_venv.sh
 	./scripts/setup_venv.sh
@@ -15,6 +15,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PYTHON) -m pytest -q tests
+
+# The tier a developer runs on every change (under 2 minutes on 2 cores): tests/unit and tests/model,
+# less the tests marked slow (tests/README.md). `make test` stays the whole suite, CI's command.
+test-fast: $(VENV)/.installed
+	$(PYTHON) -m pytest -q -m "not slow" tests
 
 bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_pack.py

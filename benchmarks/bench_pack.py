@@ -342,7 +342,7 @@ def cpu_model() -> str:
 def counted_rows(configs, layout: str, impl_names: list[str]) -> list[dict]:
     """Ops and host syncs per call of each implementation (no timing): deterministic, cheap.
 
-    ``tests/test_readme_figures.py`` recomputes these to check the committed results."""
+    ``tests/unit/test_readme_figures.py`` recomputes these to check the committed results."""
     rows = []
     for batch_size, seq_len in configs:
         b = make_batch(batch_size, seq_len, layout, SEED + batch_size * 100_003 + seq_len)

@@ -112,7 +112,7 @@ LOSS_RTOL = 1e-5
 
 def smallest_row(lengths, patches, squared, cost) -> int:
     """The shortest row at which ``assign`` places the step (as ``_smallest_row`` in
-    tests/test_global_batch_equality.py, with the run's cost)."""
+    tests/parallel/test_global_batch_equality.py, with the run's cost)."""
     slots = aligned_lengths(lengths, ALIGN)
     row = max(int(slots.max()), -(-int(slots.sum()) // (DP * NUM_MICRO_BATCHES)))
     while True:

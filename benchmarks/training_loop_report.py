@@ -1,12 +1,12 @@
 """Figures of Megatron-Bridge's own training loop on the CPU (``bridge_thd_testbed.training.training_loop_runs``,
-the runs ``tests/test_bridge_training.py`` checks): per-iteration losses of Megatron-Bridge's step,
+the runs ``tests/bridge/test_training.py`` checks): per-iteration losses of Megatron-Bridge's step,
 ``thd`` (stopped at iteration 10 and resumed from the checkpoint) and ``thd_static`` at DP=2; the
 largest relative difference; the resume check; the tokens and FLOPs the trainer logged; PP=2 vs CP=2.
 
 Writes ``benchmarks/results/training_loop.json`` and prints the tables (docs/megatron-bridge-on-cpu.md).
 
 ``--model qwen35``: the same for Megatron-Bridge's Qwen3.5-VL 2B recipe on the tiny hybrid Gated DeltaNet +
-attention model (``bridge_thd_testbed.training.qwen35_training_runs``, the runs ``tests/test_bridge_training_qwen35.py``
+attention model (``bridge_thd_testbed.training.qwen35_training_runs``, the runs ``tests/bridge/test_training_qwen35.py``
 checks: 6 iterations, ``thd`` stopped at 3 and resumed; no PP / CP runs), written to
 ``benchmarks/results/training_loop_qwen35.json``, with the check of the Hugging Face conversion.
 

@@ -8,7 +8,7 @@ flash-linear-attention (Gated DeltaNet runs THD only through fla's kernels) and 
 ``--cpu-tiny`` runs the same code path (the recipe function, ``configure``, the cord_v2 provider and
 Qwen-VL collate, ``finetune()``) on a tiny Hugging Face Qwen3.5-VL (one Gated DeltaNet layer, one
 attention layer, Qwen3.5's vision geometry) converted by Megatron-Bridge's ``AutoBridge``, with a local
-cord_v2-shaped dataset on gloo ranks; ``tests/test_bridge_training_qwen35.py`` runs that path.
+cord_v2-shaped dataset on gloo ranks; ``tests/bridge/test_training_qwen35.py`` runs that path.
 
     torchrun --nproc-per-node 8 recipes/qwen35_vl_2b_cord_v2_thd.py [--layout thd|thd_static|bshd|megatron_bridge]
     python recipes/qwen35_vl_2b_cord_v2_thd.py --cpu-tiny [--layout ...] [--train-iters 4]

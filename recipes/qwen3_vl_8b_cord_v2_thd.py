@@ -4,7 +4,7 @@ Megatron-Bridge's own recipe (DirectHFSFTDatasetConfig over CORD-v2) with our fo
 GPU node it needs a container with Transformer Engine and Hugging Face hub access; ``--cpu-tiny``
 runs the same code path (the recipe function, ``configure``, the cord_v2 provider and Qwen3-VL
 collate, ``finetune()``) on a tiny Qwen3-VL with a local cord_v2-shaped dataset, and is run by
-``tests/test_recipes_cpu.py``.
+``tests/bridge/test_recipe_scripts.py``.
 
     torchrun --nproc-per-node 8 recipes/qwen3_vl_8b_cord_v2_thd.py [--layout thd|thd_static|bshd|megatron_bridge] [--global-batch-packing qwen3-vl-8b]
     python recipes/qwen3_vl_8b_cord_v2_thd.py --cpu-tiny [--layout ...] [--train-iters 4]

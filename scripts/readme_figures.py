@@ -14,7 +14,7 @@ wherever it stands. Two kinds of block (:data:`BLOCKS`):
 
 * **computed**: cheap and deterministic (op and host-sync counts, the planner's tables, which are
   pure arithmetic, ``configure``'s flag table from its records). Rendered here from the code;
-  ``tests/test_readme_figures.py`` recomputes them and fails when a document's copy is stale.
+  ``tests/unit/test_readme_figures.py`` recomputes them and fails when a document's copy is stale.
 * **results**: timings and real-model figures that take minutes. Measured by ``make bench``
   (``benchmarks/bench_pack.py``, ``benchmarks/parity_report.py``) or by ``--run demo`` (``make
   demo``'s report), stored as JSON under ``benchmarks/results/``, committed, and rendered here by
@@ -158,8 +158,8 @@ def _meta_copy_ops(model, batch, state) -> int:
 
 def step_host_syncs() -> str:
     """Host syncs of the whole ``prepare_micro_batch`` on Megatron-Bridge's real model (CPU build): a batch
-    already on the model's device, counted by ``opcount`` as ``tests/test_step_host_syncs.py`` counts them, and a
-    batch on the host with the model on ``meta`` (``tests/test_step_plan.py``)."""
+    already on the model's device, counted by ``opcount`` as ``tests/model/test_step_host_syncs.py`` counts them, and a
+    batch on the host with the model on ``meta`` (``tests/model/test_step_plan.py``)."""
     _quiet_imports()
     import logging
 

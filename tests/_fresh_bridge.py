@@ -1,5 +1,5 @@
 """One fresh process with Megatron-Bridge imported whole (``run_on_gloo(whole_bridge=True)``), shared
-by ``test_bridge_package.py`` (what the import did) and ``test_bridge_recipes.py`` (the recipe
+by ``test_package.py`` (what the import did) and ``test_recipes.py`` (the recipe
 cases): importing the package costs ~12 s a process, so the suite pays it once for both."""
 
 from __future__ import annotations

@@ -659,7 +659,7 @@ def training_loop_runs(recipe: str = "qwen3_vl_8b_sft_2gpu_h100_bf16_config", *,
                        seq_length: int = 512, global_iterations: int = 10, global_resume_at: int = 4,
                        eval_interval: int = 3, eval_iters: int = 2) -> list:
     """The runs that check Megatron-Bridge's training loop with our step, for :func:`run_on_cpu` on two
-    ranks (``tests/test_bridge_training.py``, ``benchmarks/training_loop_report.py``), all with the
+    ranks (``tests/bridge/test_training.py``, ``benchmarks/training_loop_report.py``), all with the
     recipe's data loader workers (forked) and pinned memory:
 
     * ``megatron_bridge``, ``thd_static``: ``iterations`` at DP=2 (Megatron-Bridge's own step; ours);
@@ -705,7 +705,7 @@ def qwen35_training_runs(recipe: str = QWEN35_RECIPE, *, iterations: int = 6, re
                          max_lr: float = 5e-4) -> list:
     """The runs that check Megatron-Bridge's training loop on its Qwen3.5-VL 2B recipe (the tiny hybrid
     Gated DeltaNet + attention checkpoint of :func:`write_tiny_hf_qwen35_checkpoint`), for :func:`run_on_cpu`
-    on two ranks (``tests/test_bridge_training_qwen35.py``, ``benchmarks/training_loop_report.py --model
+    on two ranks (``tests/bridge/test_training_qwen35.py``, ``benchmarks/training_loop_report.py --model
     qwen35``), all at DP=2 with the collate in the rank's process (no loader workers: the same in every
     run, and cheaper here) and no evaluation:
 

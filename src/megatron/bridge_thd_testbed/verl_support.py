@@ -1,7 +1,7 @@
 """VERL on the CPU stack: VERL 0.9.1's own helpers, VERL-layout Qwen3-VL batches, the two ways
 VERL calls a Qwen-VL model, and the train-vs-rollout figures.
 
-Shared by ``tests/test_interop_verl.py`` (which asserts on them) and ``benchmarks/bench_verl.py``
+Shared by ``tests/parallel/test_interop_verl.py`` (which asserts on them) and ``benchmarks/bench_verl.py``
 (which prints them), so that the benchmark measures exactly what the tests prove.
 
 * :func:`find_verl_util` / :func:`load_verl_util`: VERL's ``verl/models/mcore/util.py``, run as a

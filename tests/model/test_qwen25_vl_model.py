@@ -33,7 +33,7 @@ from megatron.bridge_thd_testbed.qwen25_vl import (
     tiny_qwen25_vl_config,
 )
 
-DLOGP_TOLERANCE = 1e-5  # the bars of tests/test_real_model_parity.py (measured: ~5e-7 both)
+DLOGP_TOLERANCE = 1e-5  # the bars of tests/model/test_real_model_parity.py (measured: ~5e-7 both)
 GRAD_TOLERANCE = 1e-5
 CONTROL_MIN = 1e-3
 ALIGN = 4

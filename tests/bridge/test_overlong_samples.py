@@ -1,5 +1,5 @@
 """Samples longer than ``seq_length`` on Megatron-Bridge 0.6.2's real data path: its ``cord_v2`` preset, provider,
-Qwen3-VL collate, loader builder and iterator (as tests/test_bridge_data_path.py builds them), with our loader
+Qwen3-VL collate, loader builder and iterator (as tests/bridge/test_data_path.py builds them), with our loader
 builder wrapper (``batching.bridge.loader_patch``) as ``configure`` installs it, one world per run, each policy of
 ``dataset.overlong_samples`` in turn.
 
@@ -21,7 +21,7 @@ from megatron.bridge_thd_cpu.cord_v2 import PROCESSOR_TOKEN_IDS, tiny_qwen3_vl_p
 from megatron.bridge_thd_testbed.launcher import run_on_gloo
 from megatron.bridge_thd_testbed.training import TRAINING_VISION_GEOMETRY
 
-# As tests/test_bridge_data_path.py: 1280 lies between the longest short receipt (1152 tokens at most) and the
+# As tests/bridge/test_data_path.py: 1280 lies between the longest short receipt (1152 tokens at most) and the
 # shortest long one (more than 1476), so every long receipt is cut and no short one.
 SEQ_LENGTH = 1280
 MICRO_BATCH = 2

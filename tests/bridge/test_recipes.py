@@ -313,7 +313,7 @@ VARIANT_SIZES = {"own": dict(pp=1, cp=1), "pp2": dict(pp=2, cp=1), "cp2": dict(p
 @pytest.fixture(scope="module")
 def outcomes():
     """Every case, computed once in one fresh process with Megatron-Bridge imported whole (shared
-    with test_bridge_package.py: tests/_fresh_bridge.py)."""
+    with test_package.py: tests/_fresh_bridge.py)."""
     from _fresh_bridge import fresh_bridge_process
 
     return fresh_bridge_process()["recipes"]

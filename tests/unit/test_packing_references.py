@@ -4,7 +4,9 @@
 (b) VERL's boolean gathering of left-padded prompt + right-padded response batches, with
     per-sample aligned slots (``preprocess_packed_seqs`` style);
 (c) 4D Megatron causal-with-padding masks vs the equivalent 2D keep mask;
-(d) the documented sample-ID example and sample-ID layout rules.
+(d) a packed row of sample ids read back by ``cu_seqlens_from_sample_ids``.
+
+The mask rules themselves (``lengths.py``) are tested in tests/unit/test_lengths.py.
 """
 
 from __future__ import annotations
@@ -26,10 +28,8 @@ from _packing_helpers import (
     verl_keep,
 )
 from megatron.bridge_thd import (
-    cu_seqlens_from_lengths,
     cu_seqlens_from_sample_ids,
     pack_bshd_to_thd,
-    real_lengths,
     unpack_thd_to_bshd,
 )
 from megatron.bridge_thd.lengths import keep_mask_from_attention_mask
@@ -267,68 +267,8 @@ def test_megatron_core_ltor_mask_is_all_real():
 
 
 # --------------------------------------------------------------------------------------------
-# (d) sample-ID masks and length helpers
+# (d) a packed sample-ID row (the sample-ID rules themselves: tests/unit/test_lengths.py)
 # --------------------------------------------------------------------------------------------
-def test_sample_ids_documented_example():
-    ids = torch.tensor([[1, 1, 2, 2, 2, 3, 3, 4, 5, 5, 5, 0, 0]])
-    cu = cu_seqlens_from_sample_ids(ids)
-    assert cu.dtype == torch.int32
-    assert cu.tolist() == [0, 2, 5, 7, 8, 11, 13]
-    assert cu_seqlens_from_sample_ids(ids[0]).tolist() == [0, 2, 5, 7, 8, 11, 13]
-
-
-def test_sample_ids_without_padding_tail():
-    cu = cu_seqlens_from_sample_ids(torch.tensor([[1, 2, 2, 3, 3, 3]]))
-    assert cu.tolist() == [0, 1, 3, 6]
-
-
-def _sample_ids_reference(ids: list[int]) -> list[int]:
-    """K + 1 boundaries from run lengths of ids 1..K, plus the row end if a zero tail exists."""
-    cu = [0]
-    for _, group in itertools.groupby(i for i in ids if i != 0):
-        cu.append(cu[-1] + len(list(group)))
-    if 0 in ids:
-        cu.append(len(ids))
-    return cu
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_sample_ids_random_layouts(seed):
-    rng = random.Random(seed)
-    counts = [rng.randint(1, 6) for _ in range(rng.randint(1, 7))]
-    tail = rng.choice([0, 0, 1, 5])
-    ids = [k + 1 for k, c in enumerate(counts) for _ in range(c)] + [0] * tail
-    assert cu_seqlens_from_sample_ids(torch.tensor([ids])).tolist() == _sample_ids_reference(ids)
-
-
-@pytest.mark.parametrize(
-    "ids",
-    [
-        [2, 2, 3],  # does not start at 1
-        [1, 1, 3],  # skips an id
-        [1, 2, 1],  # goes back
-        [1, 0, 2],  # padding in the middle
-        [1, 1, 0, 0, 1],  # padding then a sample again
-        [0, 1, 1],  # leading padding
-        [1, -1],  # negative id
-        [1, 2, 2, 1, 0],
-    ],
-)
-def test_sample_ids_bad_layouts_raise(ids):
-    with pytest.raises(ValueError, match="sample_ids"):
-        cu_seqlens_from_sample_ids(torch.tensor([ids]))
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [torch.tensor([[1, 1], [1, 1]]), torch.tensor([[1.0, 2.0]]), torch.ones(1, 1, 3, dtype=torch.long)],
-    ids=["batch2", "float", "3d"],
-)
-def test_sample_ids_bad_shapes_raise(bad):
-    with pytest.raises(ValueError, match="sample_ids"):
-        cu_seqlens_from_sample_ids(bad)
-
-
 def test_packed_sample_id_row_round_trips_through_cu_seqlens_from_sample_ids():
     """Packing a sample-ID tensor (id i+1 on sample i's real tokens) at align_to=1 gives a
     sample-ID row whose cu_seqlens are the real boundaries of the packed batch."""
@@ -339,13 +279,3 @@ def test_packed_sample_id_row_round_trips_through_cu_seqlens_from_sample_ids():
     # With a padding tail (static mode) the row end becomes an extra boundary.
     packed = pack_bshd_to_thd(sample_ids, keep, align_to=1, total_length=15)
     assert cu_seqlens_from_sample_ids(packed.input_ids).tolist() == [0, 5, 6, 12, 15]
-
-
-def test_real_lengths_and_cu_seqlens_from_lengths():
-    keep = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    assert real_lengths(keep).tolist() == [3, 0, 4]
-    assert real_lengths(keep).dtype == torch.int64
-    lengths = [3, 0, 4, 7, 1]
-    assert cu_seqlens_from_lengths(torch.tensor(lengths)).tolist() == list(
-        itertools.accumulate(lengths, initial=0)
-    )

@@ -11,7 +11,7 @@ import megatron
 import megatron.bridge_thd
 import megatron.core
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_no_megatron_init_file():
@@ -126,7 +126,7 @@ def _imported_modules(path) -> set[str]:
 def _offenders(package: str, forbidden: tuple[str, ...], *, skip: tuple[str, ...] = ()) -> dict:
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1] / "src" / "megatron" / package
+    root = pathlib.Path(__file__).resolve().parents[2] / "src" / "megatron" / package
     found = {}
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root).as_posix()

@@ -18,7 +18,7 @@ Two kinds of config objects are used:
 ``training/config.py`` (``ConfigContainer.validate``) is not imported in this process: the suite
 loads Megatron-Bridge's modules without their package ``__init__`` (``megatron.bridge_thd.upstream``),
 and ``data.builders.gpt_sft`` needs ``megatron.bridge.data.packing.__init__``. The real
-``validate()`` on the real recipes runs in a fresh process in ``tests/test_bridge_recipes.py``; here
+``validate()`` on the real recipes runs in a fresh process in ``tests/bridge/test_recipes.py``; here
 its packing-related lines are copied verbatim into :func:`bridge_062_packing_validate` below (file
 and line numbers there) for fast in-process cases, and ``test_copied_upstream_lines_are_current``
 fails if the installed file no longer has them.
@@ -977,7 +977,7 @@ class _ProviderBuildingPlan(SimpleNamespace):
 
 
 def test_moe_overlap_with_bshd_is_refused_when_the_provider_builds_a_model_without_schedule_plans():
-    """Found on Megatron-Bridge's real Qwen3-VL 30B-A3B recipe (tests/test_bridge_recipes.py): its
+    """Found on Megatron-Bridge's real Qwen3-VL 30B-A3B recipe (tests/bridge/test_recipes.py): its
     provider builds Qwen3VLModel, which has no build_schedule_plan, so 'bshd' with the overlap failed
     at the first step and neither configure nor validate() refused it."""
     cfg = make_cfg()
@@ -1120,7 +1120,7 @@ def test_thd_static_with_pp_leaves_variable_seq_lengths_to_bridge(bridge, mock_v
     """configure leaves variable_seq_lengths off for 'thd_static' with PP>1 (the row length is fixed).
 
     That Bridge 0.6.2's validate() turns it on anyway (it sets the hook whenever enable_in_batch_packing
-    is on) is asserted on the real validate() of the real recipes in tests/test_bridge_recipes.py
+    is on) is asserted on the real validate() of the real recipes in tests/bridge/test_recipes.py
     (test_recipe_passes_validate, every recipe at pp2 with 'thd_static'); that the step still resolves
     'thd_static' then, by test_configured_config_passes_bridges_packing_validation."""
     model = bridge_transformer_config(bridge, pipeline_model_parallel_size=2)
@@ -1278,7 +1278,7 @@ def test_configured_config_passes_bridges_packing_validation(
 def _docs_configure_flags_block():
     """The ``configure-flags`` block of docs/configure.md as it stands, and as rendered from
     ``configure.FLAG_RULES`` now (scripts/readme_figures.py)."""
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "scripts"))
     try:
         import readme_figures
@@ -1310,7 +1310,7 @@ def test_the_flag_table_is_rendered_from_configures_records():
 
 
 def test_docs_explain_the_refusals_and_hold_the_one_flag_table():
-    docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "configure.md").read_text()
+    docs = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "configure.md").read_text()
     header = "| Purpose | Megatron-Bridge 0.6.2 |"
     assert header not in configure_module.__doc__, "the flag table's one copy is configure.FLAG_RULES"
     assert docs.count(header) == 1 and header in _docs_configure_flags_block()[0]

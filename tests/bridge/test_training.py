@@ -235,7 +235,7 @@ def test_thd_static_is_static_in_everything_the_decoder_sees_inside_finetune(ran
     the decoder one signature per run (``step.decoder_signature``: token inputs' shapes and dtypes, every
     ``PackedSeqParams`` field, the ``cu_seqlens`` count and ``max_seqlen`` included): in-batch, and under
     global-batch packing across its stop and resume one signature per row it chose (its rows have segments for the
-    most samples a row can hold; micro-batches of 1 to 8 samples in one row are in tests/test_step_plan.py)."""
+    most samples a row can hold; micro-batches of 1 to 8 samples in one row are in tests/model/test_step_plan.py)."""
     rows = _placement_log(ranks[0]["thd_static_global_first"]["placements"])[0][0]
     for rank in ranks:
         for names, expected in ((("thd_static",), 1), (("thd_static_per_token",), 1),

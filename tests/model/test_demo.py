@@ -151,7 +151,7 @@ def test_the_demo_screen_is_its_report_without_warning_lines(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     makefile = (root / "Makefile").read_text()
     flags = shlex.split(re.search(r"^QUIET_IMPORTS := (.*)$", makefile, re.M).group(1))
     command = [sys.executable, *flags, "-m", "megatron.bridge_thd_cpu.demo", "--micro-batches", "1", "--micro-batch-size", "2",

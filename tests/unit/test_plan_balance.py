@@ -17,7 +17,7 @@ from megatron.bridge_thd.plan.roofline import GPU
 
 warnings.simplefilter("ignore")
 
-# The tiny dense model of tests/test_plan.py: hidden 8, q = 2 heads x 4 = 8, kv = 1 x 4 = 4, ffn 16, 2 layers,
+# The tiny dense model of tests/unit/test_plan.py: hidden 8, q = 2 heads x 4 = 8, kv = 1 x 4 = 4, ffn 16, 2 layers,
 # vocabulary 128 (already a multiple of 128).
 TINY = ModelSpec(name="tiny", hf_repo="none", num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1,
                  kv_channels=4, ffn_hidden_size=16, vocab_size=128,
@@ -299,7 +299,7 @@ def test_the_benchmark_smoke_run_writes_its_three_files(tmp_path):
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "global_batch_packing.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "global_batch_packing.py"
     spec = importlib.util.spec_from_file_location("global_batch_packing_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -58,14 +58,14 @@ def test_refused_after_a_bare_load(monkeypatch):
 
 
 def test_every_training_patch_is_listed_in_docs_and_the_module_docstring(inspected):
-    """``bridge_thd_testbed.training``'s records need Megatron-Bridge whole, so tests/test_patches.py cannot
+    """``bridge_thd_testbed.training``'s records need Megatron-Bridge whole, so tests/unit/test_patches.py cannot
     build them in the suite's process: they are built in the fresh one and checked here."""
     import pathlib
     import re
 
     from megatron.bridge_thd import patches
 
-    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "patches.md").read_text()
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "patches.md").read_text()
     records = inspected["training_patches"]
     assert len(records) >= 25
     for target, why, in_sys_modules, name in records:

@@ -5,14 +5,13 @@ packing metadata is checked by spy models that record what the step hands them, 
 computed here from the input batch; each spy names the upstream signature it stands for. Here
 process-group sizes other than 1 only decide the alignment, through a fake ``pg_collection``
 attribute (what Megatron-Bridge's ``get_pg_collection`` prefers); real CP runs on gloo processes
-with Megatron-Bridge's own model in ``test_context_parallel_gloo.py``, and Megatron-Bridge 0.6.2's
+with Megatron-Bridge's own model in ``test_context_parallel.py``, and Megatron-Bridge 0.6.2's
 ``Qwen3VLModel`` itself is tested in ``test_real_model_parity.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -631,7 +630,7 @@ def test_missing_mask_fallback_without_pad_id_raises(ref, right_batch):
 
 # ---------------------------------------------------------------------------------------------
 # 8. CP path: the loss mask goes to the model, a mismatched output is refused
-# (the real CP path runs on gloo processes in test_context_parallel_gloo.py)
+# (the real CP path runs on gloo processes in test_context_parallel.py)
 
 
 def test_loss_mask_reaches_the_model(ref, right_batch):

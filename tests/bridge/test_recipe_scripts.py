@@ -16,12 +16,12 @@ import pytest
 
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_recipe_script_runs_in_its_cpu_mode(tmp_path):
     """The recipe script in CPU mode, with ``--global-batch-packing qwen3-vl-8b`` (one run for both: the
-    same script path; test_bridge_training.py runs the loop without it): configure's setting reaches
+    same script path; test_training.py runs the loop without it): configure's setting reaches
     Megatron-Bridge's loop with the recipe's own loader settings (its workers, forked, and pinned
     memory) and its evaluation (validation and test after training; ``--eval-iters 1`` keeps it short),
     and rank 0 logs one placement per iteration."""
@@ -61,7 +61,7 @@ def test_global_batch_packing_flag_needs_a_packed_layout():
 def test_qwen35_recipe_script_runs_its_cpu_mode(monkeypatch, tmp_path):
     """``recipes/qwen35_vl_2b_cord_v2_thd.py --cpu-tiny`` hands Megatron-Bridge's Qwen3.5-VL 2B recipe function to
     the CPU mode's ``run_on_cpu`` (which then writes and trains the tiny Qwen3.5-VL: that run is
-    tests/test_bridge_training_qwen35.py's, too dear to repeat through a subprocess here); ``--global-batch-size``
+    tests/bridge/test_training_qwen35.py's, too dear to repeat through a subprocess here); ``--global-batch-size``
     reaches it."""
     import runpy
 
@@ -93,7 +93,7 @@ def test_benchmark_harness_smoke(tmp_path):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     # Three of the five rows (every row's run is one finetune() through the same harness function; thd_static and
-    # thd with global-batch packing run inside finetune() in tests/test_bridge_training.py): the suite's time.
+    # thd with global-batch packing run inside finetune() in tests/bridge/test_training.py): the suite's time.
     results = cord_v2_sft.main(["--cpu-tiny", "--iterations", "2", "--warmup", "1", "--micro-batch-sizes", "2",
                                 "--global-batch-size", "8", "--steps", "megatron_bridge", "thd", "thd_static_global",
                                 "--out", str(tmp_path), "--workdir", str(tmp_path / "run")])

@@ -13,7 +13,7 @@ import pytest
 from megatron.bridge_thd import patches
 from megatron.bridge_thd.patches import Patch, applied, apply_permanently
 
-DOC = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "patches.md").read_text()
+DOC = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "patches.md").read_text()
 
 
 def _module(**names):
@@ -71,7 +71,7 @@ def _every_record() -> list[Patch]:
     # qwen25_vl_import_patches() is empty where omegaconf is installed; its one record by name:
     records.append(Patch(sys.modules, "omegaconf", None, "qwen25_vl_import_patches"))
     # batching.bridge.loader_patch() and overlong.collate_patch() need Megatron-Bridge imported whole
-    # (tests/test_bridge_recipes.py, tests/test_overlong_samples.py apply them there); their records by name:
+    # (tests/bridge/test_recipes.py, tests/bridge/test_overlong_samples.py apply them there); their records by name:
     import types
 
     records.append(Patch(types.ModuleType("megatron.bridge.data.loaders"), "build_train_valid_test_data_loaders", None,
