@@ -19,7 +19,7 @@ test: $(VENV)/.installed
 # The tier a developer runs on every change (under 2 minutes on 2 cores): tests/unit and tests/model,
 # less the tests marked slow (tests/README.md). `make test` stays the whole suite, CI's command.
 test-fast: $(VENV)/.installed
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTHON) -m pytest -q -m "not slow" tests/unit tests/model
 
 bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_pack.py

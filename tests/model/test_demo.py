@@ -141,6 +141,7 @@ def test_main_writes_the_plot_and_says_where(tmp_path, capsys):
     assert f"plot: {path}" in out and "| global-batch packing, thd_static, 1 row |" in out
 
 
+@pytest.mark.slow  # the demo run whole in a fresh interpreter
 def test_the_demo_screen_is_its_report_without_warning_lines(tmp_path):
     """``make demo``'s command (the Makefile's interpreter flags) in a fresh interpreter: every line on the screen,
     stdout and stderr, is the demo's own; no library warning (Megatron's, ModelOpt's, torch's) comes first."""

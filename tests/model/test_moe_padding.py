@@ -437,6 +437,7 @@ def cp_worker(state_dict, cases):
     return out
 
 
+@pytest.mark.slow  # a gloo world of two ranks
 def test_cp2_statistics_summed_over_ranks_equal_each_sample_alone(models, batches, reference):
     """Under CP each rank routes its zigzag share of the row (BSHD: of every sample); the aux loss it records uses the
     CP-global token counts and its local probabilities, so the sum over ranks is the whole
@@ -480,6 +481,7 @@ def ep_worker(state_dict, cases, ep):
     return out
 
 
+@pytest.mark.slow  # a gloo world of two ranks
 def test_alltoall_dispatcher_with_ep2_keeps_the_statistics_of_each_sample_alone(models, batches, reference):
     """Megatron-Bridge's Qwen3-VL MoE recipes use ``moe_token_dispatcher_type="alltoall"``: with it
     and EP = 2 over gloo (2 data-parallel ranks on the same micro-batch, experts 0-1 on one and 2-3

@@ -120,6 +120,7 @@ def mtp_cp_worker(state_dict, batch, cp):
                 starts=params.cu_seqlens_q_padded.tolist(), row=n)
 
 
+@pytest.mark.slow  # a gloo world of two ranks
 def test_cp2_mtp_loss_equals_each_sample_alone(setup):
     model, batch, alone = setup
     ranks = run_on_gloo(mtp_cp_worker, model.state_dict(), batch, 2, cp=2, timeout=600)

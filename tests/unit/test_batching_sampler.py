@@ -402,6 +402,7 @@ def test_sizes_cache_defaults_to_xdg_cache_home(tmp_path, monkeypatch):
     assert len(list((tmp_path / "bridge_thd" / "sizes").glob("*.pt"))) == 1
 
 
+@pytest.mark.slow  # loader workers started for the scan
 def test_scan_needs_a_2d_attention_mask(tmp_path):
     with pytest.raises(ValueError, match="attention_mask"):
         dataset_sizes(Items(ITEMS), CountingCollate(mask=False), cache_dir=tmp_path)

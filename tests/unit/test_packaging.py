@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import megatron
 import megatron.bridge_thd
 import megatron.core
@@ -34,6 +36,7 @@ def test_megatron_bridge_resolves_to_the_installed_package():
     assert not pathlib.Path(list(spec.submodule_search_locations)[0]).resolve().is_relative_to(REPO / "src")
 
 
+@pytest.mark.slow  # a fresh interpreter importing Megatron-Bridge's helpers
 def test_bridge_helpers_load_without_transformer_engine():
     # In a fresh interpreter: the loader must reach Megatron-Bridge's real loss module without
     # running megatron/bridge/__init__.py (which imports Transformer Engine).
@@ -79,6 +82,7 @@ def test_the_runtime_never_imports_the_test_bed_the_cpu_build_the_planner_intero
     _run_in_a_fresh_interpreter(code)
 
 
+@pytest.mark.slow  # a fresh interpreter importing the public names
 def test_the_public_names_users_import_keep_working():
     code = (
         "from megatron.bridge_thd.qwen3_vl_step import forward_step\n"
