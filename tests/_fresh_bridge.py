@@ -53,10 +53,10 @@ def _inspect_import():
 
 
 def _worker():
-    import test_bridge_recipes
+    import test_recipes  # tests/bridge/test_recipes.py (its folder is on the path once pytest collected it)
 
     package = _inspect_import()  # first: before any recipe is built
-    return {"package": package, "recipes": test_bridge_recipes.all_cases()}
+    return {"package": package, "recipes": test_recipes.all_cases()}
 
 
 @functools.lru_cache(maxsize=1)
