@@ -688,8 +688,8 @@ def test_pad_to_max_length_follows_bridge_rule(layout, pp, ep, expected):
 
 def test_explicit_pad_to_max_length_false_with_pp_is_refused():
     cfg = make_cfg(dataset=dict(pad_to_max_length=False), model=dict(pipeline_model_parallel_size=2))
-    with pytest.raises(ValueError, match=r"dataset.pad_to_max_length=False was set explicitly, but Megatron-Bridge "
-                       r"0.6.2's validate\(\) forces it True for PP>1 or EP>1.*force=True"):
+    with pytest.raises(ValueError, match=r"dataset.pad_to_max_length=False was set explicitly, but Megatron-Bridge's "
+                       r"validate\(\) forces it True for PP>1 or EP>1.*force=True"):
         configure(cfg, "bshd")
     assert configure(cfg, "bshd", force=True).dataset.pad_to_max_length is True
 
@@ -856,7 +856,8 @@ def test_cuda_graphs_with_pipeline_parallelism_are_refused_for_every_layout(layo
     message = str(info.value)
     assert message.startswith(f"configure: the config contradicts megatron.bridge_thd's step:\n- {named}")
     assert "with model.pipeline_model_parallel_size=2: " in message
-    assert "modelling_qwen3_vl/model.py:388" in message
+    assert "Qwen3VLModel asserts at build that CUDA graphs run without model.variable_seq_lengths" in message
+    assert "set variable_seq_lengths=True" in message
     assert "model.cuda_graph_impl='none'" in message and "model.pipeline_model_parallel_size=1" in message
     # One problem: not the PP=1 advice ("use layout='thd_static'" / "'bshd'"), which would fail the same way.
     assert message.count("\n- ") == 1
@@ -921,7 +922,8 @@ def test_pipeline_graph_refusal_is_exactly_qwen3_vl_models_assert(
         configure(config(), "bshd")
         accepted = True
     except ValueError as error:
-        assert "modelling_qwen3_vl/model.py:388" in str(error)
+        assert "CUDA graphs run without model.variable_seq_lengths" in str(error)
+        assert "set model.cuda_graph_impl='none'" in str(error)
         accepted = False
     assert accepted is builds
     assert builds is (pp == 1 or not graph_settings or "cuda_graph_scope" in graph_settings)
@@ -1244,7 +1246,8 @@ def test_configured_config_passes_bridges_packing_validation(
     with_graphs = graphs == "te_graphs"
     if with_graphs and pp > 1:  # Qwen3VLModel would assert at build
         with pytest.raises(ValueError, match=r"cuda_graph_impl='transformer_engine' with "
-                           r"model.pipeline_model_parallel_size=2: .*modelling_qwen3_vl/model.py:388"):
+                           r"model.pipeline_model_parallel_size=2: .*without model.variable_seq_lengths.*"
+                           r"set model.cuda_graph_impl='none'.*model.pipeline_model_parallel_size=1"):
             configure(cfg, layout)
         return
     if with_graphs and (layout != "bshd"):  # thd; thd_static with Transformer Engine graphs; HybridEP

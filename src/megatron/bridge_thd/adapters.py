@@ -93,7 +93,7 @@ def _vision_tokens(model_config) -> VisionTokens:
 
 @dataclass(frozen=True)
 class Qwen3VLAdapter:
-    """Qwen3-VL and Qwen3.5-VL (Megatron-Bridge 0.6.2's ``Qwen3VLModel`` serves both): image and
+    """Qwen3-VL and Qwen3.5-VL (Megatron-Bridge's ``Qwen3VLModel`` serves both): image and
     video placeholders must not be cut; 3D MRoPE by Qwen3-VL's rule (:mod:`megatron.bridge_thd.mrope`,
     videos per frame); the decoder is ``language_model.decoder``."""
 
@@ -122,14 +122,15 @@ class Qwen3VLAdapter:
 
 @dataclass(frozen=True)
 class Qwen25VLAdapter:
-    """Qwen2.5-VL (Megatron-Bridge 0.6.2's ``Qwen25VLModel``, ``models/qwen_vl/modeling_qwen25_vl.py``).
+    """Qwen2.5-VL (Megatron-Bridge's ``Qwen25VLModel``, ``models/qwen_vl/modeling_qwen25_vl.py``).
 
     Its ``forward`` computes MRoPE itself on a THD row: one row per segment (real lengths from
     ``cu_seqlens_q``, starts from ``cu_seqlens_q_padded``), Hugging Face's ``get_rope_index`` on each
     (videos scale time by ``tokens_per_second * second_per_grid_ts``), zeros in the alignment gaps;
     the ``position_ids`` it is given are ignored, so the step computes none. What the model cannot
     take is refused: a segment without a real token (``packed_seq_utils.py``: the ``thd_static``
-    tail, an all-padding sample) and context parallelism (0.6.2 has no CP split for it).
+    tail, an all-padding sample) and context parallelism (the pinned Megatron-Bridge has no CP split for it;
+    docs/compatibility.md).
     docs/qwen25-vl.md.
     """
 
@@ -147,13 +148,13 @@ class Qwen25VLAdapter:
     def check_supported(self, layout, sizes):
         if layout == "thd_static":
             raise ValueError(
-                "dataset.packing_layout='thd_static' with Qwen2.5-VL: Megatron-Bridge 0.6.2's Qwen25VLModel rebuilds "
+                "dataset.packing_layout='thd_static' with Qwen2.5-VL: Megatron-Bridge's Qwen25VLModel rebuilds "
                 "positions per THD segment and needs a real token in every segment, and the static row's tail has "
                 "none; use packing_layout='thd' (with model.variable_seq_lengths=True under PP) or 'bshd'"
             )
         if sizes.get("cp", 1) > 1:
             raise ValueError(
-                f"context_parallel_size={sizes['cp']} with Qwen2.5-VL: Megatron-Bridge 0.6.2's Qwen25VLModel has no "
+                f"context_parallel_size={sizes['cp']} with Qwen2.5-VL: Megatron-Bridge's Qwen25VLModel has no "
                 "context-parallel split of its input (its recipes set CP=1); set context_parallel_size=1"
             )
 
@@ -163,7 +164,7 @@ class Qwen25VLAdapter:
         empty = keep.sum(dim=1) == 0
         return [DeferredCheck(
             empty.any(),
-            "batch: a sample without any real token in a 'thd' micro-batch for Qwen2.5-VL: Megatron-Bridge 0.6.2's "
+            "batch: a sample without any real token in a 'thd' micro-batch for Qwen2.5-VL: Megatron-Bridge's "
             "Qwen25VLModel needs a real token in every THD segment (packed_seq_utils.py); drop empty samples in the "
             "dataset or use packing_layout='bshd'",
             lambda: f"samples {empty.nonzero().flatten().tolist()}",

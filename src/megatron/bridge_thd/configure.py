@@ -57,7 +57,7 @@ class FlagRule(NamedTuple):
     """One flag ``configure`` sets: a row of the flag table in ``docs/configure.md``."""
 
     purpose: str
-    name_062: str  # Megatron-Bridge 0.6.2 (Megatron-Core 0.19.2)
+    name_062: str  # the pinned Megatron-Bridge / Megatron-Core release (docs/compatibility.md)
     name_main: str  # Megatron-Bridge main (Aug 2026)
     set_to: str  # what configure sets it to
 
@@ -95,7 +95,8 @@ FLAG_RULES_NOTE = (
     "when the config is written to YAML and read back (re-run `configure` after loading)."
 )
 
-# Megatron-Bridge 0.6.2 models/transformer_config.py _HYBRIDEP_PADDING_FIELDS (0.19.2 has the first).
+# Megatron-Bridge's models/transformer_config.py _HYBRIDEP_PADDING_FIELDS (the pinned Megatron-Core has only
+# the first; docs/compatibility.md).
 HYBRIDEP_PADDING_FIELDS = ("moe_hybridep_pad_uneven_dispatch_inputs", "moe_hybridep_pad_variable_tokens")
 _MISSING = object()
 
@@ -321,7 +322,7 @@ def _dataset_changes(s: Setup) -> list[_Change]:
                 alternative=", or do not call configure (train unpacked with Megatron-Bridge's own step)"),
         _Change(dataset, "dataset", "defer_in_batch_packing_to_step", True,
                 why="with in-batch packing on, the collate then packs the micro-batch itself (cu_seqlens in the "
-                "batch; Megatron-Bridge 0.6.2 data/datasets/direct_sft.py), and megatron.bridge_thd's step rejects "
+                "batch; Megatron-Bridge's data/datasets/direct_sft.py), and megatron.bridge_thd's step rejects "
                 "packed batches",
                 alternative=", or use Megatron-Bridge's vlm_step for collate-time packing"),
         _Change(dataset, "dataset", "packing_layout", layout,
@@ -335,10 +336,10 @@ def _dataset_changes(s: Setup) -> list[_Change]:
                 "step then fails at the first micro-batch)"),
     ]
     reasons = []
-    # Megatron-Bridge 0.6.2 training/config.py validate(): pad_to_max_length forced for PP>1 or EP>1.
+    # Megatron-Bridge's ConfigContainer.validate() (training/config.py): pad_to_max_length forced for PP>1 or EP>1.
     if hasattr(dataset, "pad_to_max_length") and (s.pp > 1 or s.ep > 1):
         reasons.append(
-            f"Megatron-Bridge 0.6.2's validate() forces it True for PP>1 or EP>1 (PP={s.pp}, EP={s.ep}; "
+            f"Megatron-Bridge's validate() forces it True for PP>1 or EP>1 (PP={s.pp}, EP={s.ep}; "
             "training/config.py)"
         )
     if s.graphs:
@@ -394,7 +395,7 @@ def _pipeline_changes(s: Setup, notes: list[str]) -> list[_Change]:
         return changes
     if s.pp > 1:
         notes.append(
-            f"layout {s.layout!r} keeps a fixed row length; Megatron-Bridge 0.6.2's validate() still sets "
+            f"layout {s.layout!r} keeps a fixed row length; Megatron-Bridge's validate() still sets "
             "variable_seq_lengths=True for in-batch packing with PP>1 (p2p then exchanges shapes)"
         )
     return []
@@ -406,11 +407,11 @@ def _hybridep_changes(s: Setup, notes: list[str]) -> list[_Change]:
         return []
     fields = [name for name in HYBRIDEP_PADDING_FIELDS if hasattr(s.model, name)] or [HYBRIDEP_PADDING_FIELDS[0]]
     notes.append(
-        "HybridEP without CUDA graphs: per-rank token counts may differ; Megatron-Bridge 0.6.2 pads "
+        "HybridEP without CUDA graphs: per-rank token counts may differ; Megatron-Bridge pads "
         f"uneven HybridEP dispatch inputs ({', '.join(fields)}=True), so layout {s.layout!r} is allowed"
     )
     why = (
-        "packed rows give HybridEP different token counts per rank, and Megatron-Bridge 0.6.2's "
+        "packed rows give HybridEP different token counts per rank, and Megatron-Bridge's "
         "_enable_safe_hybridep_dispatch (models/transformer_config.py) sets it True itself for in-batch packing "
         "without CUDA graphs"
     )

@@ -78,7 +78,7 @@ def thd_alignment(tp: int, cp: int, *, sequence_parallel: bool, fp8: bool) -> in
 
 
 def bshd_alignment(tp: int, cp: int) -> int:
-    """The padded layout's width divisor, as Megatron-Bridge 0.6.2's ``qwen3_vl_step`` computes it:
+    """The padded layout's width divisor, as Megatron-Bridge's ``qwen3_vl_step`` computes it:
     ``tp * 2 * cp`` under CP (else ``tp``), then ``lcm(., 16)`` because that step always passes
     ``use_fp8_padding=True`` (``models/qwen_vl/qwen3_vl_step.py``, ``_pad_and_pack_qwen3_vl_step``)."""
     return math.lcm(tp * cp * 2 if cp > 1 else tp, 16)

@@ -1,8 +1,8 @@
-"""Opt-in: hand the packed row's padding mask to the MoE routers of Megatron-Bridge 0.6.2's Qwen3-VL.
+"""Opt-in: hand the packed row's padding mask to the MoE routers of Megatron-Bridge's Qwen3-VL.
 
-0.6.2's ``Qwen3VLModel.forward`` declares no ``padding_mask``, so its routers count every padding
+Megatron-Bridge's ``Qwen3VLModel.forward`` declares no ``padding_mask`` (docs/compatibility.md), so its routers count every padding
 slot of a packed row (alignment padding, the ``thd_static`` tail, BSHD pad columns) in the aux
-loss, z-loss and expert-bias statistics. :func:`with_padding_mask` gives a 0.6.2 model what
+loss, z-loss and expert-bias statistics. :func:`with_padding_mask` gives such a model what
 Megatron-Bridge main's has, through one mechanism: padding-aware subclasses, assigned in place
 (same parameters and state-dict keys). The model becomes ``PaddingMask<Class>``, whose ``forward``
 declares ``padding_mask`` (True = padding) and, for the duration of the call, makes the mask, cut
@@ -51,7 +51,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _QWEN3_VL_MODEL_MODULE = "models.qwen_vl.modelling_qwen3_vl.model"
-# The 0.6.2 helpers the model itself uses to cut its row for context parallelism; the mask is
+# The helpers the model itself uses to cut its row for context parallelism; the mask is
 # cut with the same functions so that it lines up with the hidden states token for token.
 _CP_HELPERS = ("_is_packed_input_pre_sharded", "_split_if_full_sequence", "get_packed_seq_cp_partition_indices")
 _SUBCLASSES: dict[type, type] = {}
@@ -242,7 +242,7 @@ class _ForwardPadding(NamedTuple):
 
 
 # The one channel from the model to its MoE layers: set by PaddingMaskForward.forward for the
-# duration of the call (0.6.2's Qwen3-VL decoder calls its layers without padding_mask), read by
+# duration of the call (Megatron-Bridge's Qwen3-VL decoder calls its layers without padding_mask), read by
 # PaddingMaskMoELayer.forward (the mask) and PaddingMaskTopKRouter._apply_seq_aux_loss (the samples).
 _FORWARD_PADDING: contextvars.ContextVar[_ForwardPadding | None] = contextvars.ContextVar(
     "bridge_thd_forward_padding", default=None
@@ -546,7 +546,7 @@ def _padding_mask_class(cls: type) -> type:
 
 
 def with_padding_mask(model):
-    """Make a Megatron-Bridge 0.6.2 ``Qwen3VLModel`` take ``padding_mask`` and hand it to its MoE routers.
+    """Make a Megatron-Bridge ``Qwen3VLModel`` take ``padding_mask`` and hand it to its MoE routers.
 
     In place: the model (or, for a wrapper chain such as DDP / ``Float16Module``, the innermost
     ``.module``) changes class to ``PaddingMask<Class>``, each MoE layer of its decoder to
@@ -554,7 +554,7 @@ def with_padding_mask(model):
     docs/moe-padding-mask.md.
 
     Args:
-        model: a Megatron-Bridge 0.6.2 ``Qwen3VLModel`` (a model chunk), or a ``.module`` wrapper
+        model: a Megatron-Bridge ``Qwen3VLModel`` (a model chunk), or a ``.module`` wrapper
             chain around one.
 
     Returns:
@@ -580,14 +580,14 @@ def with_padding_mask(model):
     model_module = load_bridge_module(_QWEN3_VL_MODEL_MODULE)
     if not isinstance(core, model_module.Qwen3VLModel):
         raise TypeError(
-            f"model: with_padding_mask takes Megatron-Bridge 0.6.2's Qwen3VLModel (or a .module wrapper chain around "
+            f"model: with_padding_mask takes Megatron-Bridge's Qwen3VLModel (or a .module wrapper chain around "
             f"one); got {type(core).__name__}, whose forward declares no padding_mask"
         )
     missing = [name for name in _CP_HELPERS if not hasattr(model_module, name)]
     if missing:
         raise TypeError(
             f"model: this Megatron-Bridge's modelling_qwen3_vl/model.py lacks {missing}, which with_padding_mask uses "
-            "to cut the mask like the model cuts its row; it targets Megatron-Bridge 0.6.2"
+            "to cut the mask like the model cuts its row; install the Megatron-Bridge release docs/compatibility.md names"
         )
     config = core.config
     _fail_if_unsupported(config)

@@ -2,7 +2,7 @@
 
 MTP trains depth k on the labels (and loss mask) shifted left by k tokens. On a packed row the
 shift is *per sample*: the roll of ``[1, 2, 3 | 4, 5]`` is ``[2, 3, 0 | 5, 0]`` (each sample's last
-real token and every padding slot get 0). Megatron-Core 0.19.2's ``roll_tensor`` reads only the
+real token and every padding slot get 0). Megatron-Core's ``roll_tensor`` reads only the
 real boundaries, so it is exact only when no slot carries padding. :func:`roll_packed_left`
 reads real and padded boundaries, builds one gather index for the local row (no loop over
 samples, no host synchronisation) and under CP exchanges one message per neighbour;
@@ -104,7 +104,7 @@ def _enforce(checks: list) -> None:
 
 
 def megatron_roll_is_exact(packed_seq_params) -> bool:
-    """Whether Megatron-Core 0.19.2's ``roll_tensor(..., packed_seq_params=)`` rolls this metadata exactly.
+    """Whether Megatron-Core's ``roll_tensor(..., packed_seq_params=)`` rolls this metadata exactly.
 
     It is exact when the real boundaries are the physical ones. Decided, in order:
 

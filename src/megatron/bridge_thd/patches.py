@@ -9,7 +9,7 @@ at import, and this module imports nothing beyond the standard library.
 The patches (targets, where they are built and applied, why; one line each in docs/patches.md):
 
 * Scoped, test bed only: ``bridge_thd_cpu/stack.py`` ``cpu_patches()``, applied by ``cpu_stack()``, for
-  Megatron-Bridge 0.6.2's real models on a CPU without CUDA / Transformer Engine (TE) / fla:
+  Megatron-Bridge's real models on a CPU without CUDA / Transformer Engine (TE) / fla:
   ``torch.cuda.current_device`` (the ropes place ``inv_freq`` on it); the TE names
   ``modelling_qwen3_vl/model.py`` binds at import, ``get_vit_layer_with_transformer_engine_spec``,
   ``TENorm``, ``TEColumnParallelLinear``, ``TERowParallelLinear``; ``megatron.core.utils.tex`` (the

@@ -1,6 +1,6 @@
 """Drop-in ``forward_step`` for Megatron-Bridge's Qwen2.5-VL training with real THD packing.
 
-Replaces Megatron-Bridge 0.6.2's ``vlm_step`` for ``Qwen25VLModel``::
+Replaces Megatron-Bridge's ``vlm_step`` for ``Qwen25VLModel``::
 
     from megatron.bridge_thd.qwen25_vl_step import forward_step
     finetune(config, forward_step_func=forward_step)

@@ -18,7 +18,7 @@ __all__ = ["step_for", "iteration_recorder", "counting_step"]
 
 
 def step_for(layout: str):
-    """The forward step of a run: ``"megatron_bridge"`` is Megatron-Bridge 0.6.2's own
+    """The forward step of a run: ``"megatron_bridge"`` is Megatron-Bridge's own
     ``qwen3_vl_step.forward_step`` (the padded baseline); any layout name is ours."""
     if layout == "megatron_bridge":
         return importlib.import_module("megatron.bridge.models.qwen_vl.qwen3_vl_step").forward_step

@@ -53,7 +53,7 @@ def _has_full_iteration(value: Any) -> bool:
 def cuda_graphs_enabled(model: Any) -> bool:
     """Whether a model config enables training CUDA graphs.
 
-    The same test as Megatron-Bridge 0.6.2's ``_enable_safe_hybridep_dispatch``
+    The same test as Megatron-Bridge's ``_enable_safe_hybridep_dispatch``
     (``models/transformer_config.py``): ``cuda_graph_impl`` not in ``(None, "none")``,
     ``enable_cuda_graph``, ``external_cuda_graph``, or, on configs without ``cuda_graph_impl``, a
     ``full_iteration`` entry in ``cuda_graph_modules`` / ``cuda_graph_scope``.
@@ -71,7 +71,7 @@ def cuda_graphs_enabled(model: Any) -> bool:
 
 
 def effective_cuda_graph_impl(model: Any) -> str:
-    """``model.cuda_graph_impl`` as Megatron-Core 0.19.2's ``TransformerConfig.__post_init__`` leaves it.
+    """``model.cuda_graph_impl`` as Megatron-Core's ``TransformerConfig.__post_init__`` leaves it.
 
     The deprecated switches are mapped as that post-init maps them (``enable_cuda_graph`` ->
     ``"local"``, ``external_cuda_graph`` -> ``"transformer_engine"``); ``None`` or a missing
@@ -166,7 +166,7 @@ class Setup:
 
 
 def _moe_overlap_setting(cfg: Any, model: Any) -> str | None:
-    """The setting that turns MoE EP communication overlap on as Megatron-Bridge 0.6.2 resolves it, or None.
+    """The setting that turns MoE EP communication overlap on as Megatron-Bridge resolves it, or None.
 
     With a ``cfg.comm_overlap`` section, ``runtime_config_update`` (``training/config.py``) runs
     ``CommOverlapConfig.setup``, which writes the section's value into the model config, ``False``
@@ -265,8 +265,8 @@ def _built_model_class(provider: Any) -> type | None:
     """The class a Megatron-Bridge model provider's ``provide()`` declares it returns, or None.
 
     Read from the return annotation (resolved in the provider module's namespace when it is a string,
-    as under ``from __future__ import annotations``); nothing is imported or built. Megatron-Bridge
-    0.6.2's Qwen-VL providers (``models/qwen_vl/qwen3_vl_provider.py``, ``qwen35_vl_provider.py``)
+    as under ``from __future__ import annotations``); nothing is imported or built. Megatron-Bridge's
+    Qwen-VL providers (``models/qwen_vl/qwen3_vl_provider.py``, ``qwen35_vl_provider.py``)
     declare ``-> Qwen3VLModel``.
     """
     provide = getattr(type(provider), "provide", None)
@@ -406,8 +406,8 @@ def _offline_packing_problems(dataset: Any) -> list[str]:
             problems.append(
                 f"dataset.{name}: set ({value!r}), but offline packing and in-batch packing are mutually exclusive "
                 "(Megatron-Bridge refuses both) and pre-packed batches carry cu_seqlens, which this step rejects; "
-                "set dataset.enable_offline_packing=False and dataset.offline_packing_specs=None (0.6.2 names; "
-                "packed_sequence_specs=None in older versions), or keep offline packing with Megatron-Bridge's own step"
+                "set dataset.enable_offline_packing=False and dataset.offline_packing_specs=None "
+                "(the pinned Megatron-Bridge's names; packed_sequence_specs=None in older releases), or keep offline packing with Megatron-Bridge's own step"
             )
     return problems
 
@@ -418,7 +418,7 @@ def _micro_batch_size_problems(train: Any) -> list[str]:
         return []
     return [
         "train.micro_batch_size=1: in-batch packing concatenates the samples of one micro-batch, so one sample "
-        "gains nothing, and Megatron-Bridge 0.6.2 refuses enable_in_batch_packing with micro_batch_size 1; raise "
+        "gains nothing, and Megatron-Bridge refuses enable_in_batch_packing with micro_batch_size 1; raise "
         "train.micro_batch_size (and divide the gradient-accumulation steps accordingly), or turn packing off"
     ]
 
@@ -428,12 +428,13 @@ def _seq_length_problems(s: Setup) -> list[str]:
     dataset_length, model_length = s.seq_lengths
     if dataset_length is None or model_length is None or dataset_length == model_length:
         return []
-    # Megatron-Bridge 0.6.2 training/config.py:1505 asserts equality only for five dataset config classes.
+    # Megatron-Bridge's ConfigContainer.validate asserts equality only for five dataset config classes
+    # (docs/compatibility.md).
     return [
         f"dataset.seq_length={dataset_length!r} and model.seq_length={model_length!r} differ: the collate pads and "
         "truncates to dataset.seq_length, while megatron.bridge_thd's step truncates samples and sizes static rows "
         "by model.seq_length (qwen3_vl_step._step_settings) and the pipeline schedule sizes its p2p buffers by it "
-        "(training/train.py); Megatron-Bridge 0.6.2 checks the two only for some dataset configs. Set "
+        "(training/train.py); Megatron-Bridge's ConfigContainer.validate checks the two only for some dataset configs. Set "
         "dataset.seq_length and model.seq_length to the same value"
     ]
 
@@ -450,21 +451,22 @@ def _graph_setting(model: Any) -> str:
 
 def _cuda_graphs_pipeline_problems(s: Setup) -> list[str]:
     """CUDA graphs in the model config with PP>1: Qwen3VLModel asserts at build, for every layout."""
-    # Megatron-Bridge 0.6.2 models/qwen_vl/modelling_qwen3_vl/model.py:388, in
+    # Megatron-Bridge's models/qwen_vl/modelling_qwen3_vl/model.py, in
     # Qwen3VLModel._expose_language_model_for_cuda_graph_helper (called by __init__): when the
     # language model config's cuda_graph_impl != "none" it asserts `not config.variable_seq_lengths`.
-    # With in-batch packing on (every layout configure sets up) training/config.py:1236-1237
-    # (validate) sets transformer_config._enable_in_batch_packing, and models/transformer_config.py:188-189
-    # (finalize) turns that into variable_seq_lengths=True when pipeline_model_parallel_size > 1.
+    # With in-batch packing on (every layout configure sets up) ConfigContainer.validate
+    # (training/config.py) sets transformer_config._enable_in_batch_packing, and TransformerConfig.finalize
+    # (models/transformer_config.py) turns that into variable_seq_lengths=True when
+    # pipeline_model_parallel_size > 1 (docs/compatibility.md).
     # Any cuda_graph_impl counts ("local", "transformer_engine", "full_iteration", or the deprecated
     # switches mapped to them), dense or MoE; PP=1 leaves variable_seq_lengths alone.
     if not s.pipeline_graphs:
         return []
     return [
-        f"{_graph_setting(s.model)} with model.pipeline_model_parallel_size={s.pp}: Megatron-Bridge 0.6.2's "
+        f"{_graph_setting(s.model)} with model.pipeline_model_parallel_size={s.pp}: Megatron-Bridge's "
         "Qwen3VLModel asserts at build that CUDA graphs run without model.variable_seq_lengths "
-        "(models/qwen_vl/modelling_qwen3_vl/model.py:388), and for in-batch packing with PP>1 its validate() and "
-        "finalize() set variable_seq_lengths=True (training/config.py:1237, models/transformer_config.py:189) "
+        "(Qwen3VLModel._expose_language_model_for_cuda_graph_helper), and for in-batch packing with PP>1 its "
+        "ConfigContainer.validate() and TransformerConfig.finalize() set variable_seq_lengths=True "
         f"whatever the layout ({s.layout!r} included); set model.cuda_graph_impl='none' (and enable_cuda_graph / "
         "external_cuda_graph False) or model.pipeline_model_parallel_size=1"
     ]
@@ -681,7 +683,7 @@ def _adapter_problems(s: Setup) -> list[str]:
 def _moe_overlap_problems(s: Setup) -> list[str]:
     """MoE EP communication overlap: the step builds schedule plans only for ``"bshd"``, and only
     through the model's ``build_schedule_plan``."""
-    # Megatron-Core 0.19.2 pipeline_parallel/combined_1f1b.py calls forward_step(..., return_schedule_plan=True)
+    # Megatron-Core's pipeline_parallel/combined_1f1b.py calls forward_step(..., return_schedule_plan=True)
     # when overlap_moe_expert_parallel_comm is on; megatron.bridge_thd's qwen3_vl_step.forward_step raises there
     # for a THD row (it carries packed_seq_params), and for "bshd" it calls model.build_schedule_plan.
     if s.moe_overlap is None:
@@ -692,11 +694,11 @@ def _moe_overlap_problems(s: Setup) -> list[str]:
             "(pipeline_parallel/combined_1f1b.py) then asks the forward step for a schedule plan "
             "(return_schedule_plan=True), and megatron.bridge_thd's step builds one only for the padded layout (it "
             f"raises at the first step for a THD row); set {s.moe_overlap}=False, or use layout='bshd' with a model "
-            "that has build_schedule_plan (Megatron-Bridge 0.6.2's Qwen3VLModel has none)"
+            "that has build_schedule_plan (Megatron-Bridge's Qwen3VLModel has none)"
         ]
     model_class = s.built_model
     if model_class is not None and not hasattr(model_class, "build_schedule_plan"):
-        # Megatron-Bridge 0.6.2's Qwen3VLModel (models/qwen_vl/modelling_qwen3_vl/model.py) has no
+        # Megatron-Bridge's Qwen3VLModel (models/qwen_vl/modelling_qwen3_vl/model.py) has no
         # build_schedule_plan; its own step (models/qwen_vl/qwen3_vl_step.py) and ours call it for the plan.
         return [
             f"{s.moe_overlap}=True with layout={s.layout!r}: Megatron-Core's combined 1F1B schedule asks the "

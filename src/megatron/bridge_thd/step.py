@@ -592,7 +592,7 @@ def _forward_step(
         if not hasattr(core_model, "build_schedule_plan"):
             raise ValueError(
                 f"return_schedule_plan: {type(core_model).__name__} has no build_schedule_plan (Megatron-Core's "
-                "GPTModel has one; Megatron-Bridge 0.6.2's Qwen3VLModel does not), so MoE overlap schedule plans "
+                "GPTModel has one; Megatron-Bridge's Qwen3VLModel does not), so MoE overlap schedule plans "
                 "cannot be built for it; turn off overlap_moe_expert_parallel_comm"
             )
         plan = core_model.build_schedule_plan(

@@ -63,8 +63,8 @@ def _install_bare_package_finder() -> None:
     root_spec = importlib.util.find_spec(_BRIDGE)
     if root_spec is None or not root_spec.submodule_search_locations:
         raise ModuleNotFoundError(
-            "megatron.bridge is not installed; install it with 'pip install --no-deps megatron-bridge==0.6.2' "
-            "(CPU) or 'pip install megatron-bridge' (GPU container)"
+            "megatron.bridge is not installed; install it with scripts/setup_venv.sh or 'pip install --no-deps "
+            "megatron-bridge==<the version docs/compatibility.md names>' (CPU) or 'pip install megatron-bridge' (GPU container)"
         )
     sys.meta_path.insert(0, _BarePackageFinder(list(root_spec.submodule_search_locations)[0]))
 

@@ -1,4 +1,4 @@
-"""Megatron-Bridge 0.6.2's whole package (``import megatron.bridge``: recipes, ``ConfigContainer``,
+"""Megatron-Bridge's whole package (``import megatron.bridge``: recipes, ``ConfigContainer``,
 data providers, ``finetune`` / ``train``) imported on a machine without CUDA. Reasoning:
 docs/megatron-bridge-on-cpu.md.
 
@@ -6,8 +6,8 @@ Two packages it imports cannot be installed here:
 
 * ``transformer_engine``: CUDA-only.
 * ``nvidia_resiliency_ext``: ``pretrain.py`` imports ``nvidia_resiliency_ext.inprocess.CallWrapper``
-  unconditionally; the 0.6.0 that megatron-core[dev] pins has no wheel on PyPI for this platform,
-  and the 0.4.1 that has one breaks ``import megatron.core`` (``dist_checkpointing`` reads its
+  unconditionally; the release megatron-core[dev] pins has no wheel on PyPI for this platform,
+  and the older one that has one breaks ``import megatron.core`` (``dist_checkpointing`` reads its
   missing ``__version__``).
 
 :func:`bridge_package` serves an import-time stand-in for each of them, under four rules:
@@ -42,8 +42,8 @@ __all__ = ["bridge_package", "StandInCalled", "ABSENT_PACKAGES", "stood_in_packa
 # Package -> why it is stood in (the first rule of the module docstring decides who gets it).
 ABSENT_PACKAGES = {
     "transformer_engine": "CUDA-only: cannot be installed without CUDA",
-    "nvidia_resiliency_ext": "pretrain.py imports inprocess.CallWrapper unconditionally; the 0.6.0 "
-                             "megatron-core[dev] pins has no wheel for this platform and 0.4.1 breaks "
+    "nvidia_resiliency_ext": "pretrain.py imports inprocess.CallWrapper unconditionally; the release "
+                             "megatron-core[dev] pins has no wheel for this platform and the older one breaks "
                              "megatron.core's import",
 }
 _IMPORTER_PREFIX = "megatron.bridge."

@@ -1,7 +1,7 @@
 """A small cord_v2-shaped dataset and a tiny Qwen3-VL processor, both made on this machine.
 
 The hub dataset ``naver-clova-ix/cord-v2`` (receipt photos with JSON parses) and Qwen's
-processors cannot be downloaded here, so this module writes stand-ins that Megatron-Bridge 0.6.2's
+processors cannot be downloaded here, so this module writes stand-ins that Megatron-Bridge's
 own data path reads unmodified (docs/cord-v2-data-path.md):
 
 * :func:`write_cord_v2` draws receipts with PIL and writes them as the hub dataset stores them:
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 CORD_V2_HUB_PATH = "naver-clova-ix/cord-v2"
-"""The hub path Megatron-Bridge 0.6.2's ``cord_v2`` preset loads (``data/sources/hf.py``)."""
+"""The hub path Megatron-Bridge's ``cord_v2`` preset loads (``data/sources/hf.py``)."""
 
 SPLITS = ("train", "validation", "test")
 
@@ -290,7 +290,7 @@ def tiny_qwen3_vl_processor(folder=None, *, min_pixels: int = 32 * 32, max_pixel
     special tokens (:data:`SPECIAL_TOKENS`; ids in :data:`PROCESSOR_TOKEN_IDS`), pad
     ``<|endoftext|>``, eos ``<|im_end|>``, Qwen3-VL's chat template. Image and video processors:
     patch / temporal patch / merge of ``TINY_VISION_CONFIG`` (4 / 2 / 2), Qwen's normalisation, and
-    ``min_pixels`` / ``max_pixels`` as the processor's own ``size`` (note: Megatron-Bridge 0.6.2's
+    ``min_pixels`` / ``max_pixels`` as the processor's own ``size`` (note: Megatron-Bridge's
     Qwen collate passes its own ``min_pixels=200704, max_pixels=1003520`` on every call, which
     override these; docs/cord-v2-data-path.md).
 

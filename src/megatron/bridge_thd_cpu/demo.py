@@ -1,6 +1,6 @@
 """The main job (``make demo``): the replacement forward step on a tiny Qwen3-VL, three layouts.
 
-Builds a tiny random Qwen3-VL — by default Megatron-Bridge 0.6.2's own ``Qwen3VLModel`` on the
+Builds a tiny random Qwen3-VL — by default Megatron-Bridge's own ``Qwen3VLModel`` on the
 CPU (``megatron.bridge_thd_cpu``), or with ``--model hf`` the Hugging Face reference
 ``ReferenceQwen3VL.tiny()`` — and synthetic receipt-like micro-batches, runs
 :func:`megatron.bridge_thd.qwen3_vl_step.forward_step` in ``bshd``, ``thd`` and
@@ -48,7 +48,7 @@ def _silence_cpu_build_noise() -> None:
     # transformer_engine_spec_provider.py, when the CPU stack builds the MoE spec: TE is absent
     # (version 0.0.0), and the local linear experts are what the CPU build wants.
     warnings.filterwarnings("ignore", message="Only transformer-engine>=", category=UserWarning)
-    # Megatron-Core 0.19.2's TransformerConfig.__post_init__: Megatron-Bridge 0.6.2's Qwen3-VL
+    # Megatron-Core's TransformerConfig.__post_init__: Megatron-Bridge's Qwen3-VL
     # provider still sets the deprecated "full" CUDA-graph scope; no CUDA graph is captured here.
     warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
     # NVIDIA ModelOpt's quantization kernels (modelopt/torch/quantization/tensor_quant.py) are decorated
@@ -58,7 +58,7 @@ def _silence_cpu_build_noise() -> None:
     # hyper_comm_grid.py: absl is optional and not installed.
     warnings.filterwarnings("ignore", message="absl.logging is not installed", category=UserWarning)
     # gpt_model.py logs a deprecation notice (GPTModel -> HybridModel) for every model it builds:
-    # Megatron-Bridge 0.6.2's Qwen3VLModel is built on GPTModel; nothing for the demo's user to do.
+    # Megatron-Bridge's Qwen3VLModel is built on GPTModel; nothing for the demo's user to do.
     logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropMessages("GPTModel IS DEPRECATED"))
     # rerun_state_machine.py logs at WARNING that it initialises itself (disabled) on the first
     # forward: the demo does not use Megatron's rerun machinery.
@@ -130,7 +130,7 @@ def _bridge_per_sample_token_losses(model, batch: dict) -> list[torch.Tensor]:
 
 
 MODELS = {
-    "bridge": "Megatron-Bridge 0.6.2 Qwen3VLModel on the CPU",
+    "bridge": "Megatron-Bridge's Qwen3VLModel on the CPU",
     "hf": "Hugging Face Qwen3-VL reference",
 }
 
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default="bridge_thd_demo.png",
                         help="where to write the plot of the layouts' work (default bridge_thd_demo.png; '' for none)")
     parser.add_argument("--model", choices=sorted(MODELS), default="bridge",
-                        help="bridge: Megatron-Bridge 0.6.2's Qwen3VLModel built on the CPU (default); "
+                        help="bridge: Megatron-Bridge's Qwen3VLModel built on the CPU (default); "
                              "hf: the Hugging Face reference")
     args = parser.parse_args(argv)
     for name in ("micro_batches", "micro_batch_size", "seq_length"):

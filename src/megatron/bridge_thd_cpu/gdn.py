@@ -1,6 +1,6 @@
 """Pure-torch stand-ins for the flash-linear-attention kernels Megatron-Core's Gated DeltaNet calls.
 
-Megatron-Core 0.19.2 (``ssm/gated_delta_net/common.py``) imports ``causal_conv1d``, ``l2norm``
+Megatron-Core (``ssm/gated_delta_net/common.py``) imports ``causal_conv1d``, ``l2norm``
 and ``chunk_gated_delta_rule`` from flash-linear-attention (Triton, CUDA only) and refuses to
 build a GDN layer without them; its own torch fallback ``torch_chunk_gated_delta_rule`` refuses
 ``cu_seqlens``. These functions keep fla's signatures and semantics, including the varlen

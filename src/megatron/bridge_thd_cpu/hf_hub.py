@@ -1,4 +1,4 @@
-"""An offline Hugging Face hub cache holding the ``config.json`` of the models Megatron-Bridge 0.6.2's
+"""An offline Hugging Face hub cache holding the ``config.json`` of the models Megatron-Bridge's
 Qwen-VL recipes load, so the recipe functions run unchanged without a network.
 
 The recipes call ``AutoBridge.from_hf_pretrained("Qwen/...")`` (``recipes/qwen_vl/h100/*.py``), which
@@ -25,8 +25,8 @@ Where the values come from (the hub itself cannot be reached from here; search o
   ``out_hidden_size`` 4096 (the language model's width).
 * ``Qwen/Qwen3.5-35B-A3B``: ``text_config`` verbatim from ``mlc-ai/pith-train``
   ``examples/pretrain_lm/qwen3.5-35b-a3b/config.json`` (commit 2bdf083, the released file's
-  ``text_config``); the wrapper's token ids are transformers 5.12.1's ``Qwen3_5MoeConfig``
-  defaults and the vision tower is transformers' ``Qwen3_5MoeVisionConfig`` default (27 layers,
+  ``text_config``); the wrapper's token ids are the pinned transformers' ``Qwen3_5MoeConfig``
+  defaults (docs/compatibility.md) and the vision tower is transformers' ``Qwen3_5MoeVisionConfig`` default (27 layers,
   1152 wide) with ``out_hidden_size`` 2048: not checked against the released file.
 * ``Qwen/Qwen3.5-2B``: no verbatim copy was found. The text geometry is what a public loader test
   asserts for the official file (hidden 2048, intermediate 6144, 24 layers, 8 heads, 2 KV heads,

@@ -1,4 +1,4 @@
-"""Build Megatron-Bridge 0.6.2's own ``Qwen3VLModel`` (vision tower included) on the CPU.
+"""Build Megatron-Bridge's own ``Qwen3VLModel`` (vision tower included) on the CPU.
 
 The model class, its language model, rope, vision tower and CP handling are Megatron-Bridge's
 and Megatron-Core's, untouched; only the modules Transformer Engine would provide are local
@@ -157,7 +157,7 @@ def language_layer_spec(config):
 
 def build_qwen3_vl(config, *, pg_collection=None, pre_process: bool = True, post_process: bool = True, seed: int = 0,
                    layer_spec=None):
-    """Megatron-Bridge 0.6.2's ``Qwen3VLModel`` built on the CPU.
+    """Megatron-Bridge's ``Qwen3VLModel`` built on the CPU.
 
     Args:
         config: from :func:`tiny_qwen3_vl_config` (or any ``Qwen3VLTransformerConfig`` with a

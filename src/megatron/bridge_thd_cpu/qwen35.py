@@ -1,4 +1,4 @@
-"""Build a tiny Qwen3.5-VL the way Megatron-Bridge 0.6.2 builds it, on the CPU.
+"""Build a tiny Qwen3.5-VL the way Megatron-Bridge builds it, on the CPU.
 
 Megatron-Bridge's ``Qwen35VLModelProvider.provide()`` (``models/qwen_vl/qwen35_vl_provider.py``)
 builds its own ``Qwen3VLModel`` (vision tower + ``Qwen3VLGPTModel``) with a per-layer block spec
@@ -137,7 +137,7 @@ def hybrid_block_spec(config):
 
 
 def build_qwen35_vl(config, *, pg_collection=None, pre_process: bool = True, post_process: bool = True, seed: int = 0):
-    """Megatron-Bridge 0.6.2's ``Qwen3VLModel`` with the Qwen3.5 hybrid block, built on the CPU
+    """Megatron-Bridge's ``Qwen3VLModel`` with the Qwen3.5 hybrid block, built on the CPU
     by :func:`~megatron.bridge_thd_cpu.model.build_qwen3_vl` inside ``cpu_stack()`` (so the GDN layers bind
     the pure-torch varlen kernels).
 

@@ -1,4 +1,4 @@
-"""The scoped patches that let Megatron-Bridge 0.6.2's real models run on a machine without CUDA,
+"""The scoped patches that let Megatron-Bridge's real models run on a machine without CUDA,
 Transformer Engine or flash-linear-attention, as :class:`~megatron.bridge_thd.patches.Patch` records.
 
 :func:`cpu_patches` lists what this machine needs (each record says why); :func:`cpu_stack`
@@ -161,7 +161,7 @@ def _gdn_patches() -> list[Patch]:
 
 
 def cpu_patches() -> list[Patch]:
-    """Every patch this machine needs to build and run Megatron-Bridge 0.6.2's real models
+    """Every patch this machine needs to build and run Megatron-Bridge's real models
     (model-spec names always; the rest only where CUDA, Transformer Engine or fla is absent)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm

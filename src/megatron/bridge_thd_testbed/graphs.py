@@ -1,15 +1,16 @@
-"""Megatron-Core 0.19.2's own CUDA-graph argument bookkeeping, run on the CPU (docs/cuda-graphs.md).
+"""Megatron-Core's own CUDA-graph argument bookkeeping, run on the CPU (docs/cuda-graphs.md).
 
 The local CUDA-graph manager (``cuda_graph_impl="local"``, ``megatron/core/transformer/cuda_graphs.py``)
 replays a captured graph only for a call whose arguments match the capture. It decides that with
-``ArgMetadata`` (``cuda_graphs.py:253``) and ``_CudaGraphRunner.get_mismatch_errors``
-(``cuda_graphs.py:1647``): every tensor compared by type, shape, dtype and device (never by value:
-tensors, dataclass fields included, are graph inputs copied into static buffers at replay,
-``cuda_graphs.py:772-784``), every other argument by ``!=``, dataclasses such as ``PackedSeqParams``
-field by field (``cuda_graphs.py:1679``). None of that needs CUDA; only ``_CudaGraphRunner.__init__``
-does (``torch.cuda.Event``, ``cuda_graphs.py:904``), so this module calls Megatron-Core's unbound
-methods on a runner made without ``__init__``, holding exactly the two attributes ``__init__`` sets
-from the first call's arguments (``cuda_graphs.py:897-900``).
+``ArgMetadata`` and ``_CudaGraphRunner.get_mismatch_errors``: every tensor compared by type, shape,
+dtype and device (never by value: tensors, dataclass fields included, are graph inputs copied into
+static buffers at replay, ``_CudagraphReplayNode.forward``), every other argument by ``!=``,
+dataclasses such as ``PackedSeqParams`` field by field (``get_mismatch_errors``' inner ``check``).
+None of that needs CUDA; only ``_CudaGraphRunner.__init__`` does (it creates ``torch.cuda.Event``
+objects), so this module calls Megatron-Core's unbound methods on a runner made without
+``__init__``, holding exactly the two attributes ``__init__`` sets from the first call's arguments
+(``fwd_graph_input_arg_metas``, ``fwd_graph_input_kwarg_metas``). The upstream lines each of these
+rests on: docs/compatibility.md.
 
 Test-bed only: the runtime never imports it.
 """
@@ -47,7 +48,7 @@ def _cuda_graphs():
 
 def arg_signature(value: Any) -> tuple:
     """One argument as Megatron-Core's ``ArgMetadata`` sees it, in the terms
-    ``get_mismatch_errors`` compares (``cuda_graphs.py:1654-1688``).
+    ``get_mismatch_errors`` compares (its inner ``check``).
 
     Returns:
         ``("tensor", type, shape, dtype, device)`` for a tensor; ``("dataclass", type, ((field,
@@ -76,12 +77,12 @@ def decoder_kwargs(forward_args: dict) -> dict:
 
 
 def mcore_decoder_signature(forward_args: dict) -> dict[str, tuple]:
-    """Megatron-Core 0.19.2's metadata view of what the decoder sees, one entry per tensor and per
+    """Megatron-Core's metadata view of what the decoder sees, one entry per tensor and per
     ``PackedSeqParams`` field.
 
     The arguments go through Megatron-Core's own ``tree_map`` with ``ArgMetadata`` in place of
     every tensor, as ``_CudaGraphRunner.record_graph_capture`` records a capture
-    (``cuda_graphs.py:1596-1600``; ``tree_map`` recurses into dataclasses, ``cuda_graphs.py:293``).
+    (its ``_replace_with_meta``; ``tree_map`` recurses into dataclasses).
     Two micro-batches a captured graph can replay have equal signatures.
 
     Returns:
@@ -117,7 +118,7 @@ def signature_differences(a: dict[str, tuple], b: dict[str, tuple]) -> dict[str,
 def _bare_runner(captured_kwargs: dict, captured_args: tuple = ()):
     cg = _cuda_graphs()
     runner = object.__new__(cg._CudaGraphRunner)  # __init__ creates a torch.cuda.Event
-    # Exactly what _CudaGraphRunner.__init__ records from the first call (cuda_graphs.py:897-900).
+    # Exactly what _CudaGraphRunner.__init__ records from the first call (its two *_metas attributes).
     runner.fwd_graph_input_arg_metas = [cg.ArgMetadata(a) for a in captured_args]
     runner.fwd_graph_input_kwarg_metas = {k: cg.ArgMetadata(a) for k, a in captured_kwargs.items()}
     return runner
@@ -129,8 +130,8 @@ def mcore_replay_mismatches(captured_kwargs: dict, kwargs: dict, *, captured_arg
     with ``captured_kwargs`` and called again with ``kwargs``.
 
     Empty means the local manager replays the graph (``CudaGraphManager.get_cudagraph_runner``,
-    ``cuda_graphs.py:1883-1892``); otherwise it asserts once graphs exist
-    (``cuda_graphs.py:1894-1902``, or ``replay_graph_capture``, ``cuda_graphs.py:1630-1633``) and
+    its ``is_valid``); otherwise it asserts once graphs exist (``get_cudagraph_runner`` when
+    ``cudagraph_created`` is set and no runner matches, or ``_CudaGraphRunner.replay_graph_capture``) and
     these are its messages. An unsupported argument type (a ``ProcessGroup``) raises
     ``AssertionError`` from ``_check_supported_type`` instead.
     """
@@ -140,7 +141,7 @@ def mcore_replay_mismatches(captured_kwargs: dict, kwargs: dict, *, captured_arg
 
 def mcore_graph_inputs(kwargs: dict, args: tuple = ()) -> tuple[torch.Tensor, ...]:
     """The tensors Megatron-Core's ``_CudaGraphRunner.get_tensors`` takes from a call: the graph's
-    input surface, copied into the captured static buffers at every replay (``cuda_graphs.py:772-784``).
+    input surface, copied into the captured static buffers at every replay (``_CudagraphReplayNode.forward``).
     Tensor fields of a dataclass argument (``PackedSeqParams.cu_seqlens_*``) are among them;
     non-tensor fields (``max_seqlen_*``) are not: they are baked into the capture."""
     cg = _cuda_graphs()
@@ -149,24 +150,25 @@ def mcore_graph_inputs(kwargs: dict, args: tuple = ()) -> tuple[torch.Tensor, ..
 
 @contextmanager
 def te_replay_stand_in(language_model, modules=(), *, seq_length: int, micro_batch_size: int):
-    """The decoder layers of ``language_model`` take Megatron-Core 0.19.2's Transformer-Engine replay
+    """The decoder layers of ``language_model`` take Megatron-Core's Transformer-Engine replay
     path, as after ``TECudaGraphHelper.create_cudagraphs``, with a stand-in for TE's graphed callable.
 
     What runs is Megatron-Core's own code: ``GraphableMegatronModule.__call__`` picks
-    ``_te_cuda_graph_replay`` (``module.py:365-375``, ``_should_call_te_cudagraph``: the impl is
+    ``_te_cuda_graph_replay`` (``_should_call_te_cudagraph``: the impl is
     ``"transformer_engine"``, training, ``cuda_graphs`` non-empty), ``TransformerLayer._te_cuda_graph_replay``
     runs attention eagerly when ``cuda_graph_modules`` leaves it out and asserts that no
-    ``packed_seq_params`` reaches the graph (``transformer_layer.py:1209-1231``), and
-    ``GraphableMegatronModule._get_te_cuda_graph_replay_args`` prepares the graph's arguments
-    (``module.py:319-345``). Two things stand in for Transformer Engine, which the CPU build lacks:
-    ``TransformerLayer._get_te_cuda_graph_replay_args``' TE import (``transformer_layer.py:1352-1405``;
-    only the base class's part runs) and the graphed callable itself, which copies its input into a
+    ``packed_seq_params`` reaches the graph, and
+    ``GraphableMegatronModule._get_te_cuda_graph_replay_args`` prepares the graph's arguments.
+    Two things stand in for Transformer Engine, which the CPU build lacks:
+    ``TransformerLayer._get_te_cuda_graph_replay_args``' TE import (only the base class's part
+    runs) and the graphed callable itself, which copies its input into a
     static buffer of the capture's shape, as TE's ``Graphed.forward`` does (``copy_``, no shape
     check: a shape that does not broadcast raises), then computes what the capture covers
-    (``_te_cuda_graph_capture``, ``transformer_layer.py:1152-1207``) on the live tensor. The capture
+    (``TransformerLayer._te_cuda_graph_capture``) on the live tensor. The capture
     shape is ``GraphableMegatronModule.get_layer_static_inputs``' ``(seq_length / cp [/ tp under SP],
-    micro_batch_size, hidden)`` (``module.py:237-263``, the helper built with ``model.seq_length``
-    and ``train.micro_batch_size``, Megatron-Bridge ``training/train.py:270-280``).
+    micro_batch_size, hidden)`` (the helper built with ``model.seq_length`` and
+    ``train.micro_batch_size``, Megatron-Bridge's ``train`` in ``training/train.py``, where it builds
+    ``TECudaGraphHelper``). The upstream lines: docs/compatibility.md.
 
     The config is mutated in place (its post-init checks are not re-run) and restored on exit.
 
@@ -198,7 +200,7 @@ def te_replay_stand_in(language_model, modules=(), *, seq_length: int, micro_bat
     try:
         config.cuda_graph_impl = "transformer_engine"
         config.cuda_graph_modules = [CudaGraphModule[name] for name in modules]
-        language_model.decoder.cuda_graphs = []  # what GraphableMegatronModule.__init__ sets (module.py:187)
+        language_model.decoder.cuda_graphs = []  # what GraphableMegatronModule.__init__ sets
         for layer in layers:
             layer.cuda_graphs = [stand_in(layer)]
             layer.cuda_graph_manual_hooks = []

@@ -1,6 +1,6 @@
 """One training step of Megatron-Bridge's real Qwen3-VL under Megatron-Core's own pipeline schedule.
 
-Runs ``forward_backward_pipelining_without_interleaving`` (Megatron-Core 0.19.2) with
+Runs Megatron-Core's ``forward_backward_pipelining_without_interleaving`` with
 :func:`megatron.bridge_thd.qwen3_vl_step.forward_step` on this rank's stage of the model built by
 :func:`~megatron.bridge_thd_cpu.model.build_qwen3_vl` (vision tower on the first stage, the output
 layer on the last), its weights taken from a full (PP = 1) state dict by global layer index.

@@ -1,4 +1,4 @@
-"""Build Megatron-Bridge 0.6.2's own ``Qwen25VLModel`` (Qwen2.5-VL) on the CPU.
+"""Build Megatron-Bridge's own ``Qwen25VLModel`` (Qwen2.5-VL) on the CPU.
 
 The model class (``models/qwen_vl/modeling_qwen25_vl.py``), its provider
 (``qwen25_vl_provider.py``), Megatron-Core's ``GPTModel`` language model and Hugging Face's
@@ -66,7 +66,7 @@ class _OmegaConfPlaceholder:
 
 
 def qwen25_vl_import_patches() -> list[Patch]:
-    """The patches importing Megatron-Bridge 0.6.2's Qwen2.5-VL provider needs on a machine without
+    """The patches importing Megatron-Bridge's Qwen2.5-VL provider needs on a machine without
     the full Megatron-Bridge dependency set, for :func:`megatron.bridge_thd.patches.applied`.
 
     Only when ``omegaconf`` cannot be found: ``sys.modules["omegaconf"]`` is a placeholder whose
@@ -156,7 +156,7 @@ def tiny_qwen25_vl_config(*, num_layers: int = 2, tp: int = 1, cp: int = 1, pp: 
 
 
 def build_qwen25_vl(config, *, pre_process: bool = True, post_process: bool = True, seed: int = 0):
-    """Megatron-Bridge 0.6.2's ``Qwen25VLModel`` built on the CPU through its own provider
+    """Megatron-Bridge's ``Qwen25VLModel`` built on the CPU through its own provider
     (``Qwen25VLModelProvider.provide``).
 
     Args:

@@ -1,4 +1,4 @@
-"""Megatron-Bridge 0.6.2's own training loop (``finetune`` -> ``pretrain`` -> ``setup`` / ``train`` /
+"""Megatron-Bridge's own training loop (``finetune`` -> ``pretrain`` -> ``setup`` / ``train`` /
 ``train_step``, DDP, optimizer, checkpoints) on a machine without CUDA. Reasoning and the list:
 docs/megatron-bridge-on-cpu.md.
 
@@ -33,7 +33,8 @@ __all__ = ["cpu_training", "cpu_training_patches", "TRAINER_MODULES", "prepare_c
            "training_loop_runs", "is_qwen35_recipe", "pretrained_load_check", "qwen35_training_runs",
            "QWEN35_RECIPE"]
 
-# The trainer modules that allocate on "cuda" or call torch.cuda directly (Megatron-Bridge 0.6.2).
+# The trainer modules that allocate on "cuda" or call torch.cuda directly (in the pinned Megatron-Bridge;
+# docs/compatibility.md).
 TRAINER_MODULES = (
     "megatron.bridge.training.setup",
     "megatron.bridge.training.initialize",
@@ -292,7 +293,7 @@ TINY_QWEN35_TEXT_CONFIG = dict(
 def write_tiny_hf_qwen35_checkpoint(folder, *, token_ids: dict, seed: int = 0,
                                     layer_types=("linear_attention", "full_attention")) -> str:
     """Save a tiny random Hugging Face Qwen3.5-VL (``Qwen3_5ForConditionalGeneration.save_pretrained``, the
-    class Megatron-Bridge 0.6.2's ``Qwen35VLBridge`` converts from) whose tokens agree with a processor.
+    class Megatron-Bridge's ``Qwen35VLBridge`` converts from) whose tokens agree with a processor.
 
     The Qwen3.5-VL recipes' stand-in for ``Qwen/Qwen3.5-2B``: ``AutoBridge.from_hf_pretrained`` reads it
     into a ``Qwen35VLModelProvider`` and ``finetune`` loads its weights through the bridge's own mappings
@@ -456,7 +457,7 @@ def cpu_run_config(cfg, paths: dict, *, train_iters: int, global_batch_size: int
 
 
 def recipe_function(name: str):
-    """A Megatron-Bridge 0.6.2 recipe function by name (``megatron.bridge.recipes.qwen_vl.h100``, where the recipe scripts import them from)."""
+    """A Megatron-Bridge recipe function by name (``megatron.bridge.recipes.qwen_vl.h100``, where the recipe scripts import them from)."""
     recipes = importlib.import_module("megatron.bridge.recipes.qwen_vl.h100")
     return getattr(recipes, name)
 

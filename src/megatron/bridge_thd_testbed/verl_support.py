@@ -1,5 +1,5 @@
-"""VERL on the CPU stack: VERL 0.9.1's own helpers, VERL-layout Qwen3-VL batches, the two ways
-VERL calls a Qwen-VL model, and the train-vs-rollout figures.
+"""VERL on the CPU stack: VERL's own helpers (the release ``VERL_VERSION`` names), VERL-layout
+Qwen3-VL batches, the two ways VERL calls a Qwen-VL model, and the train-vs-rollout figures.
 
 Shared by ``tests/parallel/test_interop_verl.py`` (which asserts on them) and ``benchmarks/bench_verl.py``
 (which prints them), so that the benchmark measures exactly what the tests prove.
@@ -12,7 +12,7 @@ Shared by ``tests/parallel/test_interop_verl.py`` (which asserts on them) and ``
   packed ids, packed 3D MRoPE positions, ``packed_seq_params``.
 * :func:`vlm_path_forward`: VERL's vision-model call (``model_forward_gen(vision_model=True)``):
   metadata only, the padded ``(B, T)`` batch goes to the model, which packs it itself.
-* :func:`real_model_worker`: all of it on one CP rank of Megatron-Bridge 0.6.2's real
+* :func:`real_model_worker`: all of it on one CP rank of Megatron-Bridge's real
   ``Qwen3VLModel`` (run it in-process at CP = 1 or on gloo with
   :func:`~megatron.bridge_thd_testbed.launcher.run_on_gloo`).
 
@@ -57,6 +57,7 @@ __all__ = [
     "real_model_worker",
 ]
 
+# The VERL release whose util.py the tests and benchmarks compare against (docs/compatibility.md).
 VERL_VERSION = "0.9.1"
 IMAGE, VIDEO, VISION_START, VISION_END = 250, 251, 252, 253
 PATCH_FEATURES = 3 * 2 * 4 * 4  # channels * temporal patch * patch * patch of the tiny model

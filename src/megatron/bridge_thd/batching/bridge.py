@@ -1,6 +1,6 @@
 """Global-batch packing inside Megatron-Bridge's training loop. Reasoning: docs/batching.md.
 
-The mechanism is the **batch sampler**: Megatron-Bridge 0.6.2 builds each data loader with its own
+The mechanism is the **batch sampler**: Megatron-Bridge builds each data loader with its own
 per-rank sampler (``data/samplers.py``: ``MegatronPretrainingSampler`` for
 ``dataloader_type="single"``, ``MegatronPretrainingRandomSampler`` for ``"cyclic"``). After it has
 built them (``data/loaders.py``, ``build_train_valid_test_data_loaders``), each loader is rebuilt

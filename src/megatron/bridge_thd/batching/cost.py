@@ -4,7 +4,7 @@ A sample of ``s`` LLM tokens whose images have ``p_1, p_2, ...`` ViT patches cos
 
     cost = per_token * s + per_token_squared * s**2 + per_patch * sum_k p_k + per_patch_squared * sum_k p_k**2
 
-The four coefficients are read off Megatron-Bridge 0.6.2's ``training/utils/flop_utils.py``
+The four coefficients are read off Megatron-Bridge's ``training/utils/flop_utils.py``
 (``num_floating_point_operations`` for the language model, ``vit_flops`` for the vision tower) by
 evaluating them at a few points, so the cost follows the formula the trainer logs:
 

@@ -1,4 +1,5 @@
-"""Drop-in replacements for VERL's packed-sequence helpers (``verl/models/mcore/util.py``, 0.9.1).
+"""Drop-in replacements for VERL's packed-sequence helpers (``verl/models/mcore/util.py``; the
+VERL release they are checked against: docs/compatibility.md).
 
 A VERL user swaps one import (``megatron.bridge_thd.verl`` is the public alias of this module)::
 
@@ -53,7 +54,7 @@ def _parallel_sizes() -> tuple[int, int, int, object]:
 def _model_builds_the_row() -> bool:
     """Whether a ``pre_process=False`` call here means that the model packs the padded batch
     itself: True on the first pipeline stage (and without pipeline parallelism), where a model
-    with embeddings runs. In VERL 0.9.1 the only such call is ``model_forward_gen(vision_model=True)``
+    with embeddings runs. In the pinned VERL the only such call is ``model_forward_gen(vision_model=True)``
     (and its fused twin): it hands the padded ``(B, T)`` ids and mask to the model. On a later
     stage ``pre_process=False`` is the text-model path (hidden states arrive from the stage that
     packed the row with these very boundaries); with virtual pipeline stages the chunk is unknown
@@ -135,7 +136,7 @@ def preprocess_packed_seqs(
     pre_process = _check_flag("pre_process", pre_process)
     use_fp8_padding = _check_flag("use_fp8_padding", use_fp8_padding)
     if use_fp8_padding and not pre_process and _model_builds_the_row():
-        # Megatron-Bridge 0.6.2's Qwen3VLModel packs a padded (B > 1, T) batch itself with its own
+        # Megatron-Bridge's Qwen3VLModel packs a padded (B > 1, T) batch itself with its own
         # preprocess_packed_seqs (slots of tp * cp * 2, no FP8 rule): the FP8 boundaries returned
         # here would describe a longer row than the one it attends over (IndexError / reads past
         # the row). Refused before anything runs, whatever the batch.

@@ -2,7 +2,7 @@
 
 For a model preset (or a Hugging Face config.json), a per-sample length distribution and a
 parallel layout, estimate per packing layout (``bshd``, ``thd``, ``thd_static``) the token slots,
-attention work, trainer FLOPs (Megatron-Bridge 0.6.2's own formula), MoE routing, activation and
+attention work, trainer FLOPs (Megatron-Bridge's own formula), MoE routing, activation and
 model-state memory per GPU, and a roofline step time; and per layout the step time of the slowest
 DP rank with Megatron-Bridge's in-batch placement and with global-batch packing (:mod:`.balance`,
 docs/batching.md). Modules: :mod:`.presets`, :mod:`.samples`, :mod:`.layouts`, :mod:`.flops`,

@@ -1,4 +1,4 @@
-"""Model FLOPs by the formula Megatron-Bridge logs: 0.6.2's own ``num_floating_point_operations``
+"""Model FLOPs by the formula Megatron-Bridge logs: its own ``num_floating_point_operations``
 (``training/utils/flop_utils.py``, loaded by :func:`megatron.bridge_thd.upstream.load_flop_utils`).
 
 The planner builds the ``cfg.model`` fields that function reads from a :class:`ModelSpec`

@@ -4,7 +4,7 @@ contract the step builds rows by (:mod:`megatron.bridge_thd.layouts`).
 For a micro-batch of B samples with real lengths ``s_i`` (LLM tokens, truncated to
 ``seq_length``), collated to the longest sample:
 
-* ``bshd``: ``(B, W)`` with ``W = layouts.bshd_width(max_i s_i, ...)`` (Megatron-Bridge 0.6.2's
+* ``bshd``: ``(B, W)`` with ``W = layouts.bshd_width(max_i s_i, ...)`` (Megatron-Bridge's
   padded width, ``seq_length`` when PP > 1 or EP > 1). Slots ``B * W``; attention ``B * W^2``.
 * ``thd``: one row of real tokens, slot i ``round_up(s_i, a)``, ``a = layouts.thd_alignment``.
   Slots ``sum_i round_up(s_i, a)``; attention ``sum_i s_i^2``.
