@@ -260,7 +260,7 @@ def configure_flags() -> str:
     rows = ["| Purpose | Megatron-Bridge 0.6.2 | Megatron-Bridge main (Aug 2026) | Set by `configure` to |",
             "| --- | --- | --- | --- |"]
     for rule in FLAG_RULES:
-        cells = (rule.purpose, rule.name_062, rule.name_main, rule.set_to)
+        cells = (rule.purpose, rule.name_pinned, rule.name_main, rule.set_to)
         if any("|" in cell or "\n" in cell for cell in cells):
             raise ValueError(f"configure.FLAG_RULES: a cell with '|' or a newline breaks the table: {rule}")
         rows.append("| " + " | ".join(cells) + " |")

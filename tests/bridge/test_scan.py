@@ -19,6 +19,7 @@ import re
 
 import pytest
 
+from _datasets import ListDataset
 from megatron.bridge_thd.plan import load_lengths
 from megatron.bridge_thd.plan.cli import main
 from megatron.bridge_thd_cpu.hf_hub import offline_hub
@@ -201,19 +202,6 @@ def test_bad_input_names_the_option(scanned, capsys):
 # --- the measure itself, on a collate of our own (no Megatron-Bridge) -------------------------------------------
 
 
-class _Rows:
-    """Items: real tokens, padding, supervised runs, images' and videos' grids, placeholder positions."""
-
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, index):
-        return self.items[index]
-
-
 class _CountingCollate:
     """A collate like Megatron-Bridge's VLM collates (right-padded 2D mask, shifted loss mask, grids in
     ``visual_inputs``); counts its calls in the process that runs it."""
@@ -263,7 +251,7 @@ def test_scan_measures_in_workers_only_and_caches(tmp_path, plain_collate):
     from megatron.bridge_thd.plan.scan import over_length, scan_dataset, summary
 
     collate, seen = _CountingCollate(), []
-    scan = scan_dataset(_Rows(ITEMS), collate, placeholder_ids=(99,), merge=2, num_workers=2, cache_dir=tmp_path,
+    scan = scan_dataset(ListDataset(ITEMS), collate, placeholder_ids=(99,), merge=2, num_workers=2, cache_dir=tmp_path,
                         progress=lambda done, total: seen.append((done, total)))
     assert collate.calls == 0, "the collate ran in the calling process"
     assert not scan.from_cache and seen[-1] == (3, 3)
@@ -281,7 +269,7 @@ def test_scan_measures_in_workers_only_and_caches(tmp_path, plain_collate):
     text = summary(scan, 21)
     assert "over seq_length 21: 2 of 3 distinct samples" in text and "would cut 28 of 79 real tokens" in text
     assert "(Megatron-Bridge's collate raises on their micro-batch): 1 (samples 2)" in text
-    again = scan_dataset(_Rows(ITEMS), collate, placeholder_ids=(99,), merge=2, cache_dir=tmp_path,
+    again = scan_dataset(ListDataset(ITEMS), collate, placeholder_ids=(99,), merge=2, cache_dir=tmp_path,
                          progress=lambda done, total: seen.append("scanned again"))
     assert again.from_cache and again.cached == scan.cached and again.samples == scan.samples
     assert "scanned again" not in seen
@@ -291,7 +279,7 @@ def test_scan_refuses_a_collate_without_a_right_padded_2d_mask(tmp_path, plain_c
     from megatron.bridge_thd.plan.scan import measure, scan_dataset
 
     with pytest.raises(ValueError, match="dataset sample 1: the collate gives no 2D attention_mask"):
-        scan_dataset(_Rows([ITEMS[0], dict(ITEMS[1], mask=False)]), _CountingCollate(), cache_dir=tmp_path)
+        scan_dataset(ListDataset([ITEMS[0], dict(ITEMS[1], mask=False)]), _CountingCollate(), cache_dir=tmp_path)
     assert not list(tmp_path.glob("*.scan-v1.json")), "nothing cached from a failed scan"
     import torch
 

@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 
+from _training_runs import run_losses, thd_losses  # noqa: E402
 from megatron.bridge_thd_testbed.training import run_on_cpu, training_loop_runs  # noqa: E402
 
 RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
@@ -41,14 +42,6 @@ def ranks(tmp_path_factory):
                       workdir=tmp_path_factory.mktemp("cord_v2_run"), world_size=2, timeout=540)
 
 
-def _losses(rank_result, name):
-    return [row["loss"] for row in rank_result[name]["iterations"]]
-
-
-def _thd_losses(rank_result):
-    return _losses(rank_result, "thd_first") + _losses(rank_result, "thd_resumed")
-
-
 def _close(a, b):
     return abs(a - b) <= RELATIVE * max(abs(a), abs(b))
 
@@ -64,14 +57,14 @@ def test_twenty_iterations_per_step_on_both_ranks(ranks):
 
 def test_losses_equal_across_the_three_steps(ranks):
     rank = ranks[0]
-    baseline = _losses(rank, "megatron_bridge")
-    for name, losses in (("thd_static", _losses(rank, "thd_static")), ("thd", _thd_losses(rank))):
+    baseline = run_losses(rank, "megatron_bridge")
+    for name, losses in (("thd_static", run_losses(rank, "thd_static")), ("thd", thd_losses(rank))):
         for iteration, (ours, theirs) in enumerate(zip(losses, baseline, strict=True), start=1):
             assert _close(ours, theirs), f"{name} iteration {iteration}: {ours} vs Megatron-Bridge's step {theirs}"
 
 
 def test_loss_falls(ranks):
-    for losses in (_losses(ranks[0], "megatron_bridge"), _losses(ranks[0], "thd_static"), _thd_losses(ranks[0])):
+    for losses in (run_losses(ranks[0], "megatron_bridge"), run_losses(ranks[0], "thd_static"), thd_losses(ranks[0])):
         assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1
 
 

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 
+from _training_runs import run_losses, thd_losses  # noqa: E402
 from megatron.bridge_thd_testbed.training import qwen35_training_runs, run_on_cpu  # noqa: E402
 
 ITERATIONS, RESUME_AT = 6, 3
@@ -30,14 +31,6 @@ def ranks(tmp_path_factory):
     return run_on_cpu(qwen35_training_runs(iterations=ITERATIONS, resume_at=RESUME_AT, micro_batch_size=MICRO_BATCH,
                                            global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH),
                       workdir=tmp_path_factory.mktemp("qwen35_cord_v2_run"), world_size=2, timeout=300)
-
-
-def _losses(rank, name):
-    return [row["loss"] for row in rank[name]["iterations"]]
-
-
-def _thd_losses(rank):
-    return _losses(rank, "thd_first") + _losses(rank, "thd_resumed")
 
 
 def _relative(a, b):
@@ -76,14 +69,14 @@ def test_the_data_carries_padding(ranks):
 
 def test_losses_equal_across_the_three_steps(ranks):
     rank = ranks[0]
-    baseline = _losses(rank, "megatron_bridge")
-    for name, losses in (("thd_static", _losses(rank, "thd_static")), ("thd", _thd_losses(rank))):
+    baseline = run_losses(rank, "megatron_bridge")
+    for name, losses in (("thd_static", run_losses(rank, "thd_static")), ("thd", thd_losses(rank))):
         for iteration, (ours, theirs) in enumerate(zip(losses, baseline, strict=True), start=1):
             assert _relative(ours, theirs) <= RELATIVE, f"{name} iteration {iteration}: {ours} vs {theirs}"
 
 
 def test_loss_falls(ranks):
-    for losses in (_losses(ranks[0], "megatron_bridge"), _losses(ranks[0], "thd_static"), _thd_losses(ranks[0])):
+    for losses in (run_losses(ranks[0], "megatron_bridge"), run_losses(ranks[0], "thd_static"), thd_losses(ranks[0])):
         assert losses[-1] < losses[0] - 0.1 and sum(losses[-2:]) < sum(losses[:2]) - 0.2
 
 

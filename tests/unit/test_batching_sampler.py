@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from _datasets import ListDataset
 from megatron.bridge_thd.batching.cost import SampleCost
 from megatron.bridge_thd.batching.policy import assign
 from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, choose_row_length, rank_samplers
@@ -315,19 +316,6 @@ def test_metadata_of_the_wrong_length_is_refused():
         dataset_sizes([1, 2, 3])  # no metadata, nothing to scan with
 
 
-class Items:
-    """A dataset without metadata: each item says its real tokens, padding and image / video grids."""
-
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, index):
-        return self.items[index]
-
-
 ITEMS = [
     dict(real=30, pad=2, images=[(1, 4, 4)]),
     dict(real=7, pad=0, images=[]),
@@ -372,7 +360,7 @@ def _expected_scan(items, seq_length):
 
 
 def test_sizes_by_scan_are_cached(tmp_path):
-    dataset, collate = Items(ITEMS), CountingCollate()
+    dataset, collate = ListDataset(ITEMS), CountingCollate()
     cache = tmp_path / "sizes"
     first = dataset_sizes(dataset, collate, seq_length=SCAN_SEQ, cache_dir=cache)
     lengths, patches, squared = _expected_scan(ITEMS, SCAN_SEQ)
@@ -398,14 +386,14 @@ def test_sizes_by_scan_are_cached(tmp_path):
 
 def test_sizes_cache_defaults_to_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    dataset_sizes(Items(ITEMS), CountingCollate(), seq_length=SCAN_SEQ)
+    dataset_sizes(ListDataset(ITEMS), CountingCollate(), seq_length=SCAN_SEQ)
     assert len(list((tmp_path / "bridge_thd" / "sizes").glob("*.pt"))) == 1
 
 
 @pytest.mark.slow  # loader workers started for the scan
 def test_scan_needs_a_2d_attention_mask(tmp_path):
     with pytest.raises(ValueError, match="attention_mask"):
-        dataset_sizes(Items(ITEMS), CountingCollate(mask=False), cache_dir=tmp_path)
+        dataset_sizes(ListDataset(ITEMS), CountingCollate(mask=False), cache_dir=tmp_path)
 
     def one_d(batch):
         out = CountingCollate()(batch)
@@ -413,7 +401,7 @@ def test_scan_needs_a_2d_attention_mask(tmp_path):
         return out
 
     with pytest.raises(ValueError, match="attention_mask"):
-        dataset_sizes(Items(ITEMS), one_d, cache_dir=tmp_path)
+        dataset_sizes(ListDataset(ITEMS), one_d, cache_dir=tmp_path)
     assert not list(tmp_path.glob("*.pt")), "nothing cached from a failed scan"
 
 

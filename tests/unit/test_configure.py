@@ -1294,7 +1294,7 @@ def _docs_configure_flags_block():
 
 
 def test_the_flag_table_is_rendered_from_configures_records():
-    names = [rule.name_062 for rule in configure_module.FLAG_RULES]
+    names = [rule.name_pinned for rule in configure_module.FLAG_RULES]
     for flag in (
         "dataset.enable_in_batch_packing",
         "dataset.pack_sequences_in_batch",
@@ -1309,7 +1309,7 @@ def test_the_flag_table_is_rendered_from_configures_records():
     in_docs, rendered = _docs_configure_flags_block()
     assert in_docs == rendered, "docs/configure.md's flag table is stale: run scripts/readme_figures.py"
     for rule in configure_module.FLAG_RULES:
-        assert f"| {rule.purpose} | {rule.name_062} | {rule.name_main} | {rule.set_to} |" in in_docs
+        assert f"| {rule.purpose} | {rule.name_pinned} | {rule.name_main} | {rule.set_to} |" in in_docs
 
 
 def test_docs_explain_the_refusals_and_hold_the_one_flag_table():

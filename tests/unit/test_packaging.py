@@ -153,3 +153,19 @@ def test_only_the_planners_cpu_mode_imports_the_cpu_build():
     # bridge-thd scan --cpu-tiny runs Megatron-Bridge's collate on a CPU-made dataset; nothing else of the
     # runtime package imports the CPU build's stand-ins.
     assert list(_offenders("bridge_thd", ("megatron.bridge_thd_cpu",))) == ["plan/scan.py"]
+
+
+def test_upstream_versions_and_line_numbers_live_in_the_docs_not_in_the_code():
+    # Code and its messages say what is wrong and what to set; which upstream release and line a fact comes
+    # from is docs/compatibility.md's. A version pin the code acts on (the VERL wheel it fetches) is data.
+    import re
+
+    pattern = re.compile(r"\b0\.6\.2\b|\b0\.19\.2\b|\b[A-Za-z_]\w*\.py:\d+")
+    found = []
+    for package in ("bridge_thd", "bridge_thd_cpu", "bridge_thd_testbed"):
+        for path in sorted((REPO / "src" / "megatron" / package).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert found == []
+    assert "0.6.2" in (REPO / "docs" / "compatibility.md").read_text()

@@ -57,7 +57,7 @@ class FlagRule(NamedTuple):
     """One flag ``configure`` sets: a row of the flag table in ``docs/configure.md``."""
 
     purpose: str
-    name_062: str  # the pinned Megatron-Bridge / Megatron-Core release (docs/compatibility.md)
+    name_pinned: str  # the pinned Megatron-Bridge / Megatron-Core release (docs/compatibility.md)
     name_main: str  # Megatron-Bridge main (Aug 2026)
     set_to: str  # what configure sets it to
 
@@ -77,7 +77,7 @@ FLAG_RULES: tuple[FlagRule, ...] = (
              "`model.variable_seq_lengths`, or the hook `model._enable_in_batch_packing`", "same",
              '`True` for `"thd"` with PP>1; not set for the static layouts'),
     FlagRule("HybridEP pads uneven dispatch inputs",
-             "`model.moe_hybridep_pad_uneven_dispatch_inputs` (Megatron-Core 0.19.2)",
+             "`model.moe_hybridep_pad_uneven_dispatch_inputs` (Megatron-Core)",
              "`moe_hybridep_pad_variable_tokens` in Core versions that name it so (Bridge lists both)",
              "`True` for HybridEP without CUDA graphs (what Bridge's validate sets itself)"),
     FlagRule("global-batch packing setting", "`dataset.global_batch_packing` * (ours)", "(ours)",
