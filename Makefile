@@ -2,7 +2,12 @@
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: demo test test-fast bench figures clean
+VENV_NEXT := .venv-next
+# The 0.7 line: git directories of NVIDIA-NeMo/Megatron-Bridge and NVIDIA/Megatron-LM (README, "The 0.7 line").
+MEGATRON_BRIDGE_GIT ?=
+MEGATRON_LM_GIT ?=
+
+.PHONY: demo test test-fast test-next bench figures clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup_venv.sh
 	./scripts/setup_venv.sh
@@ -20,6 +25,13 @@ test: $(VENV)/.installed
 # less the tests marked slow (tests/README.md). `make test` stays the whole suite, CI's command.
 test-fast: $(VENV)/.installed
 	$(PYTHON) -m pytest -q -m "not slow" tests/unit tests/model
+
+$(VENV_NEXT)/.installed: pyproject.toml scripts/setup_venv_next.sh
+	MEGATRON_BRIDGE_GIT="$(MEGATRON_BRIDGE_GIT)" MEGATRON_LM_GIT="$(MEGATRON_LM_GIT)" ./scripts/setup_venv_next.sh
+
+# The whole suite on Megatron-Bridge's 0.7 line (docs/compatibility.md); `make test` stays the 0.6.2 suite.
+test-next: $(VENV_NEXT)/.installed
+	$(VENV_NEXT)/bin/python -m pytest -q tests
 
 bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/bench_pack.py
@@ -41,4 +53,4 @@ figures: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) scripts/readme_figures.py --run demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_NEXT) .pytest_cache .hypothesis
