@@ -24,7 +24,9 @@ padded layout (``bshd``, a ``(3, 608)`` batch: 601 columns rounded up to 16 as M
 
 from __future__ import annotations
 
+import inspect
 import logging
+from unittest import mock
 
 import pytest
 import torch
@@ -52,6 +54,7 @@ from megatron.bridge_thd_cpu.parity import (
 )
 from megatron.bridge_thd_cpu.stack import QWEN3_VL_MODEL_MODULE
 from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream_line import upstream_line
 
 SEQ = 640
 TOPK = 2
@@ -298,25 +301,36 @@ def test_the_routers_are_the_padding_aware_classes(models):
         assert type(layer.mlp) is MoELayer and type(layer.mlp.router) is TopKRouter
 
 
-def test_models_that_declare_padding_mask_are_returned_unchanged(models):
-    """Megatron-Bridge main's Qwen3VLModel declares padding_mask: nothing to do, same object, same
-    class, no router touched. So is a model already passed through with_padding_mask."""
+def test_the_model_declaring_padding_mask_gets_the_hook_and_the_mask_through_its_argument(models, batches):
+    """Where Megatron-Bridge's Qwen3VLModel declares padding_mask itself the hook must not step aside (its
+    routers would keep Megatron-Core's expert-bias crash, padded capacity and whole-row seq_aux_loss): the
+    routers are ours on both lines (test_the_routers_are_the_padding_aware_classes), and the model's own
+    argument gets the step's mask exactly where it declares one, so the model derives nothing itself (its
+    derivation reads the host and refuses zero-length segments). A wrapped model is returned as it is."""
     model_module = load_bridge_module(QWEN3_VL_MODEL_MODULE)
-
-    class MainStyleQwen3VLModel(model_module.Qwen3VLModel):
-        def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, loss_mask=None,
-                    padding_mask=None, **kwargs):
-            return super().forward(input_ids, position_ids, attention_mask, labels, loss_mask, **kwargs)
-
-    model = build_qwen3_vl(tiny_qwen3_vl_config(**CONFIG), seed=0)
-    model.__class__ = MainStyleQwen3VLModel
-    assert with_padding_mask(model) is model and type(model) is MainStyleQwen3VLModel
-    assert all("_apply_expert_bias" not in vars(router) for router in _routers(model))
-    assert not any(isinstance(router, PaddingMaskTopKRouter) for router in _routers(model))
+    native = upstream_line().model_takes_padding_mask
+    assert native == ("padding_mask" in inspect.signature(model_module.Qwen3VLModel.forward).parameters)
     _, masked = models
     cls = type(masked)
     assert with_padding_mask(masked) is masked and type(masked) is cls
-    assert padding_mask_pre_wrap_hook([model, masked]) == [model, masked]
+    assert padding_mask_pre_wrap_hook([masked]) == [masked]
+
+    language_model = masked.language_model
+    original = language_model.forward
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("padding_mask"))
+        return original(*args, **kwargs)
+
+    with mock.patch.object(language_model, "forward", spy):
+        run = step_run(masked, batches["right"], "thd_static", seq_length=SEQ)
+    assert len(seen) == 1
+    if native:
+        assert torch.equal(seen[0], run.args["padding_mask"])
+        assert bool(seen[0].any()), "the static row's tail is padding"
+    else:
+        assert seen[0] is None
 
 
 def test_a_wrapper_chain_is_handled_at_its_innermost_module():
@@ -390,7 +404,7 @@ def test_sequence_parallel_cut_matches_megatrons_scatter(models, monkeypatch, la
     for rank in range(2):
         group = FakeGroup(2, rank)
         monkeypatch.setattr(masked.pg_collection, "tp", group)
-        got = masked._padding_mask_for_layers(mask, input_ids, None)
+        got = masked._padding_mask_for_layers(masked._padding_mask_for_model(mask, input_ids, None))
         hidden = mask.transpose(0, 1).unsqueeze(-1).float()  # (s, b, 1)
         expected = scatter_to_sequence_parallel_region(hidden, group=group).squeeze(-1).transpose(0, 1).bool()
         assert torch.equal(got, expected), rank

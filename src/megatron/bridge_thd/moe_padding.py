@@ -1,12 +1,17 @@
 """Opt-in: hand the packed row's padding mask to the MoE routers of Megatron-Bridge's Qwen3-VL.
 
-Megatron-Bridge's ``Qwen3VLModel.forward`` declares no ``padding_mask`` (docs/compatibility.md), so its routers count every padding
-slot of a packed row (alignment padding, the ``thd_static`` tail, BSHD pad columns) in the aux
-loss, z-loss and expert-bias statistics. :func:`with_padding_mask` gives such a model what
-Megatron-Bridge main's has, through one mechanism: padding-aware subclasses, assigned in place
-(same parameters and state-dict keys). The model becomes ``PaddingMask<Class>``, whose ``forward``
-declares ``padding_mask`` (True = padding) and, for the duration of the call, makes the mask, cut
-as the model cuts its row (CP, SP), available through one context variable; each decoder MoE
+On one line of Megatron-Bridge ``Qwen3VLModel.forward`` declares no ``padding_mask``, so its routers count
+every padding slot of a packed row (alignment padding, the ``thd_static`` tail, BSHD pad columns) in the
+aux loss, z-loss and expert-bias statistics. On the other it declares one and derives it from the THD
+boundaries when omitted, but with host reads, refusing zero-length segments, and Megatron-Core's router
+still crashes with expert bias, fills expert capacity with padding and computes ``seq_aux_loss`` over the
+whole row (docs/compatibility.md, ``upstream_line.model_takes_padding_mask``). :func:`with_padding_mask`
+makes both the same, through one mechanism: padding-aware subclasses, assigned in place (same parameters
+and state-dict keys). The model becomes ``PaddingMask<Class>``, whose ``forward`` takes ``padding_mask``
+(True = padding; derived from the boundaries without a host read when omitted), hands it to the model's
+own ``padding_mask`` where the model declares one (cut for CP as the model expects), and for the duration
+of the call makes the mask, cut as the model cuts its hidden states (CP, SP), available through one
+context variable; each decoder MoE
 layer becomes :class:`PaddingMaskMoELayer` (takes that mask; from there Megatron-Core's own path
 carries it to the router) and its router :class:`PaddingMaskTopKRouter` (expert-bias counts that
 take the mask, capacity from the real tokens, ``seq_aux_loss`` per sample). Usage, before
@@ -16,7 +21,8 @@ Megatron wraps the model::
     cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)   # or: model = with_padding_mask(model)
 
 Refused with the setting named: full recompute, CUDA graphs, ``mlp_chunks_for_training > 1``.
-Models that already declare ``padding_mask`` are returned unchanged. Details, the upstream bug
+Models other than Megatron-Bridge's ``Qwen3VLModel`` that declare ``padding_mask`` (Megatron-Core's
+``GPTModel``) are returned unchanged. Details, the upstream bug
 worked around, why subclasses of the built model rather than a layer spec, what is not covered:
 docs/moe-padding-mask.md, docs/moe-routing.md.
 """
@@ -35,6 +41,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.bridge_thd.lengths import seq_idx
 from megatron.bridge_thd.rules import uses_seq_aux_loss
 from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream_line import takes_parameter, upstream_line
 
 __all__ = [
     "with_padding_mask",
@@ -59,9 +66,7 @@ _SUBCLASSES: dict[type, type] = {}
 
 def declares_padding_mask(model) -> bool:
     """True when ``model.forward`` takes a parameter named ``padding_mask`` (not via ``**kwargs``)."""
-    parameters = inspect.signature(model.forward).parameters
-    parameter = parameters.get("padding_mask")
-    return parameter is not None and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
+    return takes_parameter(model.forward, "padding_mask")
 
 
 def padding_mask_from_packed_seq_params(packed_seq_params, total_tokens: int) -> torch.Tensor:
@@ -250,18 +255,20 @@ _FORWARD_PADDING: contextvars.ContextVar[_ForwardPadding | None] = contextvars.C
 
 
 class PaddingMaskMoELayer(MoELayer):
-    """Megatron-Core's ``MoELayer`` that, called without ``padding_mask`` inside the forward of a
-    :func:`with_padding_mask` model, takes that forward's mask (``(b, s_local)``, True = padding).
+    """Megatron-Core's ``MoELayer`` that, inside the forward of a :func:`with_padding_mask` model, takes that
+    forward's mask (``(b, s_local)``, True = padding, cut as the hidden states are).
 
-    From there on the mask follows Megatron-Core's own path: ``MoELayer.forward`` transposes it to
-    ``(s, b)`` and hands it to the router, and with ``recompute_modules=['moe']`` checkpoints the
-    layer with the mask as an argument, so the recomputed router sees it too. A caller that passes
-    a mask keeps it. Outside such a forward it is Megatron-Core's ``MoELayer`` unchanged.
+    Where the model declares no ``padding_mask``, its decoder calls the layer without one; where it declares it,
+    the decoder hands on the model's argument, and the forward's mask (the same tokens, cut by the same
+    helpers) is used all the same, so both lines route on one mask. From there on the mask follows
+    Megatron-Core's own path: ``MoELayer.forward`` transposes it to ``(s, b)`` and hands it to the router, and
+    with ``recompute_modules=['moe']`` checkpoints the layer with the mask as an argument, so the recomputed
+    router sees it too. Outside such a forward it is Megatron-Core's ``MoELayer`` unchanged.
     """
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask: torch.Tensor | None = None):
         forward_padding = _FORWARD_PADDING.get()
-        if padding_mask is None and forward_padding is not None:
+        if forward_padding is not None:
             padding_mask = forward_padding.mask
             if tuple(padding_mask.shape) != (hidden_states.shape[1], hidden_states.shape[0]):
                 raise ValueError(
@@ -411,16 +418,15 @@ class PaddingMaskForward:
     # padding out of expert capacity and compute seq_aux_loss per sample of a THD row.
     bridge_thd_routes_real_tokens_only = True
 
-    def _padding_mask_for_layers(self, padding_mask: torch.Tensor, input_ids, packed_seq_params, *,
-                                 dtype: torch.dtype = torch.bool) -> torch.Tensor:
-        """The mask cut the way the model cuts its hidden states: ``(b, s_local)`` bool.
+    def _padding_mask_for_model(self, padding_mask: torch.Tensor, input_ids, packed_seq_params, *,
+                                dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """The mask cut the way the model cuts its row for context parallelism: ``(b, s_cp)`` ``dtype``.
 
         ``padding_mask`` has the shape of ``input_ids``: ``(1, N)`` for a THD row, ``(B, T)`` for
-        BSHD, the rank-local row for pre-sharded THD input. Context parallelism: the THD row is
-        cut with the model's own ``get_packed_seq_cp_partition_indices`` (zigzag per segment),
-        BSHD with its ``_split_if_full_sequence``. Sequence parallelism: rank r of the TP group
-        keeps the r-th of ``tp`` equal chunks of the sequence, as
-        ``scatter_to_sequence_parallel_region`` does with the hidden states.
+        BSHD, the rank-local row for pre-sharded THD input. The THD row is cut with the model's own
+        ``get_packed_seq_cp_partition_indices`` (zigzag per segment), BSHD with its
+        ``_split_if_full_sequence``. This is what a model that declares ``padding_mask`` itself
+        takes as its argument (it cuts only the mask it derives, and scatters either for SP).
         """
         if input_ids is None:
             raise ValueError("padding_mask: given without input_ids; the model needs input_ids to place the mask")
@@ -436,82 +442,109 @@ class PaddingMaskForward:
                 f"{input_ids.size(0)} rows, re-packed inside the model) is not supported; pack into one THD row "
                 "(megatron.bridge_thd.qwen3_vl_step.forward_step does) or drop padding_mask"
             )
-        cp_group = self.pg_collection.cp
-        cp_size = cp_group.size()
-        if cp_size > 1:
-            helpers = load_bridge_module(_QWEN3_VL_MODEL_MODULE)
-            cp_rank = cp_group.rank()
-            if packed_seq_params is not None:
-                # Pre-sharded THD input is already rank-local, and so is its mask.
-                if not helpers._is_packed_input_pre_sharded(input_ids, packed_seq_params, cp_size=cp_size):
-                    index = helpers.get_packed_seq_cp_partition_indices(
-                        packed_seq_params,
-                        total_tokens=input_ids.size(1),
-                        cp_size=cp_size,
-                        cp_rank=cp_rank,
-                        device=input_ids.device,
-                        cp_group=cp_group,
-                    )
-                    mask = mask.index_select(1, index)
-            else:
-                mask, _ = helpers._split_if_full_sequence(
-                    mask, cp_size=cp_size, seq_dim=1, cp_rank=cp_rank, full_sequence_length=input_ids.size(1)
-                )
+        return cut_for_context_parallel(mask, input_ids, packed_seq_params, self.pg_collection.cp).contiguous()
+
+    def _padding_mask_for_layers(self, model_mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`_padding_mask_for_model`'s mask cut the way the model cuts its hidden states for sequence
+        parallelism: rank r of the TP group keeps the r-th of ``tp`` equal chunks of the sequence, as
+        ``scatter_to_sequence_parallel_region`` does. ``(b, s_local)``."""
         tp_size = self.pg_collection.tp.size()
-        if getattr(self.config, "sequence_parallel", False) and tp_size > 1:
-            length = mask.size(1)
-            if length % tp_size:
-                raise ValueError(
-                    f"padding_mask: the rank-local sequence of {length} tokens is not divisible by the "
-                    f"tensor-parallel size {tp_size} (sequence parallelism); align the row to tp"
-                )
-            chunk = length // tp_size
-            mask = mask.narrow(1, self.pg_collection.tp.rank() * chunk, chunk)
-        return mask.contiguous()
+        if not (getattr(self.config, "sequence_parallel", False) and tp_size > 1):
+            return model_mask
+        length = model_mask.size(1)
+        if length % tp_size:
+            raise ValueError(
+                f"padding_mask: the rank-local sequence of {length} tokens is not divisible by the "
+                f"tensor-parallel size {tp_size} (sequence parallelism); align the row to tp"
+            )
+        chunk = length // tp_size
+        return model_mask.narrow(1, self.pg_collection.tp.rank() * chunk, chunk).contiguous()
 
     def _forward_with_padding_mask(self, base_forward, base_signature, args, kwargs, padding_mask):
         _fail_if_unsupported(self.config)
+        native = upstream_line().model_takes_padding_mask
         layers = _moe_layers(self)
-        if not layers:  # a dense model, or a pipeline stage without MoE layers: nothing to hand over
+        if not layers and not native:  # a dense model, or a pipeline stage without MoE layers: nothing to hand over
             return base_forward(self, *args, **kwargs)
         bound = base_signature.bind(self, *args, **kwargs).arguments
         input_ids = bound.get("input_ids")
         packed_seq_params = bound.get("packed_seq_params")
-        if (
-            padding_mask is None
-            and packed_seq_params is not None
-            and input_ids is not None
-            and input_ids.dim() == 2
-            and input_ids.size(0) == 1
-        ):
-            # As Megatron-Bridge main does: a THD row without an explicit mask gets the one its
-            # boundaries imply. Pre-sharded CP input is rank-local while its boundaries describe
-            # the full row: no mask is derived for it.
-            cp_size = self.pg_collection.cp.size()
-            helpers = load_bridge_module(_QWEN3_VL_MODEL_MODULE)
-            if cp_size == 1 or not helpers._is_packed_input_pre_sharded(input_ids, packed_seq_params, cp_size=cp_size):
-                padding_mask = padding_mask_from_packed_seq_params(packed_seq_params, input_ids.size(1))
+        if padding_mask is None:
+            padding_mask = _derived_padding_mask(self, input_ids, packed_seq_params)
         if padding_mask is None:
             return base_forward(self, *args, **kwargs)
-        mask = self._padding_mask_for_layers(padding_mask, input_ids, packed_seq_params)
+        model_mask = self._padding_mask_for_model(padding_mask, input_ids, packed_seq_params)
+        if native:
+            # The model's own argument: it then derives nothing (no host read) and carries the mask to its
+            # decoder (scattered for SP where it scatters its hidden states).
+            kwargs = {**kwargs, "padding_mask": model_mask}
+        if not layers:
+            return base_forward(self, *args, **kwargs)
         samples = None
-        if packed_seq_params is not None and tuple(padding_mask.shape) == tuple(input_ids.shape) \
-                and input_ids.size(0) == 1 and uses_seq_aux_loss(self.config):
+        if packed_seq_params is not None and input_ids.size(0) == 1 and uses_seq_aux_loss(self.config):
             segment, num_samples = thd_sample_index(packed_seq_params, input_ids.size(1))
             # Cut exactly as the mask (and the hidden states): CP zigzag, SP scatter.
-            local = self._padding_mask_for_layers(segment, input_ids, packed_seq_params, dtype=torch.int64)
+            local = self._padding_mask_for_layers(
+                self._padding_mask_for_model(segment, input_ids, packed_seq_params, dtype=torch.int64))
             samples = (local.transpose(0, 1), packed_seq_params.cu_seqlens_q.numel() - 1, num_samples)
         # For the duration of the call its MoE layers (PaddingMaskMoELayer) take the mask from here.
-        token = _FORWARD_PADDING.set(_ForwardPadding(mask, samples))
+        token = _FORWARD_PADDING.set(_ForwardPadding(self._padding_mask_for_layers(model_mask), samples))
         try:
             return base_forward(self, *args, **kwargs)
         finally:
             _FORWARD_PADDING.reset(token)
 
 
+def _derived_padding_mask(model, input_ids, packed_seq_params) -> torch.Tensor | None:
+    """As Megatron-Bridge's model does when it declares ``padding_mask``: a THD row without an explicit mask
+    gets the one its boundaries imply (zero-length segments allowed, no host read). Pre-sharded CP input is
+    rank-local while its boundaries describe the full row: no mask is derived for it (None)."""
+    if packed_seq_params is None or input_ids is None or input_ids.dim() != 2 or input_ids.size(0) != 1:
+        return None
+    cp_size = model.pg_collection.cp.size()
+    helpers = load_bridge_module(_QWEN3_VL_MODEL_MODULE)
+    if cp_size > 1 and helpers._is_packed_input_pre_sharded(input_ids, packed_seq_params, cp_size=cp_size):
+        return None
+    return padding_mask_from_packed_seq_params(packed_seq_params, input_ids.size(1))
+
+
+def cut_for_context_parallel(mask: torch.Tensor, input_ids, packed_seq_params, cp_group) -> torch.Tensor:
+    """``mask`` (the shape of ``input_ids``) cut as Megatron-Bridge's ``Qwen3VLModel`` cuts its row for context
+    parallelism, with the model module's own helpers: a THD row by ``get_packed_seq_cp_partition_indices`` (zigzag
+    per segment; pre-sharded input is already rank-local), BSHD by ``_split_if_full_sequence``. Unchanged at CP 1.
+
+    Args:
+        mask: ``(b, s)`` per-token values (bool or int), the shape of ``input_ids``.
+        input_ids: ``(1, N)`` THD row or ``(B, T)`` padded batch.
+        packed_seq_params: the row's boundaries, or None for BSHD.
+        cp_group: the context-parallel process group.
+
+    Returns:
+        ``(b, s_cp)``: the values of this rank's tokens, in the model's order.
+    """
+    cp_size = cp_group.size()
+    if cp_size == 1:
+        return mask
+    helpers = load_bridge_module(_QWEN3_VL_MODEL_MODULE)
+    cp_rank = cp_group.rank()
+    if packed_seq_params is None:
+        cut, _ = helpers._split_if_full_sequence(
+            mask, cp_size=cp_size, seq_dim=1, cp_rank=cp_rank, full_sequence_length=input_ids.size(1))
+        return cut
+    if helpers._is_packed_input_pre_sharded(input_ids, packed_seq_params, cp_size=cp_size):
+        return mask
+    index = helpers.get_packed_seq_cp_partition_indices(
+        packed_seq_params, total_tokens=input_ids.size(1), cp_size=cp_size, cp_rank=cp_rank,
+        device=input_ids.device, cp_group=cp_group)
+    return mask.index_select(1, index)
+
+
 def _signature_with_padding_mask(base_forward) -> inspect.Signature:
-    """The base ``forward`` signature plus ``padding_mask`` (keyword-only, before ``**kwargs``)."""
+    """The base ``forward`` signature plus ``padding_mask`` (keyword-only, before ``**kwargs``), unless it declares
+    one already."""
     signature = inspect.signature(base_forward)
+    if takes_parameter(base_forward, "padding_mask"):
+        return signature
     parameters = list(signature.parameters.values())
     new = inspect.Parameter(
         "padding_mask", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="torch.Tensor | None"
@@ -558,9 +591,8 @@ def with_padding_mask(model):
             chain around one.
 
     Returns:
-        ``model`` itself. Unchanged when its ``forward`` already declares ``padding_mask``
-        (Megatron-Bridge main's ``Qwen3VLModel``, Megatron-Core's ``GPTModel``, a model already
-        passed through this function).
+        ``model`` itself. Unchanged when it was passed through this function already, or when it is
+        not a ``Qwen3VLModel`` and its ``forward`` declares ``padding_mask`` (Megatron-Core's ``GPTModel``).
 
     Raises:
         TypeError: ``model`` is not a Megatron-Bridge ``Qwen3VLModel`` (and declares no ``padding_mask``),
@@ -574,11 +606,13 @@ def with_padding_mask(model):
     core = model
     while hasattr(core, "module"):
         core = core.module
-    if declares_padding_mask(core):
-        logger.info("bridge_thd: %s.forward already declares padding_mask; left unchanged", type(core).__name__)
+    if isinstance(core, PaddingMaskForward):
         return model
     model_module = load_bridge_module(_QWEN3_VL_MODEL_MODULE)
     if not isinstance(core, model_module.Qwen3VLModel):
+        if declares_padding_mask(core):  # e.g. Megatron-Core's GPTModel: its own path carries the mask
+            logger.info("bridge_thd: %s.forward already declares padding_mask; left unchanged", type(core).__name__)
+            return model
         raise TypeError(
             f"model: with_padding_mask takes Megatron-Bridge's Qwen3VLModel (or a .module wrapper chain around "
             f"one); got {type(core).__name__}, whose forward declares no padding_mask"
@@ -617,6 +651,6 @@ def padding_mask_pre_wrap_hook(model_chunks: list[Any]) -> list[Any]:
     """Megatron-Bridge pre-wrap hook: :func:`with_padding_mask` on every model chunk.
 
     ``cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)`` (before ``finetune`` /
-    ``pretrain``); chunks whose ``forward`` already declares ``padding_mask`` are left as they are.
+    ``pretrain``).
     """
     return [with_padding_mask(chunk) for chunk in model_chunks]
