@@ -19,8 +19,9 @@ import torch
 
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.lengths import seq_idx
+from megatron.bridge_thd.upstream import load_bridge_module
 
-__all__ = ["thd_partition_indices", "thd_local_positions", "thd_padding_chunks", "PaddingChunks"]
+__all__ = ["thd_partition_indices", "thd_local_positions", "thd_padding_chunks", "PaddingChunks", "cut_for_context_parallel"]
 
 
 def _check_cp(cp_size, cp_rank) -> None:
@@ -169,3 +170,34 @@ def thd_padding_chunks(cu_seqlens, cu_seqlens_padded: torch.Tensor | None = None
     held = real[None, :, None] - chunk_ids[:, None, :] * size[None, :, None]
     chunk_real = torch.minimum(held.clamp_min(0), size[None, :, None])
     return PaddingChunks(chunk_ids=chunk_ids, chunk_size=size, chunk_real=chunk_real, segment_real=real)
+
+
+def cut_for_context_parallel(mask: torch.Tensor, input_ids, packed_seq_params, cp_group) -> torch.Tensor:
+    """``mask`` (the shape of ``input_ids``) cut as Megatron-Bridge's ``Qwen3VLModel`` cuts its row for context
+    parallelism, with the model module's own helpers: a THD row by ``get_packed_seq_cp_partition_indices`` (zigzag
+    per segment; pre-sharded input is already rank-local), BSHD by ``_split_if_full_sequence``. Unchanged at CP 1.
+
+    Args:
+        mask: ``(b, s)`` per-token values (bool or int), the shape of ``input_ids``.
+        input_ids: ``(1, N)`` THD row or ``(B, T)`` padded batch.
+        packed_seq_params: the row's boundaries, or None for BSHD.
+        cp_group: the context-parallel process group.
+
+    Returns:
+        ``(b, s_cp)``: the values of this rank's tokens, in the model's order.
+    """
+    cp_size = cp_group.size()
+    if cp_size == 1:
+        return mask
+    helpers = load_bridge_module("models.qwen_vl.modelling_qwen3_vl.model")
+    cp_rank = cp_group.rank()
+    if packed_seq_params is None:
+        cut, _ = helpers._split_if_full_sequence(
+            mask, cp_size=cp_size, seq_dim=1, cp_rank=cp_rank, full_sequence_length=input_ids.size(1))
+        return cut
+    if helpers._is_packed_input_pre_sharded(input_ids, packed_seq_params, cp_size=cp_size):
+        return mask
+    index = helpers.get_packed_seq_cp_partition_indices(
+        packed_seq_params, total_tokens=input_ids.size(1), cp_size=cp_size, cp_rank=cp_rank,
+        device=input_ids.device, cp_group=cp_group)
+    return mask.index_select(1, index)

@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import torch
 
 from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
+from megatron.bridge_thd.context_parallel import cut_for_context_parallel
 from megatron.bridge_thd.layouts import LAYOUT_NAMES
 from megatron.bridge_thd.layouts import bshd_width, row_bucket
 from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, read_once
@@ -38,6 +39,7 @@ from megatron.bridge_thd.step_plan import (
     unwrap_model,
 )
 from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
+from megatron.bridge_thd.upstream_line import upstream_line
 
 __all__ = ["make_forward_step", "forward_step", "PackingStats", "LAYOUT_NAMES", "prepare_micro_batch", "PreparedMicroBatch",
            "prepare_with_plan", "plan_for", "decoder_signature"]
@@ -469,13 +471,33 @@ def _flop_feed():
     return flop_utils, "cu_seqlens_unpadded" in inspect.signature(flop_utils.accumulate_flops_metadata).parameters
 
 
-def accumulate_flops(state, model, forward_args: dict) -> None:
+def _vision_flops_feed(flop_utils, forward_args: dict, spatial_merge_size: int) -> dict:
+    """The vision term, as the installed Megatron-Bridge's own step feeds it (``upstream_line.flops_vision_patch_stats``):
+    ``vision_patch_stats`` (patch sum, squared sum per frame, merged tokens, summed over the image and video grids by
+    its ``vision_patch_stats_from_grid_thw``; zeros without media, so that every data-parallel rank enters the
+    trainer's reduction), or ``num_vision_patches`` (``sum(t * h * w)``, None without media) where it takes no stats."""
+    grids = [grid for grid in (forward_args.get("image_grid_thw"), forward_args.get("video_grid_thw"))
+             if grid is not None and grid.numel() > 0]
+    if upstream_line().flops_vision_patch_stats:
+        stats = (0, 0, 0)
+        for grid in grids:
+            delta = flop_utils.vision_patch_stats_from_grid_thw(grid, spatial_merge_size=spatial_merge_size)
+            stats = tuple(total + part for total, part in zip(stats, delta, strict=True))
+        return dict(vision_patch_stats=stats)
+    patches = None
+    for grid in grids:
+        count = grid.prod(dim=-1).sum()
+        patches = count if patches is None else patches + count
+    return dict(num_vision_patches=patches)
+
+
+def accumulate_flops(state, model, forward_args: dict, spatial_merge_size: int = 2) -> None:
     """Feed Megatron-Bridge's FLOPs accounting as its own step does, with the real boundaries.
 
     ``training/utils/flop_utils.accumulate_flops_metadata`` adds, per micro-batch, the token
     slots the model processes (``tokens.shape[0] * tokens.shape[1]``: the THD row, or the padded
     ``B * W``) for the linear terms, the attention term ``sum(s_i^2)`` over the real segment
-    lengths (it prefers ``cu_seqlens_unpadded``), and the vision patches (``sum(t * h * w)``).
+    lengths (it prefers ``cu_seqlens_unpadded``), and the vision term (:func:`_vision_flops_feed`).
     The trainer resets and reads these ``state._flops_*`` accumulators every step. Everything
     stays on the device: no host synchronisation.
     """
@@ -484,12 +506,8 @@ def accumulate_flops(state, model, forward_args: dict) -> None:
         return
     flop_utils, takes_unpadded = feed
     params = forward_args.get("packed_seq_params")
-    patches = None
-    for grid in (forward_args.get("image_grid_thw"), forward_args.get("video_grid_thw")):
-        if grid is not None and grid.numel() > 0:
-            count = grid.prod(dim=-1).sum()
-            patches = count if patches is None else patches + count
-    kwargs = dict(vp_stage=flop_utils.get_model_chunk_vp_stage(model), num_vision_patches=patches)
+    kwargs = dict(vp_stage=flop_utils.get_model_chunk_vp_stage(model),
+                  **_vision_flops_feed(flop_utils, forward_args, spatial_merge_size))
     if params is not None:
         kwargs["cu_seqlens"] = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         if takes_unpadded:
@@ -574,7 +592,7 @@ def _forward_step(
     with _timer(state, "batch-generator"), _straggler_timer(state, bdata=True):
         batch = next(data_iterator)
         prepared = prepare_with_plan(batch, plan, is_last_stage=is_last_stage)
-    accumulate_flops(state, model, prepared.forward_args)
+    accumulate_flops(state, model, prepared.forward_args, plan.tokens.spatial_merge_size)
     stats_log = getattr(state, "bridge_thd_stats", None)
     if isinstance(stats_log, list):
         stats_log.append(prepared.stats)
@@ -582,6 +600,9 @@ def _forward_step(
     check_nan, check_spiky = plan.check_nan, plan.check_spiky
     loss_mask = prepared.loss_mask
     args = prepared.forward_args
+    if plan.padding_mask_cut_for_cp:
+        args["padding_mask"] = cut_for_context_parallel(args["padding_mask"], args["input_ids"],
+                                                        args["packed_seq_params"], pg_collection.cp)
     if return_schedule_plan:
         if args["packed_seq_params"] is not None:
             raise ValueError(

@@ -96,6 +96,9 @@ class StepPlan:
         fixed_p2p_shapes: pipeline stages exchange fixed-shape buffers (PP>1 without ``variable_seq_lengths``).
         p2p_micro_batch_size: ``thd_static`` with fixed p2p shapes: the batch size of those buffers.
         extras: the optional extras the model's ``forward`` declares (passed); ``extras_refused``: the others.
+        padding_mask_cut_for_cp: the step cuts ``padding_mask`` for context parallelism before the call: a model
+            that declares ``padding_mask`` itself (``upstream_line.model_takes_padding_mask``) takes it cut as it
+            cuts its row, and no hook (``moe_padding.with_padding_mask``) cuts it for the model (CP > 1 only).
         tokens: the family's constants (the adapter's ``tokens(model_config)``: vision token ids, merge size).
         adapter: the model family (:mod:`megatron.bridge_thd.adapters`).
         pad_token_id: the pad id lengths fall back to without a mask (``dataset.packing_length_fallback=
@@ -120,6 +123,7 @@ class StepPlan:
     p2p_micro_batch_size: int | None
     extras: tuple[str, ...]
     extras_refused: tuple[str, ...]
+    padding_mask_cut_for_cp: bool
     tokens: Any
     adapter: Any
     pad_token_id: int | None
@@ -255,7 +259,9 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
         align=setup.align, micro_batch_size=setup.micro_batch_size, static_rows=static_rows,
         fixed_p2p_shapes=setup.fixed_p2p_shapes,
         p2p_micro_batch_size=setup.micro_batch_size if layout == "thd_static" and setup.fixed_p2p_shapes else None,
-        extras=extras, extras_refused=refused, tokens=adapter.tokens(model_config), adapter=adapter,
+        extras=extras, extras_refused=refused,
+        padding_mask_cut_for_cp="padding_mask" in extras and setup.cp > 1 and not setup.routes_real_tokens_only,
+        tokens=adapter.tokens(model_config), adapter=adapter,
         pad_token_id=_fallback_pad_id(state, model_config), overlong_samples=policy_of(cfg.dataset),
         check_nan=bool(getattr(rerun, "check_for_nan_in_loss", True)),
         check_spiky=bool(getattr(rerun, "check_for_spiky_loss", False)),

@@ -16,7 +16,7 @@ import types
 
 from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
 
-__all__ = ["UpstreamLine", "upstream_line", "takes_parameter"]
+__all__ = ["UpstreamLine", "upstream_line", "takes_parameter", "trainer_flops"]
 
 _QWEN3_VL_MODEL_MODULE = "models.qwen_vl.modelling_qwen3_vl.model"
 
@@ -98,3 +98,33 @@ def upstream_line() -> UpstreamLine:
         hybridep_dispatch_takes_uses_thd=_hybridep_dispatch_takes_uses_thd(),
         gdn_torch_rule_module=_gdn_torch_rule_module(),
     )
+
+
+def trainer_flops(flop_utils, cfg, state, *, batch_size: int, data_parallel_size: int, dp_group) -> float:
+    """The FLOPs Megatron-Bridge's trainer adds for a step from the ``state._flops_*`` accumulators, as the
+    installed ``training/train.py`` computes them: ``resolve_global_flops_runtime_stats`` then
+    ``num_floating_point_operations``, plus, where the stats come as a ``GlobalFlopsRuntimeStats`` record
+    with exact vision statistics, ``vit_flops_from_patch_stats`` (``upstream_line().flops_runtime_stats_record``).
+
+    Args:
+        flop_utils: Megatron-Bridge's ``training/utils/flop_utils.py`` (:func:`load_flop_utils`).
+        cfg: what the trainer passes as its config (``model``, ``peft``).
+        state: the object carrying the accumulators.
+        batch_size: the step's global batch size.
+        data_parallel_size, dp_group: the data-parallel group the trainer reduces over.
+    """
+    if not upstream_line().flops_runtime_stats_record:
+        seqlen_sum, seqlen_squared_sum, patches, *_ = flop_utils.resolve_global_flops_runtime_stats(
+            state, data_parallel_size=data_parallel_size, dp_group=dp_group)
+        return float(flop_utils.num_floating_point_operations(
+            cfg, batch_size, seqlen_sum=seqlen_sum, seqlen_squared_sum=seqlen_squared_sum, num_vision_patches=patches))
+    stats = flop_utils.resolve_global_flops_runtime_stats(
+        state, data_parallel_size=data_parallel_size, dp_group=dp_group, include_vision_patch_stats=True)
+    flops = flop_utils.num_floating_point_operations(
+        cfg, batch_size=batch_size, seqlen_sum=stats.seqlen_sum, seqlen_squared_sum=stats.seqlen_squared_sum,
+        num_vision_patches=0 if stats.has_exact_vision_stats else stats.num_vision_patches)
+    if stats.has_exact_vision_stats:
+        flops += flop_utils.vit_flops_from_patch_stats(
+            cfg, patch_sum=stats.vision_patch_sum, patch_squared_sum=stats.vision_patch_squared_sum,
+            merged_token_sum=stats.vision_merged_token_sum)
+    return float(flops)
