@@ -288,22 +288,20 @@ def placement_report(comparison: dict) -> str:
     return "\n".join(lines)
 
 
-def _trainer_flops(model, state, batch_size: int, **override) -> float | None:
-    """The FLOPs Megatron-Bridge's trainer logs for the step, from the accumulators our step fed
-    (``training/utils/flop_utils.py``); None for a model without a Megatron config (HF)."""
+def _trainer_flops(model, state, batch_size: int) -> float | None:
+    """The FLOPs Megatron-Bridge's trainer logs for the step, from the accumulators our step fed, as the
+    installed trainer computes them (``upstream_line.trainer_flops``); None for a model without a Megatron
+    config (HF)."""
     config = getattr(model, "config", None)
     if not hasattr(config, "num_layers"):
         return None
     from types import SimpleNamespace
 
     from megatron.bridge_thd.upstream import load_flop_utils
+    from megatron.bridge_thd.upstream_line import trainer_flops
 
-    flop_utils = load_flop_utils()
-    seqlen_sum, seqlen_sq_sum, patches, _, _ = flop_utils.resolve_global_flops_runtime_stats(
-        state, data_parallel_size=1, dp_group=torch.distributed.group.WORLD
-    )
-    stats = dict(seqlen_sum=seqlen_sum, seqlen_squared_sum=seqlen_sq_sum, num_vision_patches=patches, **override)
-    return float(flop_utils.num_floating_point_operations(SimpleNamespace(model=config, peft=None), batch_size, **stats))
+    return trainer_flops(load_flop_utils(), SimpleNamespace(model=config, peft=None), state, batch_size=batch_size,
+                         data_parallel_size=1, dp_group=torch.distributed.group.WORLD)
 
 
 def _run_layouts(model, per_sample, batches, micro_batch_size, seq_length, progress) -> dict:
