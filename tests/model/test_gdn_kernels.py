@@ -1,6 +1,6 @@
 """The pure-torch fla kernels of ``megatron.bridge_thd_cpu.gdn`` honour ``cu_seqlens``.
 
-References: each segment evaluated alone (the same function, unpacked), Megatron-Core 0.19.2's
+References: each segment evaluated alone (the same function, unpacked), Megatron-Core's
 own ``torch_chunk_gated_delta_rule`` per segment, and ``torch.nn.functional.conv1d`` with causal
 left padding per segment. Control: the same row without ``cu_seqlens`` leaks across segments.
 """
@@ -60,7 +60,9 @@ def test_gated_delta_rule_matches_megatron_torch_reference_per_segment(chunk_siz
     """Megatron-Core's ``torch_chunk_gated_delta_rule`` (no cu_seqlens) on each segment alone;
     it pads every sequence to a multiple of ``chunk_size`` with g = beta = 0 itself, so any
     positive length is valid input (zero-length segments are skipped: it cannot take them)."""
-    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+    from megatron.bridge_thd_cpu.gdn import megatron_torch_rule
+
+    torch_chunk_gated_delta_rule = megatron_torch_rule()
 
     T = sum(LENGTHS)
     q, k, v, g, beta = _gdn_inputs(T, seed=2)

@@ -177,7 +177,9 @@ def test_gdn_layer_equals_megatron_torch_fallback_on_one_sequence(model, monkeyp
     """On one unpacked sequence, a GDN layer through our kernels equals the same layer through
     Megatron-Core's own deterministic-mode path (``F.conv1d`` + ``torch_chunk_gated_delta_rule``),
     which cannot take cu_seqlens: the kernels are wired in as Megatron-Core calls fla's."""
-    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+    from megatron.bridge_thd_cpu.gdn import megatron_torch_rule
+
+    torch_chunk_gated_delta_rule = megatron_torch_rule()
 
     layer = gdn_layers(model)[0]
     hidden = torch.randn(70, 2, model.language_model.config.hidden_size, generator=torch.Generator().manual_seed(0))

@@ -110,3 +110,38 @@ def test_qwen25_vl_import_patches_is_one_placeholder_only_without_omegaconf(monk
         with pytest.raises(ModuleNotFoundError, match="omegaconf is not installed"):
             OmegaConf.create({})
     assert "omegaconf" not in sys.modules
+
+
+def test_cpu_stack_gives_each_te_class_upstream_tests_with_isinstance_a_type():
+    """Where the installed upstream tests a Transformer Engine class with ``isinstance`` (``upstream_line()``)
+    and that class is a ``MagicMock`` (no TE), ``cpu_stack`` binds a real type for the block: the Qwen3-VL
+    attention's ``TEDotProductAttention`` is the CPU THD attention, the MTP layer's inference linears are
+    classes no object is an instance of (and none can be built); every name is restored on exit."""
+    from megatron.core.tensor_parallel import inference_layers
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from megatron.bridge_thd.upstream import load_bridge_module
+    from megatron.bridge_thd.upstream_line import upstream_line
+    from megatron.bridge_thd_cpu.attention import THDCoreAttention
+    from megatron.bridge_thd_cpu.stack import QWEN3_VL_ATTENTION_MODULE, cpu_patches, cpu_stack
+
+    line, attention = upstream_line(), load_bridge_module(QWEN3_VL_ATTENTION_MODULE)
+    linears = ("InferenceColumnParallelLinear", "InferenceLayerNormColumnParallelLinear")
+    mocked = [name for name in linears if not isinstance(getattr(inference_layers, name), type)]
+    targets = {record.target for record in cpu_patches()}
+    assert (f"{attention.__name__}.TEDotProductAttention" in targets) == line.qwen3_vl_attention_tests_te_attention
+    expected = set(mocked) if line.mtp_tests_inference_linear else set()
+    assert {name for name in linears if f"{inference_layers.__name__}.{name}" in targets} == expected
+
+    names = [(inference_layers, name) for name in linears] + [(attention, "TEDotProductAttention")]
+    before = [getattr(owner, name, None) for owner, name in names]
+    with cpu_stack():
+        if line.qwen3_vl_attention_tests_te_attention:
+            assert attention.TEDotProductAttention is THDCoreAttention
+        if line.mtp_tests_inference_linear:
+            assert all(isinstance(getattr(inference_layers, name), type) for name in linears)
+            assert not inference_layers.is_inference_column_parallel_linear(object.__new__(ColumnParallelLinear))
+            for name in mocked:
+                with pytest.raises(TypeError, match="Transformer Engine"):
+                    getattr(inference_layers, name)()
+    assert all(getattr(owner, name, None) is value for (owner, name), value in zip(names, before))

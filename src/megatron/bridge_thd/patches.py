@@ -17,8 +17,12 @@ The patches (targets, where they are built and applied, why; one line each in do
   and ``token_dispatcher.maybe_move_tensor_to_cpu`` (CUDA tensors, syncs, streams, split sizes);
   Gated DeltaNet without fla: ``gated_delta_net.common`` ``HAVE_FLA``, ``causal_conv1d``,
   ``l2norm``, ``chunk_gated_delta_rule``, ``get_cuda_rng_tracker``, ``gated_delta_net.gdn``
-  ``causal_conv1d``, ``chunk_gated_delta_rule``, and ``_GDNBase``'s ``torch.compile`` methods
-  ``_apply_gated_norm``, ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta``.
+  ``causal_conv1d``, ``chunk_gated_delta_rule``, and the ``torch.compile`` methods of ``_GDNBase``
+  (``_apply_gated_norm``, ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta``) and
+  ``GatedDeltaNet`` (``_compute_gates``); the TE classes upstream tests with ``isinstance``, which
+  are ``MagicMock`` objects without TE: the Qwen3-VL attention's ``attention.TEDotProductAttention``
+  (the CPU THD core attention) and ``inference_layers`` ``InferenceColumnParallelLinear``,
+  ``InferenceLayerNormColumnParallelLinear`` (classes no object is an instance of).
 * Scoped, test bed only: ``bridge_thd_testbed/training.py`` ``cpu_training_patches()``, applied by
   ``cpu_training()``, for Megatron-Bridge's ``finetune()`` on the CPU: the provider's
   ``get_gpt_layer_with_transformer_engine_spec``; the Qwen3.5-VL provider's

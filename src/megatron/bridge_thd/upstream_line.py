@@ -19,6 +19,7 @@ from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
 __all__ = ["UpstreamLine", "upstream_line", "takes_parameter", "trainer_flops"]
 
 _QWEN3_VL_MODEL_MODULE = "models.qwen_vl.modelling_qwen3_vl.model"
+_QWEN3_VL_ATTENTION_MODULE = "models.qwen_vl.modelling_qwen3_vl.attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,12 @@ class UpstreamLine:
     # The Megatron-Core module that defines torch_chunk_gated_delta_rule (the Gated DeltaNet's
     # deterministic torch rule): ssm/gated_delta_net/common.py, later gdn.py.
     gdn_torch_rule_module: str | None
+    # modelling_qwen3_vl/attention.py binds Transformer Engine's TEDotProductAttention and tests the
+    # core attention against it with isinstance (TE gets Qwen's 2D keep mask as a masked-token mask).
+    qwen3_vl_attention_tests_te_attention: bool
+    # Megatron-Core's multi_token_prediction calls is_inference_column_parallel_linear on eh_proj: an
+    # isinstance test against the inference-optimized linears, subclasses of TE's.
+    mtp_tests_inference_linear: bool
 
     def describe(self) -> list[str]:
         """One ``name=value`` line per seam, for logs and ``bridge-thd`` reports."""
@@ -86,6 +93,16 @@ def _gdn_torch_rule_module() -> str | None:
     return None
 
 
+def _qwen3_vl_attention_tests_te_attention() -> bool:
+    return hasattr(load_bridge_module(_QWEN3_VL_ATTENTION_MODULE), "TEDotProductAttention")
+
+
+def _mtp_tests_inference_linear() -> bool:
+    import megatron.core.transformer.multi_token_prediction as multi_token_prediction
+
+    return hasattr(multi_token_prediction, "is_inference_column_parallel_linear")
+
+
 @functools.cache
 def upstream_line() -> UpstreamLine:
     """The installed upstream's seams, read once per process (see :class:`UpstreamLine`)."""
@@ -97,6 +114,8 @@ def upstream_line() -> UpstreamLine:
         flops_runtime_stats_record=flop_utils is not None and hasattr(flop_utils, "GlobalFlopsRuntimeStats"),
         hybridep_dispatch_takes_uses_thd=_hybridep_dispatch_takes_uses_thd(),
         gdn_torch_rule_module=_gdn_torch_rule_module(),
+        qwen3_vl_attention_tests_te_attention=_qwen3_vl_attention_tests_te_attention(),
+        mtp_tests_inference_linear=_mtp_tests_inference_linear(),
     )
 
 

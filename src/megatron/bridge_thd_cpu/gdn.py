@@ -1,6 +1,6 @@
 """Pure-torch stand-ins for the flash-linear-attention kernels Megatron-Core's Gated DeltaNet calls.
 
-Megatron-Core (``ssm/gated_delta_net/common.py``) imports ``causal_conv1d``, ``l2norm``
+Megatron-Core (``ssm/gated_delta_net``) imports ``causal_conv1d``, ``l2norm``
 and ``chunk_gated_delta_rule`` from flash-linear-attention (Triton, CUDA only) and refuses to
 build a GDN layer without them; its own torch fallback ``torch_chunk_gated_delta_rule`` refuses
 ``cu_seqlens``. These functions keep fla's signatures and semantics, including the varlen
@@ -20,7 +20,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d", "chunk_gated_delta_rule", "l2norm", "pack_segments", "unpack_segments"]
+__all__ = ["causal_conv1d", "chunk_gated_delta_rule", "l2norm", "megatron_torch_rule", "pack_segments",
+           "unpack_segments"]
+
+
+def megatron_torch_rule():
+    """Megatron-Core's own ``torch_chunk_gated_delta_rule`` (deterministic mode, no ``cu_seqlens``), from
+    the module the installed Megatron-Core defines it in (``upstream_line().gdn_torch_rule_module``)."""
+    import importlib
+
+    from megatron.bridge_thd.upstream_line import upstream_line
+
+    module = upstream_line().gdn_torch_rule_module
+    if module is None:
+        raise ImportError("the installed Megatron-Core defines no torch_chunk_gated_delta_rule")
+    return importlib.import_module(module).torch_chunk_gated_delta_rule
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype: torch.dtype | None = None, **_):

@@ -18,10 +18,12 @@ import torch
 from megatron.bridge_thd.context_parallel import thd_partition_indices
 from megatron.bridge_thd.patches import Patch, applied
 from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream_line import upstream_line
 
 __all__ = ["cpu_stack", "cpu_patches", "local_vit_layer_spec", "QWEN3_VL_MODEL_MODULE"]
 
 QWEN3_VL_MODEL_MODULE = "models.qwen_vl.modelling_qwen3_vl.model"
+QWEN3_VL_ATTENTION_MODULE = "models.qwen_vl.modelling_qwen3_vl.attention"
 
 
 def local_vit_layer_spec():
@@ -124,7 +126,20 @@ def _cpu_rng_tracker():
     return _CpuRngTracker()
 
 
-_GDN_FUSED_METHODS = ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta")
+def _uncompiled(method):
+    """The undecorated original of a ``@jit_fuser`` (``torch.compile``) method, or None for any other."""
+    return getattr(method, "_torchdynamo_orig_callable", None)
+
+
+def _jit_fused_method_patches(classes) -> list[Patch]:
+    """Each ``@jit_fuser`` method the classes define, back to its original (no Inductor on the CPU)."""
+    return [
+        Patch(cls, name, _uncompiled(method),
+              "@jit_fuser (torch.compile) method: its undecorated original, no Inductor on the CPU")
+        for cls in classes
+        for name, method in vars(cls).items()
+        if _uncompiled(method) is not None
+    ]
 
 
 def _gdn_patches() -> list[Patch]:
@@ -151,12 +166,49 @@ def _gdn_patches() -> list[Patch]:
     if not torch.cuda.is_available():
         patches.append(Patch(gdn_common, "get_cuda_rng_tracker", _cpu_rng_tracker,
                              "reset_parameters forks the CUDA RNG tracker; on the CPU fork is the CPU generator"))
-        for name in _GDN_FUSED_METHODS:
-            fused = gdn_common._GDNBase.__dict__.get(name)
-            original = getattr(fused, "_torchdynamo_orig_callable", None) or getattr(fused, "__wrapped__", None)
-            if original is not None:
-                patches.append(Patch(gdn_common._GDNBase, name, original,
-                                     "@jit_fuser (torch.compile) method: its undecorated original, no Inductor on the CPU"))
+        patches += _jit_fused_method_patches((gdn_common._GDNBase, gdn_module.GatedDeltaNet))
+    return patches
+
+
+class _AbsentTEClass:
+    """Base of the classes :func:`_absent_te_class` makes: none can be built (TE is absent)."""
+
+    def __new__(cls, *args, **kwargs):
+        raise TypeError(f"{cls.__qualname__} stands for a Transformer Engine class; TE is not installed here")
+
+
+def _absent_te_class(name: str) -> type:
+    """A real class named ``name`` that no object is an instance of.
+
+    Without TE, Megatron-Core derives its TE classes (and their subclasses) from a ``MagicMock``, so
+    each is a mock, not a type, and ``isinstance(x, it)`` raises. No instance of the TE class can exist
+    without TE, so ``isinstance`` against this class is False for every object, as it would be there.
+    """
+    return type(name, (_AbsentTEClass,), {"__module__": __name__, "__qualname__": name})
+
+
+def _is_mock_class(value) -> bool:
+    return value is not None and not isinstance(value, type)
+
+
+def _te_isinstance_patches() -> list[Patch]:
+    """The TE classes that the installed upstream tests with ``isinstance`` on the model's path."""
+    line, patches = upstream_line(), []
+    if line.qwen3_vl_attention_tests_te_attention:
+        from megatron.bridge_thd_cpu.attention import THDCoreAttention
+
+        attention = load_bridge_module(QWEN3_VL_ATTENTION_MODULE)
+        patches.append(Patch(attention, "TEDotProductAttention", THDCoreAttention,
+                             "the Qwen3-VL attention tests its core attention against TE's with isinstance: the "
+                             "CPU THD attention stands in for TE's, so it gets TE's masked-token mask"))
+    if line.mtp_tests_inference_linear:
+        import megatron.core.tensor_parallel.inference_layers as inference_layers
+
+        for name in ("InferenceColumnParallelLinear", "InferenceLayerNormColumnParallelLinear"):
+            if _is_mock_class(getattr(inference_layers, name, None)):
+                patches.append(Patch(inference_layers, name, _absent_te_class(name),
+                                     "the MTP layer's is_inference_column_parallel_linear tests eh_proj with "
+                                     "isinstance; without TE this TE subclass is a MagicMock, and no instance exists"))
     return patches
 
 
@@ -196,6 +248,7 @@ def cpu_patches() -> list[Patch]:
         patches.append(Patch(mcore_utils, "tex", SimpleNamespace(thd_get_partitioned_indices=_thd_get_partitioned_indices),
                              "tex is None without TE: the THD CP split of get_batch_on_this_cp_rank and "
                              "get_packed_seq_cp_partition_indices needs thd_get_partitioned_indices"))
+    patches += _te_isinstance_patches()
     patches += _gdn_patches()
     return patches
 
