@@ -375,11 +375,16 @@ def receipts():
 def _forward(model, packed, batch):
     from megatron.bridge_thd_cpu.stack import cpu_stack
 
+    from megatron.bridge_thd.upstream_line import upstream_line
+
     visual = batch["visual_inputs"]
+    # Where the model declares padding_mask, it is given the row's: left to derive it from the boundaries, the
+    # model refuses the zero-length segments a row may hold (docs/energon.md).
+    extras = {"padding_mask": packed.padding_mask} if upstream_line().model_takes_padding_mask else {}
     with torch.no_grad(), cpu_stack():
         return model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
                      labels=packed.labels, packed_seq_params=packed.packed_seq_params,
-                     pixel_values=visual.pixel_values, image_grid_thw=visual.image_grid_thw)
+                     pixel_values=visual.pixel_values, image_grid_thw=visual.image_grid_thw, **extras)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from megatron.bridge_thd_cpu.parity import (
     worst_relative_gradient_error,
 )
 from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream_line import upstream_line
 
 LAYOUT_NAMES = ["thd", "thd_static", "bshd"]
 DLOGP_TOLERANCE = 1e-5
@@ -207,18 +208,25 @@ def test_all_padding_micro_batch_trains_on_nothing(model, layout):
 
 
 def test_bridge_model_gets_no_undeclared_extras(model, batches, monkeypatch, caplog):
-    """0.6.2's Qwen3VLModel declares no padding_mask: its **kwargs go on to the language model,
-    which raises TypeError on the name, so the step must not pass it, and says so once."""
+    """Where Qwen3VLModel declares no padding_mask, its **kwargs go on to the language model, which raises
+    TypeError on the name, so the step must not pass it, and says so once. Where it declares one
+    (``upstream_line().model_takes_padding_mask``), the step passes its mask, so the model derives none itself
+    (host reads, and a refusal of zero-length segments); neither line declares rope_cu_seqlens."""
     caplog.set_level(logging.INFO, logger="megatron.bridge_thd")
     batch = batches["right"]
     with torch.no_grad():
         run = step_run(model, batch, "thd")
         message = next(r.getMessage() for r in caplog.records if "Qwen3VLModel" in r.getMessage())
         passed, _, not_passed = message.partition("not declared")
-        assert "padding_mask" not in passed and "padding_mask" in not_passed
-        assert "padding_mask" not in run.args and "rope_cu_seqlens" not in run.args
-        with pytest.raises(TypeError, match="padding_mask"):
-            model(**run.args, padding_mask=torch.zeros_like(run.args["input_ids"], dtype=torch.bool))
+        assert "rope_cu_seqlens" not in run.args and "rope_cu_seqlens" in not_passed
+        if upstream_line().model_takes_padding_mask:
+            assert "padding_mask" in passed and "padding_mask" in run.args
+            assert run.args["padding_mask"].shape == run.args["input_ids"].shape
+        else:
+            assert "padding_mask" not in passed and "padding_mask" in not_passed
+            assert "padding_mask" not in run.args
+            with pytest.raises(TypeError, match="padding_mask"):
+                model(**run.args, padding_mask=torch.zeros_like(run.args["input_ids"], dtype=torch.bool))
 
 
 def test_pad_between_seqs_catches_padding_in_the_last_slot_only():

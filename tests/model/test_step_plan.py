@@ -24,6 +24,7 @@ from megatron.bridge_thd.configure import configure
 from megatron.bridge_thd.qwen3_vl_step import forward_step, prepare_micro_batch, prepare_with_plan
 from megatron.bridge_thd.rules import STEP_RULES, read_setup, step_problems
 from megatron.bridge_thd.step_plan import StaticRow, StepPlan, build_step_plan, in_batch_static_row
+from megatron.bridge_thd.upstream_line import upstream_line
 from megatron.bridge_thd_cpu.data import select_samples, synthetic_receipt_batch
 from megatron.bridge_thd_cpu.stack import cpu_stack
 from megatron.bridge_thd_cpu.standalone import minimal_state
@@ -104,8 +105,10 @@ def test_a_changed_config_is_a_new_plan(model):
 def test_the_plan_records_what_the_model_takes(model):
     plan = build_step_plan(minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd"), model,
                            model.pg_collection, QWEN3_VL)
-    # Megatron-Bridge's Qwen3VLModel declares neither optional extra: both refused, none passed.
-    assert plan.extras == () and set(plan.extras_refused) == {"padding_mask", "rope_cu_seqlens"}
+    # Megatron-Bridge's Qwen3VLModel declares padding_mask on one line only, rope_cu_seqlens on neither.
+    declared = ("padding_mask",) if upstream_line().model_takes_padding_mask else ()
+    assert plan.extras == declared and set(plan.extras_refused) == {"padding_mask", "rope_cu_seqlens"} - set(declared)
+    assert plan.padding_mask_cut_for_cp is False  # CP = 1
     config = model.config
     assert (plan.tokens.image_token_id, plan.tokens.video_token_id) == (config.image_token_id, config.video_token_id)
     assert plan.static_row is None and plan.layout == "thd" and plan.device == torch.device("cpu")

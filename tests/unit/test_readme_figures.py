@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron.bridge_thd.upstream_line import upstream_line
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -50,6 +52,13 @@ def test_the_readme_keeps_its_figure_blocks(readme_blocks):
     assert {"packer-ops-short", "demo"} <= in_readme
 
 
+# Computed blocks whose figures differ on the line whose Qwen3VLModel declares padding_mask (docs/compatibility.md).
+LINE_DEPENDENT_BLOCKS = {
+    "step-host-syncs": "where Qwen3VLModel declares padding_mask the step hands it one more tensor, so one more "
+                       "copy per micro-batch (host syncs unchanged: model/test_step_host_syncs.py runs on both lines)",
+}
+
+
 def _assert_current(name, readme_blocks):
     path, body = readme_blocks[name]
     rendered = rf.render_block(name, path)
@@ -59,6 +68,8 @@ def _assert_current(name, readme_blocks):
 
 @pytest.mark.parametrize("name", [n for n in NAMES if rf.get_block(n).kind == "computed"])
 def test_computed_block_is_current(name, readme_blocks):
+    if name in LINE_DEPENDENT_BLOCKS and upstream_line().model_takes_padding_mask:
+        pytest.skip(f"block {name!r} is rendered on the line `make test` proves: {LINE_DEPENDENT_BLOCKS[name]}")
     _assert_current(name, readme_blocks)
 
 

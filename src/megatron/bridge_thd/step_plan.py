@@ -24,6 +24,8 @@ from megatron.bridge_thd.layouts import layout_for, static_row_length
 from megatron.bridge_thd.overlong import policy_of
 from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.rules import layout_dependent_moe_settings, read_setup, requested_layout, step_problems
+from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream_line import upstream_line
 
 __all__ = ["StaticRow", "GlobalBatchRows", "StepPlan", "build_step_plan", "in_batch_static_row", "OPTIONAL_MODEL_EXTRAS",
            "ROWS_ATTRIBUTE"]
@@ -96,9 +98,9 @@ class StepPlan:
         fixed_p2p_shapes: pipeline stages exchange fixed-shape buffers (PP>1 without ``variable_seq_lengths``).
         p2p_micro_batch_size: ``thd_static`` with fixed p2p shapes: the batch size of those buffers.
         extras: the optional extras the model's ``forward`` declares (passed); ``extras_refused``: the others.
-        padding_mask_cut_for_cp: the step cuts ``padding_mask`` for context parallelism before the call: a model
-            that declares ``padding_mask`` itself (``upstream_line.model_takes_padding_mask``) takes it cut as it
-            cuts its row, and no hook (``moe_padding.with_padding_mask``) cuts it for the model (CP > 1 only).
+        padding_mask_cut_for_cp: the step cuts ``padding_mask`` for context parallelism before the call: where
+            Megatron-Bridge's ``Qwen3VLModel`` declares ``padding_mask`` itself (``upstream_line``) it takes a given
+            mask cut as it cuts its row, and no hook (``moe_padding.with_padding_mask``) cuts it (CP > 1 only).
         tokens: the family's constants (the adapter's ``tokens(model_config)``: vision token ids, merge size).
         adapter: the model family (:mod:`megatron.bridge_thd.adapters`).
         pad_token_id: the pad id lengths fall back to without a mask (``dataset.packing_length_fallback=
@@ -260,7 +262,8 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
         fixed_p2p_shapes=setup.fixed_p2p_shapes,
         p2p_micro_batch_size=setup.micro_batch_size if layout == "thd_static" and setup.fixed_p2p_shapes else None,
         extras=extras, extras_refused=refused,
-        padding_mask_cut_for_cp="padding_mask" in extras and setup.cp > 1 and not setup.routes_real_tokens_only,
+        padding_mask_cut_for_cp="padding_mask" in extras and setup.cp > 1 and not setup.routes_real_tokens_only
+        and _takes_a_cp_local_padding_mask(core),
         tokens=adapter.tokens(model_config), adapter=adapter,
         pad_token_id=_fallback_pad_id(state, model_config), overlong_samples=policy_of(cfg.dataset),
         check_nan=bool(getattr(rerun, "check_for_nan_in_loss", True)),
@@ -269,6 +272,15 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
     )
     _log_plan(plan)
     return plan
+
+
+def _takes_a_cp_local_padding_mask(core) -> bool:
+    """Megatron-Bridge's ``Qwen3VLModel`` where it declares ``padding_mask`` (``upstream_line().model_takes_padding_mask``)
+    cuts for context parallelism only the mask it derives; a mask it is given must already be the rank's. Other
+    models that declare it (Megatron-Core's ``GPTModel``, the CPU reference) take the full row's."""
+    if not upstream_line().model_takes_padding_mask:
+        return False
+    return isinstance(core, load_bridge_module("models.qwen_vl.modelling_qwen3_vl.model").Qwen3VLModel)
 
 
 def _warn_padded_moe_routing(setup) -> None:
