@@ -1582,7 +1582,8 @@ def test_docs_explain_the_refusals_and_hold_the_one_flag_table():
     assert header not in configure_module.__doc__, "the flag table's one copy is configure.FLAG_RULES"
     assert docs.count(header) == 1 and header in _docs_configure_flags_block()[0]
     for heading in (
-        "### CUDA graphs with pipeline parallelism (every layout)",
+        "### CUDA graphs with pipeline parallelism (every layout, at micro-batch size 1 `\"thd\"` only)",
+        "### A micro-batch of one sample",
         "### MoE expert-parallel communication overlap with a THD layout",
         "### `dataset.seq_length` differs from `model.seq_length`",
         "### Explicit settings the layout contradicts",
