@@ -52,10 +52,11 @@ class _H100Properties:
 
 @contextlib.contextmanager
 def _h100_device_properties():
-    """The 30B-A3B recipe calls ``apply_flex_dispatcher_backend(cfg.model, None)``, which reads
-    ``torch.cuda.get_device_properties(0)`` (training/flex_dispatcher_backend.py) and raises on a machine
-    without a driver; inside the recipe call only, it answers as an H100 (the backend is None, so the
-    answer changes nothing but the raise)."""
+    """The 30B-A3B recipe calls ``apply_flex_dispatcher_backend(cfg.model, None)``, and ``validate()`` calls
+    ``validate_flex_dispatcher_backend`` for a flex dispatcher (HybridEP in the Qwen3.5-VL 35B-A3B recipe of the
+    0.7 line); both read ``torch.cuda.get_device_properties(0)`` (training/flex_dispatcher_backend.py), which
+    raises on a machine without a driver. Inside the recipe call and ``runtime_config_update`` only, it answers as
+    the H100 the recipes are written for (HybridEP and DeepEP support it)."""
     import torch
 
     original = torch.cuda.get_device_properties
@@ -66,9 +67,16 @@ def _h100_device_properties():
         torch.cuda.get_device_properties = original
 
 
-# Transformer Engine kernels the recipes turn on and that Megatron-Core's post-init refuses without TE
-# ("fused permutation is not available. Please install TE >= 2.1.0."): turned off on this machine only.
-CPU_ONLY_EDITS = {"moe_permute_fusion": False}
+# Transformer Engine kernels and features the recipes turn on and that Megatron-Core's post-init refuses without
+# TE ("fused permutation is not available. Please install TE >= 2.1.0.", "TE version >= 2.3.0 is required for
+# overlap_dispatch_backward_with_experts_wgrad"): turned off on this machine only. Neither depends on the layout:
+# the permutation fusion is a kernel, and overlap_dispatch_backward_with_experts_wgrad only moves the experts'
+# weight-gradient GEMMs onto a side stream behind the dispatch's backward (Megatron-Core transformer/moe/moe_layer.py);
+# it refuses overlap_moe_expert_parallel_comm, which configure refuses for the THD layouts anyway.
+CPU_ONLY_EDITS = {"moe_permute_fusion": False, "overlap_dispatch_backward_with_experts_wgrad": False}
+# What Megatron-Core says without TE for each edit (the first it meets refuses the unedited recipe).
+WITHOUT_TE = ("fused permutation is not available. Please install TE",
+              "TE version >= 2.3.0 is required for overlap_dispatch_backward_with_experts_wgrad")
 
 
 def _build(recipe: str, variant: dict, world_size: int, cpu_edits: bool = True):
@@ -96,6 +104,11 @@ def _summary(cfg) -> dict:
     model = cfg.model
     return {
         "ok": True,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "pack_sequences_in_batch": getattr(cfg.dataset, "pack_sequences_in_batch", None),
+        "hybridep": getattr(model, "moe_flex_dispatcher_backend", None) == "hybridep"
+        and getattr(model, "moe_token_dispatcher_type", None) == "flex",
+        "hybridep_padding": getattr(model, "moe_hybridep_pad_uneven_dispatch_inputs", None),
         "enable_in_batch_packing": cfg.dataset.enable_in_batch_packing,
         "defer": cfg.dataset.defer_in_batch_packing_to_step,
         "packing_layout": getattr(cfg.dataset, "packing_layout", None),
@@ -149,7 +162,8 @@ def run_case(recipe: str, variant: dict, layout: str | None, extra=None, cpu_edi
     from megatron.bridge.training.config import runtime_config_update
 
     try:
-        runtime_config_update(cfg)
+        with _h100_device_properties():  # validate() checks the flex dispatcher's backend against the GPU
+            runtime_config_update(cfg)
     except Exception as error:  # noqa: BLE001
         return _outcome(error, "validate")
     return _summary(cfg)
@@ -176,7 +190,23 @@ def seq_length_mismatch(cfg):
 
 
 def micro_batch_one(cfg):
+    """The 8B recipe at micro-batch 1, as it stands: it sets enable_in_batch_packing=True explicitly."""
     cfg.train.micro_batch_size = 1
+
+
+def micro_batch_one_flag_off(cfg):
+    """Micro-batch 1 with Megatron-Bridge's packing flag off (as Megatron-Bridge asks for one sample)."""
+    cfg.train.micro_batch_size = 1
+    cfg.dataset.enable_in_batch_packing = False
+
+
+def micro_batch_one_graphs_pp2(cfg):
+    """Micro-batch 1 with Transformer-Engine graphs of the MLP only, under PP=2."""
+    micro_batch_one_flag_off(cfg)
+    from megatron.bridge.utils.cuda_graph import set_cuda_graph_modules
+
+    cfg.model.cuda_graph_impl = "transformer_engine"
+    set_cuda_graph_modules(cfg.model, ["mlp"])
 
 
 def defer_off(cfg):
@@ -230,6 +260,11 @@ def sum_in_collective(cfg):
     cfg.ddp.average_in_collective = False
 
 
+def micro_batch_one_global(cfg):
+    micro_batch_one_flag_off(cfg)
+    sum_in_collective(cfg)
+
+
 def batch_loader(cfg):
     sum_in_collective(cfg)
     cfg.dataset.dataloader_type = "batch"
@@ -251,7 +286,8 @@ CONTRADICTIONS = {
     "graphs_declared_pp1_thd": ("qwen3_vl_8b", {}, "thd", None, {"cuda_graphs": True}),
     "graphs_denied_but_on": ("qwen3_vl_8b", {}, "thd_static", graphs_local, {"cuda_graphs": False}),
     "seq_length_mismatch": ("qwen3_vl_8b", {}, "thd", seq_length_mismatch, {}),
-    "micro_batch_size_1": ("qwen3_vl_8b", {}, "thd", micro_batch_one, {}),
+    "micro_batch_size_1_bridge_flag_explicit": ("qwen3_vl_8b", {}, "thd", micro_batch_one, {}),
+    "micro_batch_size_1_graphs_pp2_thd": ("qwen3_vl_8b", PP2, "thd", micro_batch_one_graphs_pp2, {}),
     "packing_layout_explicit_other": ("qwen3_vl_8b", {}, "thd", layout_bshd_explicit, {}),
     "offline_packing": ("qwen3_vl_8b", {}, "thd", offline_packing, {}),
     "moe_ep_overlap_thd": ("qwen3_vl_30b_a3b", {}, "thd", moe_ep_overlap, {}),
@@ -278,6 +314,17 @@ ALLOWED = {
     "global_batch_thd_static": ("qwen3_vl_8b", {}, "thd_static", sum_in_collective, GLOBAL),
     "global_batch_thd_pp2": ("qwen3_vl_8b", PP2, "thd", sum_in_collective, GLOBAL),
     "global_batch_qwen35_moe_thd_static": ("qwen35_vl_35b_a3b", {}, "thd_static", sum_in_collective, GLOBAL),
+    "global_batch_qwen35_moe_thd": ("qwen35_vl_35b_a3b", {}, "thd", sum_in_collective, GLOBAL),
+    # A micro-batch of one sample (docs/configure.md): every layout, in-batch and global-batch packing.
+    "micro_batch_size_1_thd": ("qwen3_vl_8b", {}, "thd", micro_batch_one_flag_off, {}),
+    "micro_batch_size_1_thd_static": ("qwen3_vl_8b", {}, "thd_static", micro_batch_one_flag_off, {}),
+    "micro_batch_size_1_bshd": ("qwen3_vl_8b", {}, "bshd", micro_batch_one_flag_off, {}),
+    "micro_batch_size_1_thd_pp2": ("qwen3_vl_8b", PP2, "thd", micro_batch_one_flag_off, {}),
+    "micro_batch_size_1_thd_static_pp2": ("qwen3_vl_8b", PP2, "thd_static", micro_batch_one_flag_off, {}),
+    "micro_batch_size_1_bshd_pp2": ("qwen3_vl_8b", PP2, "bshd", micro_batch_one_flag_off, {}),
+    "micro_batch_size_1_graphs_pp2_bshd": ("qwen3_vl_8b", PP2, "bshd", micro_batch_one_graphs_pp2, {}),
+    "micro_batch_size_1_global_batch_thd": ("qwen3_vl_8b", {}, "thd",
+                                            micro_batch_one_global, GLOBAL),
 }
 
 
@@ -300,14 +347,17 @@ def all_cases() -> dict:
 
 # ---------------------------------------------------------------- the tests (parent process)
 
-# Each recipe's own parallel settings, as its source and docstring state them (recipes/qwen_vl/h100/*.py).
-RECIPE_PARALLEL = {
-    "qwen3_vl_8b": dict(tp=2, ep=1),
-    "qwen3_vl_30b_a3b": dict(tp=1, ep=8),
-    "qwen35_vl_2b": dict(tp=1, ep=1),
-    "qwen35_vl_35b_a3b": dict(tp=2, ep=16),
+# Each recipe's own settings, as its source and docstring state them (recipes/qwen_vl/h100/*.py), one entry per
+# Megatron-Bridge line where they differ (0.6.2; 0.7.0 = main 067f987: the Qwen3.5-VL 35B-A3B recipe moved to
+# TP=1, PP=2, EP=8, micro-batch 1, HybridEP). The installed recipe must be one of them, and configure must keep it.
+RECIPE_SETTINGS = {
+    "qwen3_vl_8b": [dict(tp=2, ep=1, pp=1, micro_batch_size=2, hybridep=False)],
+    "qwen3_vl_30b_a3b": [dict(tp=1, ep=8, pp=1, micro_batch_size=2, hybridep=False)],
+    "qwen35_vl_2b": [dict(tp=1, ep=1, pp=1, micro_batch_size=4, hybridep=False)],
+    "qwen35_vl_35b_a3b": [dict(tp=2, ep=16, pp=1, micro_batch_size=4, hybridep=False),
+                          dict(tp=1, ep=8, pp=2, micro_batch_size=1, hybridep=True)],
 }
-VARIANT_SIZES = {"own": dict(pp=1, cp=1), "pp2": dict(pp=2, cp=1), "cp2": dict(pp=1, cp=2)}
+VARIANT_SIZES = {"own": dict(cp=1), "pp2": dict(pp=2, cp=1), "cp2": dict(cp=2)}  # over the recipe's
 
 
 @pytest.fixture(scope="module")
@@ -332,19 +382,35 @@ def test_recipe_passes_validate(outcomes, recipe, variant, layout):
     asks), configured for ``layout`` (None: not configured), passes runtime_config_update / validate()."""
     outcome = outcomes[("matrix", recipe, variant, layout)]
     assert outcome["ok"], _fail_text(outcome)
-    sizes = {**RECIPE_PARALLEL[recipe], **VARIANT_SIZES[variant]}
+    own = _recipe_settings(outcome, recipe)
+    sizes = {**own, **VARIANT_SIZES[variant]}
     assert {name: outcome[name] for name in sizes} == sizes  # the recipe's settings, not configure's
     assert outcome["dataset_seq_length"] == outcome["model_seq_length"] == 4096
     # Megatron-Bridge's rules after validate(), whoever set them: a fixed collate width for PP>1 or EP>1,
     # and for in-batch packing with PP>1 variable_seq_lengths (finalize() through _enable_in_batch_packing).
     if sizes["pp"] > 1 or sizes["ep"] > 1:
         assert outcome["pad_to_max_length"] is True
+    if outcome["hybridep"]:  # eager HybridEP pads uneven dispatch inputs (configure and Megatron-Bridge agree)
+        assert outcome["hybridep_padding"] is True
     if layout is None:
         return
     assert outcome["packing_layout"] == layout
-    assert outcome["enable_in_batch_packing"] is True and outcome["defer"] is True
+    assert outcome["pack_sequences_in_batch"] is True and outcome["defer"] is True
     assert outcome["skip_mask"] is False  # the step needs the dataset's 2D mask
-    assert outcome["variable_seq_lengths"] is (sizes["pp"] > 1)
+    one_sample = sizes["micro_batch_size"] == 1
+    # Megatron-Bridge's flag: on, except for a micro-batch of one sample (its validate() refuses it there), where
+    # only "thd" turns variable_seq_lengths on under PP (configure's hook); the static layouts keep fixed shapes.
+    assert outcome["enable_in_batch_packing"] is (not one_sample)
+    assert outcome["variable_seq_lengths"] is (sizes["pp"] > 1 and (not one_sample or layout == "thd"))
+
+
+def _recipe_settings(outcome: dict, recipe: str) -> dict:
+    """The recipe's own settings on the installed line: the entry of RECIPE_SETTINGS whose settings the variant
+    leaves alone (all but PP and CP) the outcome matches."""
+    for settings in RECIPE_SETTINGS[recipe]:
+        if all(outcome[name] == value for name, value in settings.items() if name != "pp"):
+            return settings
+    raise AssertionError(f"{recipe}: settings {outcome} are none of the recipe's known ones {RECIPE_SETTINGS[recipe]}")
 
 
 def test_the_providers_come_from_the_hub_configs(outcomes):
@@ -387,8 +453,11 @@ REFUSALS = {
                              "only for full-iteration CUDA graphs"),
     "seq_length_mismatch": ("configure", "dataset.seq_length=2048 and model.seq_length=4096 differ",
                             "sequence length configuration in model config and dataset config match"),
-    "micro_batch_size_1": ("configure", "train.micro_batch_size=1: in-batch packing concatenates",
-                           "micro_batch_size should be greater than 1 when using enable_in_batch_packing=True"),
+    "micro_batch_size_1_bridge_flag_explicit": (
+        "configure", "dataset.enable_in_batch_packing=True was set explicitly, but with train.micro_batch_size=1 "
+        "Megatron-Bridge's ConfigContainer.validate() refuses", "micro_batch_size should be greater than 1 when using "
+        "enable_in_batch_packing=True"),
+    "micro_batch_size_1_graphs_pp2_thd": ("configure", "layout 'thd' with PP>1 needs variable_seq_lengths=True", None),
     "packing_layout_explicit_other": ("configure", "dataset.packing_layout='bshd' was set explicitly", None),
     "offline_packing": ("configure", "dataset.enable_offline_packing: set (True), but offline packing and in-batch "
                         "packing are mutually exclusive", "Micro batch size should be 1 when training with packed"),
@@ -402,7 +471,7 @@ REFUSALS = {
     "seq_aux_loss_thd": ("configure", "model.moe_router_load_balancing_type='seq_aux_loss' with dataset.packing_layout='thd'", None),
     "expert_capacity_thd_static": ("configure", "model.moe_expert_capacity_factor=1.0 with dataset.packing_layout='thd_static'",
                                    None),
-    "hybridep_graphs_thd_static": ("configure", "layout: 'thd_static' with HybridEP", "Found no NVIDIA driver"),
+    "hybridep_graphs_thd_static": ("configure", "layout: 'thd_static' with HybridEP", None),
     "unknown_layout": ("configure", "layout: 'sbhd' is not one of ('thd', 'thd_static', 'bshd')", None),
     "global_batch_recipe_as_is": ("configure", "ddp.average_in_collective=True was set explicitly", None),
     "global_batch_bshd": ("configure", "global_batch_packing: layout 'bshd' lays out exactly", None),
@@ -438,7 +507,21 @@ def test_the_same_settings_pass_where_the_layout_allows_them(outcomes, name):
     assert outcome["defer"] is True
 
 
-@pytest.mark.parametrize("name", [name for name in ALLOWED if name.startswith("global_batch")])
+@pytest.mark.parametrize("name", [name for name in ALLOWED if name.startswith("micro_batch_size_1")])
+def test_a_micro_batch_of_one_sample_passes_validate_in_every_layout(outcomes, name):
+    """With train.micro_batch_size=1 configure leaves Megatron-Bridge's flag off (its validate() refuses it) and
+    turns the step's own switch on; "thd" under PP gets variable_seq_lengths, the static layouts keep fixed p2p
+    shapes (so CUDA graphs with PP pass Qwen3VLModel's assert); global-batch packing normalises per token."""
+    recipe, variant, layout, _, kwargs = ALLOWED[name]
+    outcome = outcomes[("case", name)]
+    assert outcome["ok"], _fail_text(outcome)
+    assert outcome["micro_batch_size"] == 1 and outcome["packing_layout"] == layout
+    assert outcome["enable_in_batch_packing"] is False and outcome["pack_sequences_in_batch"] is True
+    assert outcome["variable_seq_lengths"] is (outcome["pp"] > 1 and layout == "thd")
+    assert outcome["global_batch_packing"] is bool(kwargs.get("global_batch_packing"))
+
+
+@pytest.mark.parametrize("name", [name for name in ALLOWED if "global_batch" in name])
 def test_global_batch_packing_passes_validate_with_per_token_loss(outcomes, name):
     """configure(global_batch_packing=True) on the real recipes: validate() passes, the loss is normalised
     per token over the step (Megatron-Core's DDP then sums in the collective), the setting is on the
@@ -456,5 +539,5 @@ def test_without_the_cpu_only_edit_validate_refuses_only_for_the_missing_transfo
     outcome = outcomes[("no_cpu_edits", "qwen35_vl_35b_a3b")]
     if importlib.util.find_spec("transformer_engine"):
         pytest.skip("Transformer Engine is installed: the recipes run unedited")
-    assert not outcome["ok"] and outcome["stage"] == "validate"
-    assert "fused permutation is not available. Please install TE" in outcome["message"]
+    assert not outcome["ok"] and outcome["stage"] == "validate", _fail_text(outcome)
+    assert any(message in outcome["message"] for message in WITHOUT_TE), _fail_text(outcome)

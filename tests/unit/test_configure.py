@@ -19,7 +19,7 @@ Two kinds of config objects are used:
 loads Megatron-Bridge's modules without their package ``__init__`` (``megatron.bridge_thd.upstream``),
 and ``data.builders.gpt_sft`` needs ``megatron.bridge.data.packing.__init__``. The real
 ``validate()`` on the real recipes runs in a fresh process in ``tests/bridge/test_recipes.py``; here
-its packing-related lines are copied verbatim into :func:`bridge_062_packing_validate` below (file
+its packing-related lines are copied verbatim into :func:`bridge_packing_validate` below (file
 and line numbers there) for fast in-process cases, and ``test_copied_upstream_lines_are_current``
 fails if the installed file no longer has them.
 """
@@ -46,6 +46,7 @@ from megatron.bridge_thd.configure import LAYOUT_NAMES, configure, cuda_graphs_e
 from megatron.bridge_thd.layouts import layout_for
 from megatron.bridge_thd.rules import requested_layout
 from megatron.bridge_thd.upstream import bridge_available, load_bridge_module
+from megatron.bridge_thd.upstream_line import upstream_line
 
 LOGGER = "megatron.bridge_thd.configure"
 
@@ -175,8 +176,27 @@ def bridge_transformer_config(bridge, **overrides):
     return bridge.transformer_config.TransformerConfig(**settings)
 
 
-def bridge_062_packing_validate(cfg, bridge, mock_vlm_config_cls):
-    """The packing-related part of Megatron-Bridge 0.6.2's ``ConfigContainer.validate()``.
+def bridge_packing_validate(cfg, bridge, mock_vlm_config_cls):
+    """The packing-related part of the installed Megatron-Bridge's ``ConfigContainer.validate()``, copied from
+    whichever line is installed: decided by what the installed code offers (``upstream_line``'s
+    ``hybridep_dispatch_takes_uses_thd``), as the package decides it."""
+    if upstream_line().hybridep_dispatch_takes_uses_thd:
+        return _packing_validate_hybridep_in_validate(cfg, bridge, mock_vlm_config_cls)
+    return _packing_validate_hybridep_in_finalize(cfg, bridge, mock_vlm_config_cls)
+
+
+def safe_hybridep_dispatch(bridge, config):
+    """Megatron-Bridge's ``_enable_safe_hybridep_dispatch`` as the installed line calls it for our configs:
+    from ``validate()`` with ``uses_thd`` (in-batch packing on), or from ``finalize()`` with the config only."""
+    if upstream_line().hybridep_dispatch_takes_uses_thd:
+        bridge.transformer_config._enable_safe_hybridep_dispatch(config, uses_thd=True)
+    else:
+        bridge.transformer_config._enable_safe_hybridep_dispatch(config)
+
+
+def _packing_validate_hybridep_in_validate(cfg, bridge, mock_vlm_config_cls):
+    """The packing-related part of ``ConfigContainer.validate()`` on the line whose validate() calls
+    ``_enable_safe_hybridep_dispatch(transformer_config, uses_thd=...)`` (Megatron-Bridge 0.6.2).
 
     Copied verbatim (``self`` -> ``cfg``) from the installed
     ``megatron/bridge/training/config.py``:
@@ -258,81 +278,227 @@ def bridge_062_packing_validate(cfg, bridge, mock_vlm_config_cls):
         )
 
 
+def _packing_validate_hybridep_in_finalize(cfg, bridge, mock_vlm_config_cls):
+    """The packing-related part of ``ConfigContainer.validate()`` on the line whose ``TransformerConfig.finalize()``
+    calls ``_enable_safe_hybridep_dispatch(self)`` (Megatron-Bridge 0.7.0, main ``067f987``).
+
+    Copied verbatim (``self`` -> ``cfg``) from the installed ``megatron/bridge/training/config.py``:
+
+    * L1269-1274: the packing switches (``enable_energon_packing``: Energon's native packing);
+    * L1276-1281: in-batch / offline packing exclusivity;
+    * L1313-1317: ``dataset.validate()`` for the declarative VLM configs (L1319-1345, Energon's micro-batch
+      and native-packing checks, need an ``EnergonDatasetConfig`` and are left out);
+    * L1347-1352: ``pad_to_max_length`` forced for PP>1 or EP>1;
+    * L1354-1372: the CP/SP collate padding multiple and the ``seq_length`` divisibility check;
+    * L1374-1388: ``transformer_config._enable_in_batch_packing`` (for in-batch or Energon packing) and the
+      padding multiples; no ``_enable_safe_hybridep_dispatch`` call here any more;
+    * L1390-1391: ``dataset.finalize()`` (ddp/optimizer finalize, L1392-1395, are not packing-related);
+    * L1399-1401: ``validate_cuda_graph_configuration`` (real) and ``model.finalize()`` (real, when the model is
+      Bridge's TransformerConfig; it applies ``models/transformer_config.py`` L178
+      ``_enable_safe_hybridep_dispatch(self)`` and L185-186 ``variable_seq_lengths = True`` for in-batch packing
+      with PP>1);
+    * L1619-1624: ``micro_batch_size`` must be > 1 with ``enable_in_batch_packing``.
+
+    ``EnergonDatasetConfig`` / ``DirectHFSFTDatasetConfig`` cannot be loaded on the CPU, so the ``isinstance``
+    tuples hold the one declarative config that can, ``MockVLMSFTDatasetConfig``, and ``enable_energon_packing``
+    (an ``EnergonDatasetConfig`` with ``packing_buffer_size``) is False.
+    """
+    declarative = (mock_vlm_config_cls,)
+    energon = ()  # EnergonDatasetConfig does not load on the CPU
+    enable_in_batch_packing = getattr(cfg.dataset, "enable_in_batch_packing", False)
+    enable_energon_packing = isinstance(cfg.dataset, energon) and (
+        cfg.dataset.packing_buffer_size is not None
+    )
+    enable_offline_packing = getattr(cfg.dataset, "enable_offline_packing", False)
+    offline_packing_specs = getattr(cfg.dataset, "offline_packing_specs", None)
+
+    if enable_offline_packing and enable_in_batch_packing:
+        raise ValueError("enable_offline_packing and enable_in_batch_packing are mutually exclusive.")
+    if enable_offline_packing and offline_packing_specs is None:
+        raise ValueError("offline_packing_specs must be set when enable_offline_packing=True.")
+    if offline_packing_specs is not None and not enable_offline_packing:
+        raise ValueError("enable_offline_packing must be True when offline_packing_specs is set.")
+
+    if isinstance(cfg.dataset, declarative):
+        cfg.dataset.validate()
+
+    if hasattr(cfg.dataset, "pad_to_max_length"):
+        requires_fixed_seq_len = (
+            getattr(cfg.model, "pipeline_model_parallel_size", 1) > 1
+            or getattr(cfg.model, "expert_model_parallel_size", 1) > 1
+        )
+        cfg.dataset.pad_to_max_length = cfg.dataset.pad_to_max_length or requires_fixed_seq_len
+
+    cp_size = getattr(cfg.model, "context_parallel_size", 1)
+    eval_cp_size = None  # cfg.dist.eval_context_parallel_size; no dist section here
+    cp_sizes = {cp_size, eval_cp_size} if eval_cp_size is not None else {cp_size}
+    tp_size = getattr(cfg.model, "tensor_model_parallel_size", 1)
+    has_sp = getattr(cfg.model, "sequence_parallel", False)
+    cp_multiples = [2 * size if size > 1 else 1 for size in cp_sizes]
+    sp_multiples = [size * tp_size if has_sp and tp_size > 1 else 1 for size in cp_sizes]
+    collate_padding_multiple = math.lcm(*cp_multiples, *sp_multiples)
+    if isinstance(cfg.dataset, declarative) and cfg.dataset.seq_length % collate_padding_multiple != 0:
+        raise ValueError(
+            f"{type(cfg.dataset).__name__}.seq_length must be divisible by the CP/SP collate padding multiple "
+            f"({collate_padding_multiple})."
+        )
+
+    if enable_in_batch_packing or enable_energon_packing:
+        transformer_config = getattr(cfg.model, "transformer", cfg.model)
+        transformer_config._enable_in_batch_packing = True
+        if hasattr(cfg.dataset, "in_batch_packing_pad_to_multiple_of"):
+            cfg.dataset.in_batch_packing_pad_to_multiple_of = collate_padding_multiple
+    elif isinstance(cfg.dataset, declarative):
+        cfg.dataset.pad_to_multiple_of = math.lcm(
+            cfg.dataset.pad_to_multiple_of,
+            collate_padding_multiple,
+        )
+
+    if hasattr(cfg.dataset, "finalize"):
+        cfg.dataset.finalize()
+
+    bridge.cuda_graph.validate_cuda_graph_configuration(cfg.model)
+    if hasattr(cfg.model, "finalize"):
+        cfg.model.finalize()
+
+    if enable_in_batch_packing and cfg.train.micro_batch_size == 1:
+        raise ValueError(
+            "micro_batch_size should be greater than 1 when using enable_in_batch_packing=True. "
+            "In-batch packing concatenates multiple sequences within a microbatch, so at least 2 sequences "
+            "are required per micro-batch."
+        )
+
+
 def _normalized(text: str) -> str:
     return " ".join(text.split())
 
 
-@needs_bridge
-def test_copied_upstream_lines_are_current():
-    """The lines copied above (and the rules configure mirrors) are in the installed 0.6.2 files."""
-    root = bridge_root()
-    expected = {
+# Snippets both lines' files hold (normalised whitespace), then each line's own, keyed by
+# upstream_line().hybridep_dispatch_takes_uses_thd (True: Megatron-Bridge 0.6.2; False: 0.7.0, main 067f987).
+COPIED_LINES = {
+    "training/config.py": [
+        'enable_in_batch_packing = getattr(self.dataset, "enable_in_batch_packing", False)',
+        'raise ValueError("enable_offline_packing and enable_in_batch_packing are mutually exclusive.")',
+        "self.dataset.pad_to_max_length = self.dataset.pad_to_max_length or requires_fixed_seq_len",
+        'getattr(self.model, "pipeline_model_parallel_size", 1) > 1 '
+        'or getattr(self.model, "expert_model_parallel_size", 1) > 1',
+        "collate_padding_multiple = math.lcm(*cp_multiples, *sp_multiples)",
+        'transformer_config = getattr(self.model, "transformer", self.model)',
+        "self.dataset.in_batch_packing_pad_to_multiple_of = collate_padding_multiple",
+        "validate_cuda_graph_configuration(self.model) if hasattr(self.model, \"finalize\"): self.model.finalize()",
+        "if enable_in_batch_packing and self.train.micro_batch_size == 1:",
+    ],
+    "models/transformer_config.py": [
+        'if getattr(self, "_enable_in_batch_packing", False) and self.pipeline_model_parallel_size > 1: '
+        "self.variable_seq_lengths = True",
+        '"moe_hybridep_pad_uneven_dispatch_inputs", "moe_hybridep_pad_variable_tokens",',
+    ],
+    "data/datasets/direct_sft.py": [
+        '"enable_in_batch_packing": enable_in_batch_packing and not defer_in_batch_packing_to_step,',
+    ],
+    "models/qwen_vl/qwen3_vl_step.py": [
+        "if not skip_getting_attention_mask_from_dataset: required_device_keys.add(\"attention_mask\")",
+    ],
+    "training/comm_overlap.py": [
+        "comm_overlap_cfg.overlap_moe_expert_parallel_comm = False",
+        "if user_value is not None: setattr(comm_overlap_cfg, field.name, user_value)",
+        "comm_overlap_cfg = self._get_model_comm_overlap_cfgs(model_config, ddp_config) "
+        "self._apply_cfgs(comm_overlap_cfg, model_config)",
+    ],
+}
+COPIED_LINES_BY_LINE = {
+    True: {  # validate() pads HybridEP for THD configs
         "training/config.py": [
-            'enable_in_batch_packing = getattr(self.dataset, "enable_in_batch_packing", False)',
-            'raise ValueError("enable_offline_packing and enable_in_batch_packing are mutually exclusive.")',
-            "self.dataset.pad_to_max_length = self.dataset.pad_to_max_length or requires_fixed_seq_len",
-            'getattr(self.model, "pipeline_model_parallel_size", 1) > 1 '
-            'or getattr(self.model, "expert_model_parallel_size", 1) > 1',
-            "collate_padding_multiple = math.lcm(*cp_multiples, *sp_multiples)",
-            'transformer_config = getattr(self.model, "transformer", self.model)',
+            "uses_thd = enable_offline_packing or enable_in_batch_packing",
             "if enable_in_batch_packing: transformer_config._enable_in_batch_packing = True",
-            "self.dataset.in_batch_packing_pad_to_multiple_of = collate_padding_multiple",
             "_enable_safe_hybridep_dispatch(transformer_config, uses_thd=uses_thd)",
-            "validate_cuda_graph_configuration(self.model) if hasattr(self.model, \"finalize\"): self.model.finalize()",
-            "if enable_in_batch_packing and self.train.micro_batch_size == 1:",
         ],
         "models/transformer_config.py": [
-            'if getattr(self, "_enable_in_batch_packing", False) and self.pipeline_model_parallel_size > 1: '
-            "self.variable_seq_lengths = True",
-            '"moe_hybridep_pad_uneven_dispatch_inputs", "moe_hybridep_pad_variable_tokens",',
+            "def _enable_safe_hybridep_dispatch(config: MCoreTransformerConfig, *, uses_thd: bool) -> None:",
         ],
-        "data/datasets/direct_sft.py": [
-            '"enable_in_batch_packing": enable_in_batch_packing and not defer_in_batch_packing_to_step,',
+    },
+    False: {  # finalize() pads HybridEP for every config; Energon's native packing also sets the hook
+        "training/config.py": [
+            'enable_energon_packing = isinstance(self.dataset, EnergonDatasetConfig) and ( '
+            'self.dataset.packing_buffer_size is not None )',
+            "if enable_in_batch_packing or enable_energon_packing: "
+            'transformer_config = getattr(self.model, "transformer", self.model) '
+            "transformer_config._enable_in_batch_packing = True",
         ],
-        "models/qwen_vl/qwen3_vl_step.py": [
-            "if not skip_getting_attention_mask_from_dataset: required_device_keys.add(\"attention_mask\")",
+        "models/transformer_config.py": [
+            "def _enable_safe_hybridep_dispatch(config: MCoreTransformerConfig) -> None:",
+            "_set_moe_expert_tensor_parallel_default(self) _enable_safe_hybridep_dispatch(self) "
+            "MCoreTransformerConfig.__post_init__(self)",
         ],
-        "training/comm_overlap.py": [
-            "comm_overlap_cfg.overlap_moe_expert_parallel_comm = False",
-            "if user_value is not None: setattr(comm_overlap_cfg, field.name, user_value)",
-            "comm_overlap_cfg = self._get_model_comm_overlap_cfgs(model_config, ddp_config) "
-            "self._apply_cfgs(comm_overlap_cfg, model_config)",
-        ],
-    }
-    for relative, snippets in expected.items():
-        text = _normalized((root / relative).read_text())
-        for snippet in snippets:
-            assert _normalized(snippet) in text, f"{relative} no longer contains: {snippet}"
-
-
-# The file:line references configure.py and docs/configure.md cite (Megatron-Bridge paths, and
-# one Megatron-Core path through "../core").
-CITED_LINES = {
-    ("models/qwen_vl/modelling_qwen3_vl/model.py", 388): "assert not self.language_model.config.variable_seq_lengths",
-    ("models/qwen_vl/modelling_qwen3_vl/model.py", 384): '"cuda_graph_impl", "none") != "none"',
-    ("models/qwen_vl/modelling_qwen3_vl/model.py", 373): "self._expose_language_model_for_cuda_graph_helper()",
-    ("training/config.py", 1236): "if enable_in_batch_packing:",
-    ("training/config.py", 1237): "transformer_config._enable_in_batch_packing = True",
-    ("models/transformer_config.py", 188): "_enable_in_batch_packing\", False) and self.pipeline_model_parallel_size",
-    ("models/transformer_config.py", 189): "self.variable_seq_lengths = True",
-    ("training/config.py", 1505): "assert self.model.seq_length == data_seq_length",
-    ("training/config.py", 1156): "enable_offline_packing and enable_in_batch_packing are mutually exclusive.",
-    ("training/config.py", 1207): "requires_fixed_seq_len = (",
-    ("training/config.py", 1249): "_enable_safe_hybridep_dispatch(transformer_config, uses_thd=uses_thd)",
-    ("training/config.py", 1482): "micro_batch_size should be greater than 1 when using enable_in_batch_packing=True.",
-    ("training/config.py", 1883): "if cfg.comm_overlap is not None:",
-    ("training/config.py", 1885): "cfg.comm_overlap.setup(cfg.model, cfg.optimizer, cfg.ddp)",
-    ("data/datasets/direct_sft.py", 91): "enable_in_batch_packing and not defer_in_batch_packing_to_step",
-    ("../core/transformer/transformer_config.py", 2648): "variable sequence length, please use alltoall dispatcher",
+    },
 }
 
 
 @needs_bridge
-@pytest.mark.parametrize("cited", list(CITED_LINES), ids=lambda c: f"{c[0]}:{c[1]}")
+def test_copied_upstream_lines_are_current():
+    """The lines copied above (and the rules configure mirrors) are in the installed line's files, and the
+    other line's own lines are not (so the seam decides the copy that is installed)."""
+    root = bridge_root()
+    line = upstream_line().hybridep_dispatch_takes_uses_thd
+    for relative, snippets in [*COPIED_LINES.items(), *COPIED_LINES_BY_LINE[line].items()]:
+        text = _normalized((root / relative).read_text())
+        for snippet in snippets:
+            assert _normalized(snippet) in text, f"{relative} no longer contains: {snippet}"
+    for relative, snippets in COPIED_LINES_BY_LINE[not line].items():
+        text = _normalized((root / relative).read_text())
+        for snippet in snippets:
+            assert _normalized(snippet) not in text, f"{relative} holds the other line's: {snippet}"
+    # validate() calls the HybridEP padding itself on one line only.
+    config_text = (root / "training/config.py").read_text()
+    assert ("_enable_safe_hybridep_dispatch(" in config_text) is line
+
+
+# The file:line references configure.py and docs/configure.md cite (Megatron-Bridge paths, and one Megatron-Core
+# path through "../core"), per line: name -> {hybridep_dispatch_takes_uses_thd: (file, line, snippet)}. The
+# True column is what docs/configure.md cites; docs/compatibility.md lists both.
+_CITED = [
+    ("qwen3vl_graph_assert", "models/qwen_vl/modelling_qwen3_vl/model.py", 388, 434,
+     "assert not self.language_model.config.variable_seq_lengths", None),
+    ("qwen3vl_graph_check", "models/qwen_vl/modelling_qwen3_vl/model.py", 384, 430,
+     '"cuda_graph_impl", "none") != "none"', None),
+    ("qwen3vl_graph_call", "models/qwen_vl/modelling_qwen3_vl/model.py", 373, 418,
+     "self._expose_language_model_for_cuda_graph_helper()", None),
+    ("validate_packing_hook_if", "training/config.py", 1236, 1376,
+     "if enable_in_batch_packing:", "if enable_in_batch_packing or enable_energon_packing:"),
+    ("validate_packing_hook", "training/config.py", 1237, 1378,
+     "transformer_config._enable_in_batch_packing = True", None),
+    ("finalize_hook_if", "models/transformer_config.py", 188, 185,
+     "_enable_in_batch_packing\", False) and self.pipeline_model_parallel_size", None),
+    ("finalize_hook", "models/transformer_config.py", 189, 186, "self.variable_seq_lengths = True", None),
+    ("seq_length_assert", "training/config.py", 1505, 1644, "assert self.model.seq_length == data_seq_length", None),
+    ("offline_exclusive", "training/config.py", 1156, 1277,
+     "enable_offline_packing and enable_in_batch_packing are mutually exclusive.", None),
+    ("fixed_seq_len", "training/config.py", 1207, 1348, "requires_fixed_seq_len = (", None),
+    ("micro_batch_one", "training/config.py", 1482, 1621,
+     "micro_batch_size should be greater than 1 when using enable_in_batch_packing=True.", None),
+    ("comm_overlap_if", "training/config.py", 1883, 2027, "if cfg.comm_overlap is not None:", None),
+    ("comm_overlap_setup", "training/config.py", 1885, 2029, "cfg.comm_overlap.setup(cfg.model, cfg.optimizer, cfg.ddp)",
+     None),
+    ("defer", "data/datasets/direct_sft.py", 91, 91, "enable_in_batch_packing and not defer_in_batch_packing_to_step",
+     None),
+    ("allgather_variable", "../core/transformer/transformer_config.py", 2648, 2740,
+     "variable sequence length, please use alltoall dispatcher", None),
+]
+CITED_LINES = {name: {True: (relative, line_a, snippet_a), False: (relative, line_b, snippet_b or snippet_a)}
+               for name, relative, line_a, line_b, snippet_a, snippet_b in _CITED}
+# Where the HybridEP padding is called from differs by file as well as by line.
+CITED_LINES["hybridep_padding_call"] = {
+    True: ("training/config.py", 1249, "_enable_safe_hybridep_dispatch(transformer_config, uses_thd=uses_thd)"),
+    False: ("models/transformer_config.py", 178, "_enable_safe_hybridep_dispatch(self)"),
+}
+
+
+@needs_bridge
+@pytest.mark.parametrize("cited", list(CITED_LINES))
 def test_cited_upstream_lines_are_current(cited):
-    relative, line = cited
+    relative, line, snippet = CITED_LINES[cited][upstream_line().hybridep_dispatch_takes_uses_thd]
     text = (bridge_root() / relative).read_text().splitlines()[line - 1]
-    assert CITED_LINES[cited] in text, f"{relative}:{line} is now: {text.strip()}"
+    assert snippet in text, f"{relative}:{line} is now: {text.strip()}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,10 +692,10 @@ def test_several_explicit_overrides_are_listed_together_and_force_warns_once_eac
 
 
 def test_force_lifts_only_explicit_overrides():
-    cfg = make_cfg(dataset=dict(seq_length=2048), train=dict(micro_batch_size=1))
+    cfg = make_cfg(dataset=dict(seq_length=2048, enable_offline_packing=True))
     with pytest.raises(ValueError) as info:
         configure(cfg, force=True)
-    assert "micro_batch_size=1" in str(info.value) and "dataset.seq_length=2048" in str(info.value)
+    assert "dataset.enable_offline_packing" in str(info.value) and "dataset.seq_length=2048" in str(info.value)
 
 
 @pytest.mark.parametrize("force", [None, 1, "yes"])
@@ -603,12 +769,95 @@ def test_offline_packing_off_is_fine():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_micro_batch_size_one_is_refused():
-    cfg = make_cfg(train=dict(micro_batch_size=1))
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_micro_batch_size_one_runs_the_layout_without_bridges_flag(layout, caplog):
+    """One sample per micro-batch: Megatron-Bridge's flag stays off (its validate() refuses it there), the step's
+    own switch turns the layout on, and the log says what the layout gives one sample."""
+    cfg = make_bridge_like_cfg(train=dict(micro_batch_size=1))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, layout)
+    assert cfg.dataset.enable_in_batch_packing is False
+    assert cfg.dataset.pack_sequences_in_batch is True and cfg.dataset.defer_in_batch_packing_to_step is True
+    assert cfg.dataset.packing_layout == layout and configured_layout(cfg) == layout
+    assert f"train.micro_batch_size=1: dataset.enable_in_batch_packing stays False" in caplog.text
+    assert configure_module._ONE_SAMPLE[layout] in caplog.text
+    # Control: the same config at micro-batch size 2 turns Megatron-Bridge's flag on.
+    assert configure(make_bridge_like_cfg(train=dict(micro_batch_size=2)), layout).dataset.enable_in_batch_packing
+
+
+def test_micro_batch_size_one_refuses_an_explicit_bridge_flag_and_force_turns_it_off(caplog):
+    cfg = make_cfg(dataset=dict(enable_in_batch_packing=True), train=dict(micro_batch_size=1))
     before = snapshot(cfg)
-    with pytest.raises(ValueError, match=r"train.micro_batch_size=1:.*raise train.micro_batch_size.*turn packing off"):
-        configure(cfg)
+    with pytest.raises(ValueError) as info:
+        configure(cfg, "thd")
+    message = str(info.value)
+    assert "dataset.enable_in_batch_packing=True was set explicitly" in message
+    assert "train.micro_batch_size=1" in message and "refuses enable_in_batch_packing=True" in message
+    assert "set it to False" in message and "raise train.micro_batch_size to 2 or more" in message
     assert snapshot(cfg) == before
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, "thd", force=True)
+    assert cfg.dataset.enable_in_batch_packing is False and configured_layout(cfg) == "thd"
+
+
+def test_micro_batch_size_one_needs_the_steps_switch_where_the_layout_packs():
+    @dataclasses.dataclass(slots=True)
+    class SlottedDataset:
+        enable_in_batch_packing: bool = False
+        defer_in_batch_packing_to_step: bool = False
+        skip_getting_attention_mask_from_dataset: bool = True
+        packing_layout: str = "thd"
+
+    for layout in ("thd", "thd_static"):
+        cfg = SimpleNamespace(dataset=SlottedDataset(), model=SimpleNamespace(), train=SimpleNamespace(micro_batch_size=1))
+        with pytest.raises(ValueError, match=r"dataset.pack_sequences_in_batch: cannot be set on SlottedDataset"):
+            configure(cfg, layout)
+    # "bshd" is what the step runs without a switch: nothing to set.
+    cfg = SimpleNamespace(dataset=SlottedDataset(), model=SimpleNamespace(), train=SimpleNamespace(micro_batch_size=1))
+    assert configured_layout(configure(cfg, "bshd")) == "bshd"
+
+
+@pytest.mark.parametrize("layout", ["thd", "thd_static", "bshd"])
+def test_micro_batch_size_one_with_pp_keeps_fixed_shapes_for_the_static_layouts(layout, caplog):
+    cfg = make_cfg(model=dict(pipeline_model_parallel_size=2), train=dict(micro_batch_size=1))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, layout)
+    assert getattr(cfg.model, "variable_seq_lengths", False) is (layout == "thd")
+    assert configured_layout(cfg) == layout
+    assert ("exchange fixed (seq_length, 1, hidden) buffers" in caplog.text) is (layout != "thd")
+
+
+def test_micro_batch_size_one_with_pp_and_graphs_refuses_only_thd():
+    """Without Megatron-Bridge's flag nothing turns variable_seq_lengths on for the static layouts, so
+    Qwen3VLModel's CUDA-graph assert does not fire; "thd" needs it, and is refused naming the way out."""
+    graphs = dict(pipeline_model_parallel_size=2, cuda_graph_impl="transformer_engine", cuda_graph_modules=["mlp"])
+    configure(make_cfg(model=graphs, train=dict(micro_batch_size=1)), "bshd")
+    configure(make_cfg(model=graphs, train=dict(micro_batch_size=1)), "thd_static")
+    with pytest.raises(ValueError, match=r"layout 'thd' with PP>1 needs variable_seq_lengths=True.*use "
+                       r"layout='thd_static' or 'bshd'"):
+        configure(make_cfg(model=graphs, train=dict(micro_batch_size=1)), "thd")
+    # Control: at micro-batch size 2 Megatron-Bridge's flag makes every layout variable-length under PP.
+    with pytest.raises(ValueError, match=r"whatever the layout \('bshd' included\)"):
+        configure(make_cfg(model=graphs, train=dict(micro_batch_size=2)), "bshd")
+
+
+@pytest.mark.parametrize("layout", ["thd", "thd_static"])
+def test_micro_batch_size_one_with_global_batch_packing_is_accepted_and_says_what_it_does(layout):
+    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+    from megatron.bridge_thd.rules import configure_problems, read_setup
+
+    cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, train=dict(micro_batch_size=1))
+    setup = read_setup(cfg, layout, global_batch=GlobalBatchPacking())
+    assert configure_problems(setup)[0] == []
+    changes, notes = configure_module._plan_changes(setup)
+    assert any("one sample" in note and "only balances the DP ranks" in note for note in notes)
+    planned = {c.name: c.value for c in changes}
+    assert planned["enable_in_batch_packing"] is False and planned["pack_sequences_in_batch"] is True
+    assert planned["calculate_per_token_loss"] is True
+    # Control: at micro-batch size 2 no such note.
+    cfg.train.micro_batch_size = 2
+    assert not any("one sample" in note for note in configure_module._plan_changes(read_setup(
+        cfg, layout, global_batch=GlobalBatchPacking()))[1])
 
 
 @pytest.mark.parametrize("micro_batch_size", [2, 8])
@@ -893,8 +1142,9 @@ def test_cuda_graphs_declared_by_argument_only_are_not_the_pipeline_refusal():
     ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "none",
 )
 @pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("micro_batch_size", [4, 1])
 def test_pipeline_graph_refusal_is_exactly_qwen3_vl_models_assert(
-    bridge, mock_vlm_config_cls, qwen3_vl_build_check, pp, graph_settings
+    bridge, mock_vlm_config_cls, qwen3_vl_build_check, pp, graph_settings, micro_batch_size
 ):
     """configure refuses a config exactly when Megatron-Bridge 0.6.2 would fail to build Qwen3VLModel.
 
@@ -905,11 +1155,13 @@ def test_pipeline_graph_refusal_is_exactly_qwen3_vl_models_assert(
     def config():
         model = bridge_transformer_config(bridge, pipeline_model_parallel_size=pp, **graph_settings)
         dataset = mock_vlm_config_cls(seq_length=4096, hf_processor_path="Qwen/Qwen3-VL-8B-Instruct")
-        return SimpleNamespace(dataset=dataset, model=model, train=SimpleNamespace(micro_batch_size=4))
+        return SimpleNamespace(dataset=dataset, model=model, train=SimpleNamespace(micro_batch_size=micro_batch_size))
 
     upstream = config()
-    upstream.dataset.enable_in_batch_packing = upstream.dataset.defer_in_batch_packing_to_step = True
-    bridge_062_packing_validate(upstream, bridge, mock_vlm_config_cls)
+    # Megatron-Bridge's flag as configure sets it: on, except for a micro-batch of one sample.
+    upstream.dataset.enable_in_batch_packing = micro_batch_size > 1
+    upstream.dataset.defer_in_batch_packing_to_step = True
+    bridge_packing_validate(upstream, bridge, mock_vlm_config_cls)
     try:
         qwen3_vl_build_check(upstream.model)
         builds = True
@@ -926,7 +1178,7 @@ def test_pipeline_graph_refusal_is_exactly_qwen3_vl_models_assert(
         assert "set model.cuda_graph_impl='none'" in str(error)
         accepted = False
     assert accepted is builds
-    assert builds is (pp == 1 or not graph_settings or "cuda_graph_scope" in graph_settings)
+    assert builds is (pp == 1 or not graph_settings or "cuda_graph_scope" in graph_settings or micro_batch_size == 1)
 
 
 MOE_EP = dict(num_moe_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2)
@@ -1044,10 +1296,12 @@ def test_all_problems_are_reported_together():
         model=dict(cuda_graph_impl="transformer_engine"),
         train=dict(micro_batch_size=1),
     )
+    cfg.dataset.seq_length = 2048
     with pytest.raises(ValueError) as info:
         configure(cfg, "thd")
     message = str(info.value)
-    for name in ("dataset.enable_offline_packing", "defer_in_batch_packing_to_step", "micro_batch_size=1", "layout: 'thd'"):
+    for name in ("dataset.enable_offline_packing", "defer_in_batch_packing_to_step", "dataset.seq_length=2048",
+                 "layout: 'thd'"):
         assert name in message
 
 
@@ -1142,11 +1396,11 @@ def test_hybridep_padding_matches_bridges_own(bridge):
     ours = bridge_transformer_config(bridge, **settings)
     theirs = bridge_transformer_config(bridge, **settings)
     configure(SimpleNamespace(dataset=SimpleNamespace(), model=ours, train=SimpleNamespace(micro_batch_size=2)), "thd")
-    bridge.transformer_config._enable_safe_hybridep_dispatch(theirs, uses_thd=True)
+    safe_hybridep_dispatch(bridge, theirs)
     assert theirs.moe_hybridep_pad_uneven_dispatch_inputs is True
     assert ours.moe_hybridep_pad_uneven_dispatch_inputs is True
     before = dict(vars(ours))
-    bridge.transformer_config._enable_safe_hybridep_dispatch(ours, uses_thd=True)
+    safe_hybridep_dispatch(bridge, ours)
     assert dict(vars(ours)) == before
 
 
@@ -1165,7 +1419,7 @@ def test_hybridep_padding_matches_bridges_own(bridge):
 def test_cuda_graph_detection_matches_bridges(bridge, graph_settings):
     """Bridge pads HybridEP inputs exactly when it sees no CUDA graphs; our detection agrees."""
     model = bridge_transformer_config(bridge, **HYBRIDEP, expert_model_parallel_size=2, **graph_settings)
-    bridge.transformer_config._enable_safe_hybridep_dispatch(model, uses_thd=True)
+    safe_hybridep_dispatch(bridge, model)
     assert cuda_graphs_enabled(model) is (not model.moe_hybridep_pad_uneven_dispatch_inputs)
 
 
@@ -1225,12 +1479,13 @@ MODELS = {
 GRAPHS = {"no_graphs": dict(), "te_graphs": dict(cuda_graph_impl="transformer_engine")}
 
 
+@pytest.mark.parametrize("micro_batch_size", [4, 1])
 @pytest.mark.parametrize("graphs", list(GRAPHS))
 @pytest.mark.parametrize("model_kind", list(MODELS))
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_configured_config_passes_bridges_packing_validation(
-    bridge, mock_vlm_config_cls, qwen3_vl_build_check, layout, pp, model_kind, graphs
+    bridge, mock_vlm_config_cls, qwen3_vl_build_check, layout, pp, model_kind, graphs, micro_batch_size
 ):
     """configure, then the packing part of Bridge 0.6.2's validate (incl. the real model finalize).
 
@@ -1242,9 +1497,11 @@ def test_configured_config_passes_bridges_packing_validation(
     """
     model = bridge_transformer_config(bridge, pipeline_model_parallel_size=pp, **MODELS[model_kind], **GRAPHS[graphs])
     dataset = mock_vlm_config_cls(seq_length=4096, hf_processor_path="Qwen/Qwen3-VL-8B-Instruct")
-    cfg = SimpleNamespace(dataset=dataset, model=model, train=SimpleNamespace(micro_batch_size=4))
+    cfg = SimpleNamespace(dataset=dataset, model=model, train=SimpleNamespace(micro_batch_size=micro_batch_size))
     with_graphs = graphs == "te_graphs"
-    if with_graphs and pp > 1:  # Qwen3VLModel would assert at build
+    # With one sample per micro-batch only "thd" turns variable_seq_lengths on under PP (configure's hook).
+    variable_lengths = pp > 1 and (micro_batch_size > 1 or layout == "thd")
+    if with_graphs and variable_lengths:  # Qwen3VLModel would assert at build
         with pytest.raises(ValueError, match=r"cuda_graph_impl='transformer_engine' with "
                            r"model.pipeline_model_parallel_size=2: .*without model.variable_seq_lengths.*"
                            r"set model.cuda_graph_impl='none'.*model.pipeline_model_parallel_size=1"):
@@ -1254,6 +1511,12 @@ def test_configured_config_passes_bridges_packing_validation(
         with pytest.raises(ValueError, match="CUDA graphs|Transformer-Engine graph path"):
             configure(cfg, layout)
         return
+    if micro_batch_size == 1:
+        # Control: Megatron-Bridge's flag, which configure leaves off here, is what its validate() refuses.
+        refused = copy.deepcopy(cfg)
+        refused.dataset.enable_in_batch_packing = True
+        with pytest.raises(ValueError, match="micro_batch_size should be greater than 1"):
+            bridge_packing_validate(refused, bridge, mock_vlm_config_cls)
     configure(cfg, layout)
     flags = {
         name: getattr(dataset, name)
@@ -1267,10 +1530,11 @@ def test_configured_config_passes_bridges_packing_validation(
         )
     }
     hybridep_padding = model.moe_hybridep_pad_uneven_dispatch_inputs
-    bridge_062_packing_validate(cfg, bridge, mock_vlm_config_cls)
+    bridge_packing_validate(cfg, bridge, mock_vlm_config_cls)
     assert {name: getattr(dataset, name) for name in flags} == flags
     assert model.moe_hybridep_pad_uneven_dispatch_inputs == hybridep_padding
-    assert model.variable_seq_lengths is (pp > 1)
+    assert hybridep_padding is (model_kind == "hybridep" and not with_graphs)
+    assert model.variable_seq_lengths is variable_lengths
     qwen3_vl_build_check(model)
     assert configured_layout(cfg) == layout
     after_validate = (copy.deepcopy(vars(dataset)), dict(vars(model)))
@@ -1318,7 +1582,8 @@ def test_docs_explain_the_refusals_and_hold_the_one_flag_table():
     assert header not in configure_module.__doc__, "the flag table's one copy is configure.FLAG_RULES"
     assert docs.count(header) == 1 and header in _docs_configure_flags_block()[0]
     for heading in (
-        "### CUDA graphs with pipeline parallelism (every layout)",
+        "### CUDA graphs with pipeline parallelism (every layout, at micro-batch size 1 `\"thd\"` only)",
+        "### A micro-batch of one sample",
         "### MoE expert-parallel communication overlap with a THD layout",
         "### `dataset.seq_length` differs from `model.seq_length`",
         "### Explicit settings the layout contradicts",

@@ -160,7 +160,7 @@ def test_upstream_versions_and_line_numbers_live_in_the_docs_not_in_the_code():
     # from is docs/compatibility.md's. A version pin the code acts on (the VERL wheel it fetches) is data.
     import re
 
-    pattern = re.compile(r"\b0\.6\.2\b|\b0\.19\.2\b|\b[A-Za-z_]\w*\.py:\d+")
+    pattern = re.compile(r"\b0\.6\.2\b|\b0\.19\.2\b|\b0\.7\.0\b|\b0\.20\.0\b|\b067f987\b|\b[A-Za-z_]\w*\.py:\d+")
     found = []
     for package in ("bridge_thd", "bridge_thd_cpu", "bridge_thd_testbed"):
         for path in sorted((REPO / "src" / "megatron" / package).rglob("*.py")):

@@ -64,9 +64,12 @@ class FlagRule(NamedTuple):
 
 # Markdown cells. ``*``: not a field of Megatron-Bridge's dataset config dataclasses (FLAG_RULES_NOTE).
 FLAG_RULES: tuple[FlagRule, ...] = (
-    FlagRule("in-batch packing on", "`dataset.enable_in_batch_packing`", "same", "`True`"),
+    FlagRule("in-batch packing on", "`dataset.enable_in_batch_packing`", "same",
+             "`True`; `False` with `train.micro_batch_size=1` (Bridge's `validate()` refuses it there; "
+             "[one sample](#a-micro-batch-of-one-sample))"),
     FlagRule("same switch, design name (alias)", "`dataset.pack_sequences_in_batch` *", "gone",
-             "`True` (where the object takes it)"),
+             "`True` (where the object takes it; required with `train.micro_batch_size=1`, where it is the step's "
+             "only switch)"),
     FlagRule("collate leaves packing to the step", "`dataset.defer_in_batch_packing_to_step`", "same", "`True`"),
     FlagRule("layout of the packed row", "`dataset.packing_layout` * (ours)", "(ours)", "`layout`"),
     FlagRule("the dataset's 2D mask reaches the step", "`dataset.skip_getting_attention_mask_from_dataset`", "same",
@@ -79,7 +82,8 @@ FLAG_RULES: tuple[FlagRule, ...] = (
     FlagRule("HybridEP pads uneven dispatch inputs",
              "`model.moe_hybridep_pad_uneven_dispatch_inputs` (Megatron-Core)",
              "`moe_hybridep_pad_variable_tokens` in Core versions that name it so (Bridge lists both)",
-             "`True` for HybridEP without CUDA graphs (what Bridge's validate sets itself)"),
+             "`True` for HybridEP without CUDA graphs (what Bridge sets itself: in `validate()` for in-batch "
+             "packing, or in the model config's `finalize()` for every HybridEP config, by line)"),
     FlagRule("global-batch packing setting", "`dataset.global_batch_packing` * (ours)", "(ours)",
              "the `global_batch_packing` argument, when given ([batching.md](batching.md))"),
     FlagRule("what happens to a sample longer than seq_length", "`dataset.overlong_samples` * (ours)", "(ours)",
@@ -301,10 +305,33 @@ class _Override:
 
 def _plan_changes(s: Setup) -> tuple[list[_Change], list[str]]:
     """The attributes to set, in the order they are set, and the notes that explain them."""
-    notes: list[str] = []
+    notes: list[str] = _micro_batch_one_notes(s)
     changes = [*_dataset_changes(s), *_pipeline_changes(s, notes), *_hybridep_changes(s, notes),
                *_global_batch_changes(s)]
     return changes, notes
+
+
+# What one sample per micro-batch gives each layout (docs/configure.md, "A micro-batch of one sample").
+_ONE_SAMPLE = {
+    "thd": "a row of the one sample's real tokens: the collate's pad tail (up to seq_length where pad_to_max_length "
+           "is on, as for PP>1 or EP>1) is not computed",
+    "thd_static": "a row of seq_length slots, the sample and a padding tail: the same slots as 'bshd', with THD "
+                  "attention and a fixed shape",
+    "bshd": "the padded (1, width) layout Megatron-Bridge's own step runs",
+}
+
+
+def _micro_batch_one_notes(s: Setup) -> list[str]:
+    """What ``train.micro_batch_size=1`` means for the layout (and for global-batch packing)."""
+    if s.bridge_packing_flag:
+        return []
+    notes = [f"train.micro_batch_size=1: dataset.enable_in_batch_packing stays False (Megatron-Bridge refuses it with "
+             f"one sample); the step's switch dataset.pack_sequences_in_batch runs layout {s.layout!r}: "
+             f"{_ONE_SAMPLE[s.layout]}"]
+    if s.global_batch is not None:
+        notes.append("global-batch packing with train.micro_batch_size=1: every micro-batch holds one sample (a step "
+                     "has as many micro-batches as samples), so it packs nothing and only balances the DP ranks")
+    return notes
 
 
 def _dataset_changes(s: Setup) -> list[_Change]:
@@ -315,11 +342,24 @@ def _dataset_changes(s: Setup) -> list[_Change]:
         f"dataset.enable_in_batch_packing and dataset.pack_sequences_in_batch as one switch, so False contradicts "
         f"layout {layout!r}"
     )
+    unpacked = ", or do not call configure (train unpacked with Megatron-Bridge's own step)"
+    if s.bridge_packing_flag:
+        bridge_flag = _Change(dataset, "dataset", "enable_in_batch_packing", True, why=packing_on, alternative=unpacked)
+    else:
+        # A micro-batch of one sample: Megatron-Bridge's validate() refuses its flag, the step needs only its own
+        # switch (rules.bridge_packing_flag; docs/configure.md "A micro-batch of one sample").
+        bridge_flag = _Change(
+            dataset, "dataset", "enable_in_batch_packing", False,
+            why="with train.micro_batch_size=1 Megatron-Bridge's ConfigContainer.validate() refuses "
+            "enable_in_batch_packing=True (it wants two samples to pack), and megatron.bridge_thd's step does not need "
+            "it: its own switch dataset.pack_sequences_in_batch turns the layout on",
+            alternative=", or raise train.micro_batch_size to 2 or more")
     changes = [
-        _Change(dataset, "dataset", "enable_in_batch_packing", True, why=packing_on,
-                alternative=", or do not call configure (train unpacked with Megatron-Bridge's own step)"),
-        _Change(dataset, "dataset", "pack_sequences_in_batch", True, required=False, why=packing_on,
-                alternative=", or do not call configure (train unpacked with Megatron-Bridge's own step)"),
+        bridge_flag,
+        # The step's own switch: with Megatron-Bridge's flag off (micro-batch size 1) the only one, so required
+        # for the packed layouts (the step reads "bshd" when neither name is on).
+        _Change(dataset, "dataset", "pack_sequences_in_batch", True,
+                required=not s.bridge_packing_flag and layout != "bshd", why=packing_on, alternative=unpacked),
         _Change(dataset, "dataset", "defer_in_batch_packing_to_step", True,
                 why="with in-batch packing on, the collate then packs the micro-batch itself (cu_seqlens in the "
                 "batch; Megatron-Bridge's data/datasets/direct_sft.py), and megatron.bridge_thd's step rejects "
@@ -393,16 +433,21 @@ def _pipeline_changes(s: Setup, notes: list[str]) -> list[_Change]:
                 alternative=", or use layout='thd_static' (fixed row length, no shape exchange)",
             ))
         return changes
-    if s.pp > 1:
+    if s.pp > 1 and s.bridge_packing_flag:
         notes.append(
             f"layout {s.layout!r} keeps a fixed row length; Megatron-Bridge's validate() still sets "
             "variable_seq_lengths=True for in-batch packing with PP>1 (p2p then exchanges shapes)"
+        )
+    elif s.pp > 1 and not s.variable_seq_lengths:
+        notes.append(
+            f"layout {s.layout!r} with train.micro_batch_size=1 keeps variable_seq_lengths off: the pipeline stages "
+            "exchange fixed (seq_length, 1, hidden) buffers, which the row fills exactly"
         )
     return []
 
 
 def _hybridep_changes(s: Setup, notes: list[str]) -> list[_Change]:
-    """For HybridEP without CUDA graphs, the padding of uneven dispatch inputs Bridge's validate sets."""
+    """For HybridEP without CUDA graphs, the padding of uneven dispatch inputs Bridge sets itself."""
     if not (s.hybridep and not s.graphs):
         return []
     fields = [name for name in HYBRIDEP_PADDING_FIELDS if hasattr(s.model, name)] or [HYBRIDEP_PADDING_FIELDS[0]]
@@ -410,12 +455,26 @@ def _hybridep_changes(s: Setup, notes: list[str]) -> list[_Change]:
         "HybridEP without CUDA graphs: per-rank token counts may differ; Megatron-Bridge pads "
         f"uneven HybridEP dispatch inputs ({', '.join(fields)}=True), so layout {s.layout!r} is allowed"
     )
-    why = (
-        "packed rows give HybridEP different token counts per rank, and Megatron-Bridge's "
-        "_enable_safe_hybridep_dispatch (models/transformer_config.py) sets it True itself for in-batch packing "
-        "without CUDA graphs"
-    )
+    why = "packed rows give HybridEP different token counts per rank, and " + _bridge_hybridep_padding()
     return [_Change(s.model, "model", name, True, required=False, why=why) for name in fields]
+
+
+def _bridge_hybridep_padding() -> str:
+    """Where the installed Megatron-Bridge turns HybridEP's padding on itself (``upstream_line``'s seam)."""
+    from megatron.bridge_thd.upstream_line import upstream_line
+
+    try:
+        from_validate = upstream_line().hybridep_dispatch_takes_uses_thd
+    except ImportError:  # no Megatron-Bridge installed: say what either line does
+        from_validate = None
+    if from_validate is None:
+        return ("Megatron-Bridge's _enable_safe_hybridep_dispatch (models/transformer_config.py) sets it True itself "
+                "without CUDA graphs")
+    if from_validate:
+        return ("Megatron-Bridge's _enable_safe_hybridep_dispatch (models/transformer_config.py, called by "
+                "ConfigContainer.validate()) sets it True itself for in-batch packing without CUDA graphs")
+    return ("Megatron-Bridge's _enable_safe_hybridep_dispatch (models/transformer_config.py, called by "
+            "TransformerConfig.finalize()) sets it True itself for every HybridEP config without CUDA graphs")
 
 
 def _explicit_overrides(changes: list[_Change]) -> list[_Override]:

@@ -138,9 +138,23 @@ class Setup:
     row_lengths: tuple[int, ...] = ()  # thd_static under global-batch packing: the run's rows, ascending
 
     @property
+    def bridge_packing_flag(self) -> bool:
+        """Whether ``configure`` turns Megatron-Bridge's ``dataset.enable_in_batch_packing`` on (see
+        :func:`bridge_packing_flag`)."""
+        return bridge_packing_flag(self.micro_batch_size)
+
+    @property
+    def variable_lengths_on_build(self) -> bool:
+        """PP>1 and the model config will hold ``variable_seq_lengths=True`` when the model is built: set by the
+        user, by Megatron-Bridge's ``finalize()`` through the hook its ``validate()`` sets for in-batch packing, or
+        by ``configure`` for ``"thd"``."""
+        return self.pp > 1 and (self.variable_seq_lengths or self.bridge_packing_flag or self.layout == "thd")
+
+    @property
     def pipeline_graphs(self) -> bool:
-        """PP>1 with CUDA graphs in the model config: Qwen3VLModel refuses to build (see the check)."""
-        return self.pp > 1 and self.graph_impl != "none"
+        """PP>1 with CUDA graphs in the model config and variable sequence lengths: Qwen3VLModel refuses to build
+        (see the check)."""
+        return self.graph_impl != "none" and self.variable_lengths_on_build
 
     @property
     def seq_length(self) -> int | None:
@@ -247,6 +261,20 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
     )
 
 
+def bridge_packing_flag(micro_batch_size: Any) -> bool:
+    """Whether ``configure`` turns Megatron-Bridge's own ``dataset.enable_in_batch_packing`` on: for every layout,
+    except with ``train.micro_batch_size`` 1.
+
+    Megatron-Bridge's flag does three things: its collate packs the micro-batch unless
+    ``defer_in_batch_packing_to_step`` (``configure`` defers, the step packs), its ``validate()`` sets the model
+    config's ``_enable_in_batch_packing`` hook (``variable_seq_lengths`` for PP>1) and its ``validate()`` refuses
+    micro-batch size 1. The step reads its own switch (``dataset.pack_sequences_in_batch``, either name turns it
+    on), and ``configure`` sets the hook itself where the layout needs it (``"thd"`` with PP>1), so with a
+    micro-batch of one sample the flag stays off and the step still runs the requested layout (docs/configure.md).
+    """
+    return micro_batch_size != 1
+
+
 def requested_layout(dataset: Any) -> str:
     """The layout the configuration asks for: ``"bshd"`` when in-batch packing is off
     (``dataset.pack_sequences_in_batch`` / ``enable_in_batch_packing``), else ``dataset.packing_layout``
@@ -288,7 +316,6 @@ def configure_problems(s: Setup) -> tuple[list[str], list[str]]:
     problems = [
         *_cuda_graphs_argument_problems(s),
         *_offline_packing_problems(s.dataset),
-        *_micro_batch_size_problems(s.train),
         *_seq_length_problems(s),
         *_cuda_graphs_pipeline_problems(s),
         *_hybridep_problems(s),
@@ -412,17 +439,6 @@ def _offline_packing_problems(dataset: Any) -> list[str]:
     return problems
 
 
-def _micro_batch_size_problems(train: Any) -> list[str]:
-    """``micro_batch_size == 1``, which Bridge refuses with in-batch packing."""
-    if getattr(train, "micro_batch_size", None) != 1:
-        return []
-    return [
-        "train.micro_batch_size=1: in-batch packing concatenates the samples of one micro-batch, so one sample "
-        "gains nothing, and Megatron-Bridge refuses enable_in_batch_packing with micro_batch_size 1; raise "
-        "train.micro_batch_size (and divide the gradient-accumulation steps accordingly), or turn packing off"
-    ]
-
-
 def _seq_length_problems(s: Setup) -> list[str]:
     """``dataset.seq_length`` and ``model.seq_length`` both set, to different values."""
     dataset_length, model_length = s.seq_lengths
@@ -450,25 +466,35 @@ def _graph_setting(model: Any) -> str:
 
 
 def _cuda_graphs_pipeline_problems(s: Setup) -> list[str]:
-    """CUDA graphs in the model config with PP>1: Qwen3VLModel asserts at build, for every layout."""
+    """CUDA graphs in the model config with PP>1 and variable sequence lengths: Qwen3VLModel asserts at build."""
     # Megatron-Bridge's models/qwen_vl/modelling_qwen3_vl/model.py, in
     # Qwen3VLModel._expose_language_model_for_cuda_graph_helper (called by __init__): when the
     # language model config's cuda_graph_impl != "none" it asserts `not config.variable_seq_lengths`.
-    # With in-batch packing on (every layout configure sets up) ConfigContainer.validate
-    # (training/config.py) sets transformer_config._enable_in_batch_packing, and TransformerConfig.finalize
-    # (models/transformer_config.py) turns that into variable_seq_lengths=True when
-    # pipeline_model_parallel_size > 1 (docs/compatibility.md).
+    # With Megatron-Bridge's in-batch packing flag on (every layout configure sets up, except with micro-batch
+    # size 1: bridge_packing_flag) ConfigContainer.validate (training/config.py) sets
+    # transformer_config._enable_in_batch_packing, and TransformerConfig.finalize (models/transformer_config.py)
+    # turns that into variable_seq_lengths=True when pipeline_model_parallel_size > 1 (docs/compatibility.md);
+    # configure sets the same hook for "thd" with PP>1 itself.
     # Any cuda_graph_impl counts ("local", "transformer_engine", "full_iteration", or the deprecated
     # switches mapped to them), dense or MoE; PP=1 leaves variable_seq_lengths alone.
     if not s.pipeline_graphs:
         return []
+    if s.variable_seq_lengths:
+        why = "model.variable_seq_lengths=True is set"
+        fix = "set model.variable_seq_lengths=False with a static layout, or "
+    elif s.bridge_packing_flag:
+        why = ("for in-batch packing with PP>1 its ConfigContainer.validate() and TransformerConfig.finalize() set "
+               f"variable_seq_lengths=True whatever the layout ({s.layout!r} included)")
+        fix = ""
+    else:
+        why = "layout 'thd' with PP>1 needs variable_seq_lengths=True (its row length changes every micro-batch)"
+        fix = "use layout='thd_static' or 'bshd' (with train.micro_batch_size=1 they keep fixed p2p shapes), or "
     return [
         f"{_graph_setting(s.model)} with model.pipeline_model_parallel_size={s.pp}: Megatron-Bridge's "
         "Qwen3VLModel asserts at build that CUDA graphs run without model.variable_seq_lengths "
-        "(Qwen3VLModel._expose_language_model_for_cuda_graph_helper), and for in-batch packing with PP>1 its "
-        "ConfigContainer.validate() and TransformerConfig.finalize() set variable_seq_lengths=True "
-        f"whatever the layout ({s.layout!r} included); set model.cuda_graph_impl='none' (and enable_cuda_graph / "
-        "external_cuda_graph False) or model.pipeline_model_parallel_size=1"
+        f"(Qwen3VLModel._expose_language_model_for_cuda_graph_helper), and {why}; {fix}set "
+        "model.cuda_graph_impl='none' (and enable_cuda_graph / external_cuda_graph False) or "
+        "model.pipeline_model_parallel_size=1"
     ]
 
 
