@@ -959,6 +959,28 @@ def test_moe_allgather_with_ep_refuses_thd():
     configure(make_cfg(model={**model, "moe_token_dispatcher_type": "alltoall"}), "thd")
 
 
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_moe_allgather_with_pp_and_variable_lengths_is_refused(bridge, layout):
+    """Under PP>1 in-batch packing turns variable_seq_lengths on ('thd', or Megatron-Bridge's flag at micro-batch >
+    1), which Megatron-Core refuses for the allgather dispatcher once the config is finalized again; a dense model
+    is moved off the dispatcher it never uses instead, and the twice-finalized config then holds."""
+    def cfg(model):
+        return SimpleNamespace(dataset=SimpleNamespace(seq_length=4096), model=model,
+                               train=SimpleNamespace(micro_batch_size=4, global_batch_size=32))
+
+    moe = bridge_transformer_config(bridge, pipeline_model_parallel_size=2, num_moe_experts=4)
+    with pytest.raises(ValueError, match=rf"layout: '{layout}' with MoE moe_token_dispatcher_type='allgather' and "
+                                         r"pipeline_model_parallel_size=2.*'alltoall'"):
+        configure(cfg(moe), layout)
+    dense = bridge_transformer_config(bridge, pipeline_model_parallel_size=2)
+    configure(cfg(dense), layout)
+    assert dense.moe_token_dispatcher_type == "alltoall"
+    dense._enable_in_batch_packing = True  # what validate() sets
+    dense.finalize()
+    dense.finalize()
+    assert dense.variable_seq_lengths is True
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs
 # ---------------------------------------------------------------------------------------------
@@ -1487,7 +1509,8 @@ GRAPHS = {"no_graphs": dict(), "te_graphs": dict(cuda_graph_impl="transformer_en
 def test_configured_config_passes_bridges_packing_validation(
     bridge, mock_vlm_config_cls, qwen3_vl_build_check, layout, pp, model_kind, graphs, micro_batch_size
 ):
-    """configure, then the packing part of Bridge 0.6.2's validate (incl. the real model finalize).
+    """configure, then the packing part of the installed Bridge's validate (incl. the real model finalize, and the
+    second finalize the 0.7 line's setup runs).
 
     Combinations configure refuses (CUDA graphs with PP>1, any layout; Transformer Engine graphs with a
     THD layout, docs/cuda-graphs.md) are checked to be refused; for the rest, Bridge's
@@ -1531,6 +1554,9 @@ def test_configured_config_passes_bridges_packing_validation(
     }
     hybridep_padding = model.moe_hybridep_pad_uneven_dispatch_inputs
     bridge_packing_validate(cfg, bridge, mock_vlm_config_cls)
+    # Megatron-Bridge's setup finalizes the model config once more before it builds the model (training/setup.py,
+    # on the 0.7 line): Megatron-Core's checks then see variable_seq_lengths as validate() left it.
+    model.finalize()
     assert {name: getattr(dataset, name) for name in flags} == flags
     assert model.moe_hybridep_pad_uneven_dispatch_inputs == hybridep_padding
     assert hybridep_padding is (model_kind == "hybridep" and not with_graphs)

@@ -306,7 +306,7 @@ class _Override:
 def _plan_changes(s: Setup) -> tuple[list[_Change], list[str]]:
     """The attributes to set, in the order they are set, and the notes that explain them."""
     notes: list[str] = _micro_batch_one_notes(s)
-    changes = [*_dataset_changes(s), *_pipeline_changes(s, notes), *_hybridep_changes(s, notes),
+    changes = [*_dataset_changes(s), *_pipeline_changes(s, notes), *_dense_dispatcher_changes(s), *_hybridep_changes(s, notes),
                *_global_batch_changes(s)]
     return changes, notes
 
@@ -408,6 +408,24 @@ def _global_batch_changes(s: Setup) -> list[_Change]:
                 "(distributed/distributed_data_parallel.py)",
             alternative=", or turn global-batch packing off"))
     return changes
+
+
+def _dense_dispatcher_changes(s: Setup) -> list[_Change]:
+    """A dense model whose config will hold ``variable_seq_lengths=True`` (``"thd"`` or Bridge's in-batch flag, with
+    PP>1) leaves the ``'allgather'`` dispatcher it never uses for ``'alltoall'``: Megatron-Core's config check refuses
+    the pair even without experts, and Megatron-Bridge's setup may finalize the model config again after validate()
+    turned ``variable_seq_lengths`` on. (With experts: :func:`rules._moe_allgather_problems` refuses.)"""
+    model = s.model
+    if not (s.pp > 1 and (s.layout == "thd" or s.bridge_packing_flag) and callable(getattr(model, "finalize", None))
+            and s.dispatcher == "allgather" and not getattr(model, "num_moe_experts", None)):
+        return []
+    return [_Change(
+        model, "model", "moe_token_dispatcher_type", "alltoall", required=False,
+        why="Megatron-Core's config check refuses variable_seq_lengths=True with the 'allgather' dispatcher even for a "
+        "model without experts, and Megatron-Bridge's setup finalizes the model config again after validate() turned "
+        "variable_seq_lengths on (in-batch packing with PP>1); a dense model dispatches no token, so nothing else "
+        "changes",
+        alternative=", or set pipeline_model_parallel_size=1")]
 
 
 def _pipeline_changes(s: Setup, notes: list[str]) -> list[_Change]:

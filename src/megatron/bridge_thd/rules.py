@@ -594,8 +594,19 @@ def _variable_seq_lengths_problems(s: Setup, notes: list[str]) -> list[str]:
 
 
 def _moe_allgather_problems(s: Setup) -> list[str]:
-    """``"thd"`` with MoE's allgather dispatcher over EP>1, which needs equal-sized token blocks per rank."""
+    """``"thd"`` with MoE's allgather dispatcher over EP>1, which needs equal-sized token blocks per rank; or under
+    PP>1, where the row's length travels with ``variable_seq_lengths``, which the dispatcher refuses."""
     moe_allgather = bool(getattr(s.model, "num_moe_experts", None)) and s.dispatcher == "allgather"
+    variable_lengths = s.pp > 1 and (s.layout == "thd" or s.bridge_packing_flag)
+    if moe_allgather and variable_lengths and not (s.layout == "thd" and s.ep > 1):
+        return [
+            f"layout: {s.layout!r} with MoE moe_token_dispatcher_type='allgather' and pipeline_model_parallel_size="
+            f"{s.pp}: the stages exchange the row's changing length (variable_seq_lengths=True, set for in-batch "
+            "packing under PP), which Megatron-Core's config check refuses for the allgather dispatcher once "
+            "Megatron-Bridge's setup finalizes the model config again; set moe_token_dispatcher_type='alltoall' / "
+            "'flex'" + (", or use layout='thd_static' with train.micro_batch_size=1" if s.layout == "thd" else
+                        ", or train.micro_batch_size=1 (no in-batch flag, fixed shapes)")
+        ]
     if not (moe_allgather and s.ep > 1 and s.layout == "thd"):
         return []
     return [
