@@ -196,6 +196,38 @@ def step_host_syncs() -> str:
     return "\n".join(rows)
 
 
+
+STEP_PATH_PLACEMENTS = (("on the host (Megatron-Bridge's loader)", True), ("on the model's device (VERL)", False))
+
+
+def step_path() -> str:
+    """Functions, modules, module changes and cross-module calls of our runtime one micro-batch passes through in
+    ``forward_step`` before ``model(**args)``, per layout, measured by ``sys.setprofile``
+    (``bridge_thd_testbed.callpath.step_call_paths``: the run's second micro-batch, its plan already built)."""
+    _quiet_imports()
+    from megatron.bridge_thd_testbed.callpath import step_call_paths
+
+    rows = ["| layout | batch arrives | functions | modules | module changes | cross-module calls |",
+            "|---|---|---|---|---|---|"]
+    modules = {}
+    for where, on_host in STEP_PATH_PLACEMENTS:
+        for layout, path in step_call_paths(batch_on_host=on_host).items():
+            rows.append(f"| `{layout}` | {where} | {path.functions} | {path.modules} | {path.module_changes} | "
+                        f"{path.cross_module_calls} |")
+            found = path.module_names()
+            if modules.setdefault(layout, found) != found:
+                modules[f"{layout}, batch {where}"] = found
+    items = [f"* `{layout}`: " + ", ".join(f"`{m.removeprefix('megatron.bridge_thd.')}`" for m in found)
+             for layout, found in modules.items()]
+    return "\n".join(rows + ["", "The modules of `megatron.bridge_thd` it enters, in the order it first enters them:",
+                              "", *items])
+
+
+def step_lines() -> str:
+    """Lines of ``step.py`` (the per-micro-batch path), as ``wc -l`` counts them."""
+    return f"{len((ROOT / 'src' / 'megatron' / 'bridge_thd' / 'step.py').read_text().splitlines())} lines"
+
+
 # The planner's README cases: synthetic receipts, micro-batch 4, 8 x H100.
 PLAN_CASES = [
     ("qwen3-vl-8b", "Qwen3-VL 8B", dict(tp=2), "the Megatron-Bridge H100 SFT layout"),
@@ -477,6 +509,8 @@ BLOCKS: dict[str, Block] = {
     "packer-ops-short": Block(packer_ops_short, "computed", inline=True, source="opcount.count_ops on pack_bshd_to_thd"),
     "bench-pack": Block(bench_pack_block, "results", source="benchmarks/bench_pack.py -> results/bench_pack.json"),
     "step-host-syncs": Block(step_host_syncs, "computed", source="opcount over prepare_micro_batch, real model"),
+    "step-path": Block(step_path, "computed", source="callpath.step_call_paths: sys.setprofile over forward_step"),
+    "step-lines": Block(step_lines, "computed", inline=True, source="line count of src/megatron/bridge_thd/step.py"),
     "demo": Block(demo_block, "results", source="make demo (--run demo) -> results/demo.json"),
     "demo-gflop": Block(demo_gflop, "results", inline=True, source="results/demo.json"),
     "parity-single": Block(_parity("single"), "results", source="benchmarks/parity_report.py -> results/parity_report.json"),
