@@ -169,3 +169,106 @@ def test_upstream_versions_and_line_numbers_live_in_the_docs_not_in_the_code():
                     found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert found == []
     assert "0.6.2" in (REPO / "docs" / "compatibility.md").read_text()
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(REPO / "src").with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(nodes):
+    """The import statements among ``nodes`` at any depth (inside functions too), less those under ``if
+    TYPE_CHECKING:`` (never run)."""
+    import ast
+
+    for node in nodes:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _runtime_imports(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _runtime_imports(ast.iter_child_nodes(node))
+
+
+def _import_graph(package: str = "bridge_thd") -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (a function's lazy import included; ``from pkg import
+    name`` counts as importing ``pkg.name`` where that is a module, else ``pkg``)."""
+    import ast
+
+    modules = {_module_name(path): path for path in sorted((REPO / "src" / "megatron" / package).rglob("*.py"))}
+
+    def ours(name: str) -> str | None:  # the longest prefix of name that is a module of the package
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        package_of = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in _runtime_imports([ast.parse(path.read_text())]):
+            if isinstance(node, ast.Import):
+                targets = [ours(alias.name) for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, one level up per extra dot
+                    anchor = package_of.split(".")[: len(package_of.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [ours(f"{base}.{alias.name}") for alias in node.names]
+            edges.update(target for target in targets if target and target != name)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+# issue 36: rules registry -- rules imports moe_padding inside a function, moe_padding imports rules; the rules
+# are being restructured elsewhere. Only this edge is excused: any other cycle, or one through another edge, fails.
+KNOWN_CYCLE_EDGES = {("megatron.bridge_thd.rules", "megatron.bridge_thd.moe_padding")}
+
+
+def test_the_import_graph_of_the_package_has_no_cycle():
+    # Every import, module level or inside a function, between modules of megatron.bridge_thd: no module reaches
+    # itself (a lazy import hides a cycle only until the function runs).
+    graph = _import_graph()
+    # lazy imports are edges: scan's planner run (inside a function) reaches the plan command, not the CLI
+    assert "megatron.bridge_thd.plan.plan_command" in graph["megatron.bridge_thd.plan.scan"]
+    assert "megatron.bridge_thd.plan.cli" not in graph["megatron.bridge_thd.plan.scan"]
+    for source, target in KNOWN_CYCLE_EDGES:
+        assert target in graph[source], f"{source} -> {target} is gone: drop it from KNOWN_CYCLE_EDGES"
+        graph[source].discard(target)
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_reports_each_cycle_once():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -7,7 +7,8 @@ model-state memory per GPU, and a roofline step time; and per layout the step ti
 DP rank with Megatron-Bridge's in-batch placement and with global-batch packing (:mod:`.balance`,
 docs/batching.md). Modules: :mod:`.presets`, :mod:`.samples`, :mod:`.layouts`, :mod:`.flops`,
 :mod:`.memory`, :mod:`.roofline`, :mod:`.estimate`, :mod:`.balance`, :mod:`.report`, :mod:`.plot`,
-:mod:`.calibrate`, :mod:`.cli`, :mod:`.scan` (``bridge-thd scan``: a recipe's dataset as a lengths file).
+:mod:`.calibrate`, :mod:`.plan_command` (``bridge-thd plan``), :mod:`.cli` (``bridge-thd``, its
+commands), :mod:`.scan` (``bridge-thd scan``: a recipe's dataset as a lengths file).
 
 API::
 

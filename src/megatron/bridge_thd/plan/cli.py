@@ -1,149 +1,94 @@
-"""``bridge-thd plan``: what packing buys for a model, a length distribution and a parallel layout.
+"""``bridge-thd``: the console script, which dispatches to its commands.
 
-``bridge-thd scan ...`` (:mod:`.scan`, docs/scan.md) writes the lengths file of a Megatron-Bridge recipe's dataset.
+``bridge-thd <command> [options]`` runs a command of :data:`COMMANDS` (``bridge-thd <command> --help``: its
+options); ``bridge-thd --help`` lists them. Without a command the arguments are ``plan``'s, as they always were
+(``bridge-thd --lengths lengths.json ...`` is ``bridge-thd plan --lengths lengths.json ...``; ``python -m
+megatron.bridge_thd.plan`` is the same entry point).
 
 Examples::
 
-    bridge-thd plan --model qwen3-vl-8b --seq-length 8192 --micro-batch-size 4 --tp 2 --png /tmp/plan.png
-    bridge-thd plan --model qwen3-vl-8b --global-batch-size 64     # with / without global-batch packing
-    bridge-thd plan --model qwen3-vl-8b --global-batch-size 64 --row-buckets 1   # one thd_static row
-    bridge-thd plan --hf-config config.json --lengths lengths.csv --seq-length 4096 --tp 4 --pp 2
-    bridge-thd plan --calibrate
-    python -m megatron.bridge_thd.plan --list-models
+    bridge-thd --help
+    bridge-thd plan --model qwen3-vl-8b --seq-length 8192 --micro-batch-size 4 --tp 2
+    bridge-thd scan --recipe qwen3_vl_8b_sft_2gpu_h100_bf16_config --out lengths.json
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import difflib
+import importlib
+import logging
 import sys
-import warnings
 
-from megatron.bridge_thd.checks import check_int
-from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS
+__all__ = ["COMMANDS", "DEFAULT_COMMAND", "build_parser", "usage", "main"]
 
-__all__ = ["build_parser", "main"]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bridge-thd plan", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="bridge-thd scan --help: the lengths file of a Megatron-Bridge recipe's dataset")
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", default="qwen3-vl-8b", help="preset name (--list-models)")
-    model.add_argument("--hf-config", help="a Hugging Face config.json instead of a preset")
-    p.add_argument("--list-models", action="store_true", help="print the presets and GPUs and exit")
-    p.add_argument("--lengths", help="JSON / CSV per-sample lengths file: text_tokens, images, optional image_end "
-                   "(default: synthetic receipts)")
-    p.add_argument("--num-samples", type=int, default=1024, help="synthetic receipts to draw (default 1024)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seq-length", type=int, default=2048,
-                   help="model.seq_length (default 2048); refused if truncating a sample to it would cut an image, "
-                   "as the step refuses it")
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="micro-batches per step per DP replica (default 1, or --global-batch-size / "
-                   "(micro_batch_size * DP))")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="samples per step, a multiple of micro_batch_size * DP (default micro_batch_size * "
-                   "micro-batches * DP); the steps are consecutive global batches of the samples, placed with and "
-                   "without global-batch packing (docs/batching.md)")
-    p.add_argument("--row-buckets", type=int, default=DEFAULT_ROW_BUCKETS, metavar="K",
-                   help=f"most thd_static rows global-batch packing may use (default {DEFAULT_ROW_BUCKETS}, the "
-                   "runtime's dataset.global_batch_packing.row_buckets; 1: one row, as with CUDA graphs or fixed "
-                   "pipeline shapes); each micro-batch takes the shortest that holds it")
-    for name in ("tp", "cp", "pp", "ep"):
-        p.add_argument(f"--{name}", type=int, default=1)
-    p.add_argument("--gpus", type=int, default=8, help="total GPUs (DP = gpus / (tp*cp*pp))")
-    p.add_argument("--no-sequence-parallel", action="store_true", help="TP without sequence parallelism")
-    p.add_argument("--gpu", default="h100-sxm", help="GPU for the roofline (--list-models)")
-    p.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilisation (default 0.40)")
-    p.add_argument("--overhead-ms", type=float, default=0.0, help="fixed per-step overhead (default 0)")
-    p.add_argument("--png", help="write the figure here (needs matplotlib)")
-    p.add_argument("--calibrate", action="store_true", help="print the Qwen3.5-VL 2B / cord_v2 / 8xH100 calibration")
-    return p
+# name: (the module whose main(argv) runs it, its line in bridge-thd --help)
+COMMANDS = {
+    "plan": ("megatron.bridge_thd.plan.plan_command",
+             "what packing buys for a model, a length distribution and a parallel layout (docs/planner.md)"),
+    "scan": ("megatron.bridge_thd.plan.scan",
+             "a Megatron-Bridge recipe's dataset measured sample by sample, written as plan's lengths file "
+             "(docs/scan.md)"),
+}
+DEFAULT_COMMAND = "plan"  # what arguments without a command word run
 
 
-def _list() -> str:
-    from megatron.bridge_thd.plan.presets import PRESETS
-    from megatron.bridge_thd.plan.roofline import GPUS
+def build_parser():
+    """``plan``'s parser (this module's name for it before ``bridge-thd`` had several commands)."""
+    from megatron.bridge_thd.plan.plan_command import build_parser as plan_parser
 
-    lines = ["presets:"] + [f"  {name:22s} {spec.hf_repo}" for name, spec in PRESETS.items()]
-    lines += ["GPUs:"] + [f"  {g.name:10s} {g.bf16_flops / 1e12:.0f} TFLOP/s bf16, {g.hbm_bytes_per_s / 1e12:.2f} TB/s, "
-                          f"{g.memory_bytes / 1e9:.0f} GB" for g in GPUS.values()]
+    return plan_parser()
+
+
+def usage() -> str:
+    """``bridge-thd --help``: every command, one line each."""
+    width = max(map(len, COMMANDS))
+    lines = ["usage: bridge-thd <command> [options]", "       bridge-thd [plan's options]      (no command: plan)",
+             "", "Real THD sequence packing for Megatron-Bridge: plan a run, measure a recipe's data.", "",
+             "commands:"]
+    lines += [f"  {name:{width}s}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += ["", "bridge-thd <command> --help: that command's options."]
     return "\n".join(lines)
 
 
-def _run(args) -> str:
-    from megatron.bridge_thd.plan.balance import balance_plan, check_row_buckets, micro_batches_per_rank
-    from megatron.bridge_thd.plan.estimate import PlanSettings, plan
-    from megatron.bridge_thd.plan.layouts import Parallel
-    from megatron.bridge_thd.plan.presets import get_preset, spec_from_hf_config
-    from megatron.bridge_thd.plan.report import format_plan
-    from megatron.bridge_thd.plan.roofline import get_gpu
-    from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths
+class _NoCudaRuntimeNotice(logging.Filter):
+    """Drops the one record ``torch.utils.cpp_extension`` logs when it is imported on a machine without CUDA
+    ("No CUDA runtime is found, using CUDA_HOME=..."). The planner's FLOPs are Megatron-Bridge's own formula,
+    whose module imports Megatron-Core, which imports ``torch.utils.cpp_extension``: on a CPU machine every
+    command would print it first. Every other record of that logger passes."""
 
-    spec = spec_from_hf_config(args.hf_config) if args.hf_config else get_preset(args.model)
-    samples = (load_lengths(args.lengths, spec.vision.spatial_merge_size) if args.lengths
-               else receipt_lengths(args.num_samples, args.seed))
-    parallel = Parallel(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, gpus=args.gpus,
-                        sequence_parallel=not args.no_sequence_parallel)
-    if args.ep > 1 and not spec.is_moe:
-        raise ValueError(f"--ep {args.ep}: {spec.name} is a dense model (no experts); use --ep 1")
-    check_row_buckets(args.row_buckets)
-    if args.overhead_ms < 0:
-        raise ValueError(f"--overhead-ms: expected >= 0, got {args.overhead_ms}")
-    micro_batches = args.micro_batches
-    if micro_batches is not None:
-        check_int("--micro-batches", micro_batches)
-    if args.global_batch_size is not None:
-        implied = micro_batches_per_rank(args.global_batch_size, args.micro_batch_size, parallel.dp, len(samples))
-        if micro_batches is not None and micro_batches != implied:
-            raise ValueError(
-                f"--global-batch-size {args.global_batch_size} and --micro-batches {micro_batches} disagree: "
-                f"micro_batch_size * micro-batches * DP = {args.micro_batch_size} x {micro_batches} x {parallel.dp} = "
-                f"{args.micro_batch_size * micro_batches * parallel.dp}; give one of them")
-        micro_batches = implied
-    settings = PlanSettings(args.seq_length, args.micro_batch_size, parallel, micro_batches or 1,
-                            get_gpu(args.gpu), args.mfu, args.overhead_ms / 1e3)
-    result = plan(spec, samples, settings)
-    text = format_plan(result, balance_plan(spec, samples, settings, args.global_batch_size, seed=args.seed,
-                                                 row_buckets=args.row_buckets))
-    if args.png:
-        try:
-            from megatron.bridge_thd.plan.plot import write_plot
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
 
-            text += f"\nwrote {write_plot(result, args.png)}"
-        except ImportError as error:
-            text += f"\n{error}"
-    return text
+
+@contextlib.contextmanager
+def _without_the_cuda_home_notice():
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    notice = _NoCudaRuntimeNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 2 bad input with a one-line error on stderr).
-
-    Installed as ``bridge-thd``: ``bridge-thd plan ...`` (the ``plan`` word is optional here,
-    so ``python -m megatron.bridge_thd.plan ...`` takes the same arguments) and ``bridge-thd scan ...``
-    (:func:`.scan.main`)."""
+    """Entry point (``bridge-thd``); returns the exit status (0 ok, 2 bad input with a one-line error on stderr;
+    argparse's own 2 for options it refuses)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["scan"]:
-        from megatron.bridge_thd.plan.scan import main as scan
-
-        return scan(argv[1:])
-    if argv[:1] == ["plan"]:
-        argv = argv[1:]
-    args = build_parser().parse_args(argv)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if args.list_models:
-                print(_list())
-            elif args.calibrate:
-                from megatron.bridge_thd.plan.calibrate import calibration_report
-
-                print(calibration_report(args.num_samples, args.seed, args.mfu))
-            else:
-                print(_run(args))
-    except ValueError as error:
-        print(f"bridge-thd plan: error: {error}", file=sys.stderr)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
+    if argv[:1] and argv[0] in COMMANDS:
+        command, argv = argv[0], argv[1:]
+    elif argv[:1] and not argv[0].startswith("-"):
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        print(f"bridge-thd: error: unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)}){hint}\n"
+              "bridge-thd --help: every command", file=sys.stderr)
         return 2
-    return 0
+    else:
+        command = DEFAULT_COMMAND
+    module, _ = COMMANDS[command]
+    with _without_the_cuda_home_notice():
+        return importlib.import_module(module).main(argv)

@@ -595,8 +595,8 @@ def _environment(args):
 def _prediction(args, cfg, lengths: Path, seq_length: int, processor_path: str | None) -> str:
     """The planner on the lengths file, with the recipe's micro / global batch size and parallel layout: the
     lines ``bridge-thd plan`` prints, after the command that prints them."""
-    from megatron.bridge_thd.plan.cli import _run
-    from megatron.bridge_thd.plan.cli import build_parser as plan_parser
+    from megatron.bridge_thd.plan.plan_command import build_parser as plan_parser
+    from megatron.bridge_thd.plan.plan_command import run as plan_run
 
     if args.hf_config:
         model = ["--hf-config", str(Path(args.hf_config).resolve())]
@@ -620,7 +620,7 @@ def _prediction(args, cfg, lengths: Path, seq_length: int, processor_path: str |
         argv.append("--no-sequence-parallel")
     command = "bridge-thd plan " + " ".join(argv)
     try:
-        return f"planner ({command}):\n\n" + _run(plan_parser().parse_args(argv))
+        return f"planner ({command}):\n\n" + plan_run(plan_parser().parse_args(argv))
     except ValueError as error:
         return f"planner ({command}): refused: {error}"
 
