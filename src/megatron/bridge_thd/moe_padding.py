@@ -40,7 +40,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron.bridge_thd.context_parallel import cut_for_context_parallel
 from megatron.bridge_thd.lengths import seq_idx
-from megatron.bridge_thd.rules import uses_seq_aux_loss
+from megatron.bridge_thd.rules import ROUTES_REAL_TOKENS_ONLY, uses_seq_aux_loss
 from megatron.bridge_thd.upstream import load_bridge_module
 from megatron.bridge_thd.upstream_line import takes_parameter, upstream_line
 
@@ -624,3 +624,7 @@ def padding_mask_pre_wrap_hook(model_chunks: list[Any]) -> list[Any]:
     ``pretrain``).
     """
     return [with_padding_mask(chunk) for chunk in model_chunks]
+
+
+# rules.read_setup tells the hook among a config's pre-wrap hooks by this mark (rules.ROUTES_REAL_TOKENS_ONLY).
+setattr(padding_mask_pre_wrap_hook, ROUTES_REAL_TOKENS_ONLY, True)

@@ -204,6 +204,11 @@ def _setting(model: Any, model_root: Any, name: str, default: Any = None) -> Any
     return default if value is None else value
 
 
+# The mark of what makes a model's MoE routers see real tokens only: on moe_padding's pre-wrap hook and on the
+# model classes it creates (the step reads it off the built model).
+ROUTES_REAL_TOKENS_ONLY = "bridge_thd_routes_real_tokens_only"
+
+
 def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_batch: Any = None, *,
                model_config: Any = None, sizes: dict[str, int] | None = None,
                routes_real_tokens_only: bool | None = None, adapter: Any = None,
@@ -224,9 +229,8 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
     model_seq_length = _setting(model, model_root, "seq_length")
     hooks = tuple(getattr(model_root, "_pre_wrap_hooks", None) or ())
     if routes_real_tokens_only is None:
-        from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
-
-        routes_real_tokens_only = padding_mask_pre_wrap_hook in hooks
+        # moe_padding.padding_mask_pre_wrap_hook carries this mark (read by name: moe_padding imports this module).
+        routes_real_tokens_only = any(getattr(hook, ROUTES_REAL_TOKENS_ONLY, False) for hook in hooks)
     if sizes is None:
         sizes = {name: _size(model, f"{long}_parallel_size") for name, long in
                  (("tp", "tensor_model"), ("cp", "context"), ("pp", "pipeline_model"), ("ep", "expert_model"))}

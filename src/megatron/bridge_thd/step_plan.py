@@ -23,7 +23,13 @@ import torch
 from megatron.bridge_thd.layouts import layout_for, static_row_length
 from megatron.bridge_thd.overlong import policy_of
 from megatron.bridge_thd.packing import round_up
-from megatron.bridge_thd.rules import layout_dependent_moe_settings, read_setup, requested_layout, step_problems
+from megatron.bridge_thd.rules import (
+    ROUTES_REAL_TOKENS_ONLY,
+    layout_dependent_moe_settings,
+    read_setup,
+    requested_layout,
+    step_problems,
+)
 from megatron.bridge_thd.upstream import load_bridge_module
 from megatron.bridge_thd.upstream_line import upstream_line
 
@@ -243,7 +249,7 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
     recorded = getattr(getattr(state, "train_state", None), ROWS_ATTRIBUTE, None)
     recorded = recorded.rows if isinstance(recorded, GlobalBatchRows) else ()
     setup = read_setup(cfg, layout, model_config=model_config, sizes=sizes, adapter=adapter,
-                       routes_real_tokens_only=bool(getattr(core, "bridge_thd_routes_real_tokens_only", False)),
+                       routes_real_tokens_only=bool(getattr(core, ROUTES_REAL_TOKENS_ONLY, False)),
                        row_lengths=tuple(row.length for row in recorded))
     problems = step_problems(setup)
     if problems:
