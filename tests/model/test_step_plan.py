@@ -18,7 +18,7 @@ import torch
 from _real_model import FakeGroup, receipt_batch, tiny_real_model, trimmed, video_receipt_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.bridge_thd import step
+from megatron.bridge_thd.step import prepare as step_prepare
 from megatron.bridge_thd.adapters import QWEN3_VL
 from megatron.bridge_thd.configure import configure
 from megatron.bridge_thd.qwen3_vl_step import forward_step, prepare_micro_batch, prepare_with_plan
@@ -62,8 +62,8 @@ def signature(forward_args: dict) -> dict:
 
 def test_the_forward_step_builds_its_plan_once(model, monkeypatch):
     built = []
-    original = step.build_step_plan
-    monkeypatch.setattr(step, "build_step_plan", lambda *args: built.append(1) or original(*args))
+    original = step_prepare.build_step_plan
+    monkeypatch.setattr(step_prepare, "build_step_plan", lambda *args: built.append(1) or original(*args))
     state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd")
     batches = [receipt_batch("right", seed=seed) for seed in (1, 2, 3)]
     with cpu_stack():
@@ -330,7 +330,7 @@ def test_the_host_path_builds_the_row_the_device_path_builds(model, meta_model, 
     ``meta`` is left out here (its values cannot be read), so the host-built tensors are compared value by
     value."""
     batch = (video_receipt_batch if videos else receipt_batch)("left")
-    monkeypatch.setattr(step, "_to_device", lambda forward_args, device: forward_args)
+    monkeypatch.setattr(step_prepare, "to_device", lambda forward_args, device: forward_args)
     for layout in ("thd", "thd_static", "bshd"):
         state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout=layout)
         on_cpu = _tensors_of(prepare_micro_batch(batch, model, state, model.pg_collection).forward_args)

@@ -168,10 +168,10 @@ class _OurSeams:
 def _our_get_batch_from_iterator(data_iterator, use_mtp=False, skip_getting_attention_mask_from_dataset=True, *,
                                  is_first_pp_stage, is_last_pp_stage):
     """Ours reads the iterator's batch where upstream's ``get_batch_from_iterator`` does: the step's batch reader
-    (``step._read_batch``), the micro-batch's tensors where they arrived; returned under the batch's names."""
-    from megatron.bridge_thd import step
+    (``step.batch.read_batch``), the micro-batch's tensors where they arrived; returned under the batch's names."""
+    from megatron.bridge_thd.step.batch import read_batch
 
-    inputs = step._read_batch(next(data_iterator), is_last_pp_stage)
+    inputs = read_batch(next(data_iterator), is_last_pp_stage)
     return {"input_ids": inputs.tokens, "tokens": inputs.tokens, "labels": inputs.labels,
             "loss_mask": inputs.loss_mask, "attention_mask": inputs.attention_mask, **inputs.multi_modal}
 

@@ -1,0 +1,132 @@
+"""The step's second stage: which tokens are real. The keep mask, captured from the dataset's mask before any
+pad/truncate helper, the cut to ``seq_length``, the family's positions and the deferred checks still to read
+(:class:`Captured`), and the log of what over-long samples lost. From :mod:`megatron.bridge_thd.step.batch`;
+next: :mod:`megatron.bridge_thd.step.rows`."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, read_once
+from megatron.bridge_thd.overlong import cut_report, log_cut
+from megatron.bridge_thd.step.batch import Inputs
+from megatron.bridge_thd.step_plan import StepPlan
+
+__all__ = ["Captured", "capture", "capture_keep_mask", "truncate_to_seq_length", "log_truncation", "read_now",
+           "report_overlong"]
+
+logger = logging.getLogger(__name__)
+
+
+def capture_keep_mask(inputs: Inputs, plan: StepPlan) -> tuple[torch.Tensor, list[DeferredCheck]]:
+    """The ``(B, T)`` keep mask, taken from the dataset's mask before any pad/truncate helper, and its deferred
+    validity checks (a 2D mask: only 0 / 1 values; a 4D one: causal with padding).
+
+    Without a mask, lengths are derived from the pad token only when the user opted in with
+    ``dataset.packing_length_fallback = "pad_token"`` (the plan's ``pad_token_id``), never a guess.
+    """
+    tokens = inputs.tokens
+    if inputs.attention_mask is not None:
+        return keep_mask_from_attention_mask(inputs.attention_mask.to(tokens.device), *tokens.shape)
+    if plan.pad_token_id is None:
+        raise ValueError(
+            "attention_mask: the batch carries no attention mask, so real sample lengths are unknown. Set "
+            "dataset.skip_getting_attention_mask_from_dataset=False so the dataset's 2D mask reaches the step "
+            "(recommended), or set dataset.packing_length_fallback='pad_token' to derive right-padded lengths "
+            "from the tokenizer's pad id."
+        )
+    is_content = tokens != plan.pad_token_id
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    real_length = torch.where(is_content, positions + 1, 0).amax(dim=1)
+    return positions[None, :] < real_length[:, None], []
+
+
+def truncate_to_seq_length(
+    keep: torch.Tensor, tokens: torch.Tensor, seq_length: int, uncuttable_ids
+) -> tuple[torch.Tensor, torch.Tensor | None, list[DeferredCheck]]:
+    """Keep each sample's first ``seq_length`` real tokens, unless that would cut an image.
+
+    ``uncuttable_ids``: the family's token ids truncation must not cut (image and video placeholders).
+
+    Returns:
+        keep: ``(B, T)`` the truncated keep mask.
+        truncated: ``(B,)`` real tokens dropped per sample, or None when the batch is no wider
+            than ``seq_length`` (nothing can be cut, nothing needs reading).
+        checks: fails when a cut part holds image or video tokens (the vision tower would emit
+            embeddings for placeholders that no longer exist); read by the caller.
+    """
+    if tokens.shape[1] <= seq_length:
+        return keep, None, []
+    rank = keep.cumsum(dim=1) - 1
+    kept = keep & (rank < seq_length)
+    dropped = keep & ~kept
+    is_vision = functools.reduce(torch.logical_or, (tokens == token_id for token_id in uncuttable_ids))
+    cut_vision = (dropped & is_vision).any(dim=1)
+    check = DeferredCheck(
+        cut_vision.any(),
+        f"seq_length: samples of this micro-batch are longer than seq_length={seq_length} and truncating them would "
+        "cut an image or video. Raise seq_length, lower the image resolution (max_pixels), or filter these samples "
+        "in the dataset",
+        lambda: f"samples {cut_vision.nonzero().flatten().tolist()}",
+    )
+    return kept, dropped.sum(dim=1), [check]
+
+
+def log_truncation(truncated: list[int] | None, seq_length: int) -> None:
+    if truncated and any(truncated):
+        logger.warning(
+            "bridge_thd: truncated %s real tokens (per sample: %s) to seq_length=%d; no image was cut",
+            sum(truncated), truncated, seq_length,
+        )
+
+
+def read_now(checks: list[DeferredCheck], truncated: torch.Tensor | None) -> list[int] | None:
+    """One read of every deferred check and the truncation counts (layouts without the packer's read); nothing
+    at all when there is nothing to read. Free when the batch is on the host."""
+    return read_once(checks=checks, extra=truncated)[1]
+
+
+@dataclass
+class Captured:
+    """What every layout starts from: the micro-batch where it arrived, its keep mask after truncation, the
+    family's positions and the checks still to read."""
+
+    inputs: Inputs
+    keep: torch.Tensor  # (B, T) bool, real tokens after truncation
+    positions: torch.Tensor | None  # (3, B, T) or (B, T); None: the model computes its own
+    truncated: torch.Tensor | None  # (B,) real tokens cut, None when nothing can be cut
+    mask_checks: list[DeferredCheck]
+    truncation_checks: list[DeferredCheck]
+    position_checks: list[DeferredCheck]
+
+    @property
+    def batch_size(self) -> int:
+        return self.inputs.tokens.shape[0]
+
+
+def capture(inputs: Inputs, plan: StepPlan) -> Captured:
+    """Keep mask (before any pad/truncate helper could drop a 2D mask), truncation, the family's positions."""
+    keep, mask_checks = capture_keep_mask(inputs, plan)
+    keep, truncated, truncation_checks = truncate_to_seq_length(keep, inputs.tokens, plan.seq_length,
+                                                                plan.tokens.uncuttable)
+    # A batch on the host bound for a model elsewhere (Megatron-Bridge's loader and a GPU): host code builds the
+    # positions where the data is; the finished row is copied once (step.device.to_device).
+    on_host = inputs.tokens.device.type == "cpu" and plan.device.type != "cpu"
+    positions, position_checks = plan.adapter.position_ids(inputs.tokens, keep, inputs.multi_modal, plan.tokens,
+                                                           on_host=on_host)
+    position_checks = position_checks + plan.adapter.data_checks(plan.layout, keep)
+    return Captured(inputs, keep, positions, truncated, mask_checks, truncation_checks, position_checks)
+
+
+def report_overlong(measures: torch.Tensor | None, c: Captured, plan: StepPlan) -> None:
+    """Log what the collate (and the step) cut from over-long samples, from the lengths the collate measured before
+    its cut (``overlong.LENGTHS_KEY``, ``(3, B)``). Host tensors only: a batch on a device is not read for a log."""
+    if measures is None or measures.device.type != "cpu" or c.keep.device.type != "cpu":
+        return
+    kept_supervised = ((c.inputs.loss_mask != 0) & c.keep).sum(dim=1)
+    log_cut(cut_report(measures, c.keep.sum(dim=1), kept_supervised), policy=plan.overlong_samples,
+            seq_length=plan.seq_length)

@@ -1,0 +1,71 @@
+"""Megatron-Bridge's FLOPs accounting fed as its own step feeds it, with the packed row's real boundaries
+(``training/utils/flop_utils``). Everything stays on the device: no host synchronisation."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+from megatron.bridge_thd.upstream import load_flop_utils
+from megatron.bridge_thd.upstream_line import upstream_line
+
+__all__ = ["accumulate_flops"]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def _flop_feed():
+    """``(flop_utils, whether accumulate_flops_metadata takes cu_seqlens_unpadded)``, or None when
+    the installation has no FLOPs helpers; decided once, not per micro-batch."""
+    try:
+        flop_utils = load_flop_utils()
+    except ImportError as exc:  # an installation without the FLOPs helpers: nothing to feed
+        logger.warning("bridge_thd: Megatron-Bridge's flop_utils cannot be loaded (%s); FLOPs not reported", exc)
+        return None
+    return flop_utils, "cu_seqlens_unpadded" in inspect.signature(flop_utils.accumulate_flops_metadata).parameters
+
+
+def _vision_flops_feed(flop_utils, forward_args: dict, spatial_merge_size: int) -> dict:
+    """The vision term, as the installed Megatron-Bridge's own step feeds it (``upstream_line.flops_vision_patch_stats``):
+    ``vision_patch_stats`` (patch sum, squared sum per frame, merged tokens, summed over the image and video grids by
+    its ``vision_patch_stats_from_grid_thw``; zeros without media, so that every data-parallel rank enters the
+    trainer's reduction), or ``num_vision_patches`` (``sum(t * h * w)``, None without media) where it takes no stats."""
+    grids = [grid for grid in (forward_args.get("image_grid_thw"), forward_args.get("video_grid_thw"))
+             if grid is not None and grid.numel() > 0]
+    if upstream_line().flops_vision_patch_stats:
+        stats = (0, 0, 0)
+        for grid in grids:
+            delta = flop_utils.vision_patch_stats_from_grid_thw(grid, spatial_merge_size=spatial_merge_size)
+            stats = tuple(total + part for total, part in zip(stats, delta, strict=True))
+        return dict(vision_patch_stats=stats)
+    patches = None
+    for grid in grids:
+        count = grid.prod(dim=-1).sum()
+        patches = count if patches is None else patches + count
+    return dict(num_vision_patches=patches)
+
+
+def accumulate_flops(state, model, forward_args: dict, spatial_merge_size: int = 2) -> None:
+    """Feed Megatron-Bridge's FLOPs accounting as its own step does, with the real boundaries.
+
+    ``training/utils/flop_utils.accumulate_flops_metadata`` adds, per micro-batch, the token
+    slots the model processes (``tokens.shape[0] * tokens.shape[1]``: the THD row, or the padded
+    ``B * W``) for the linear terms, the attention term ``sum(s_i^2)`` over the real segment
+    lengths (it prefers ``cu_seqlens_unpadded``), and the vision term (:func:`_vision_flops_feed`).
+    The trainer resets and reads these ``state._flops_*`` accumulators every step. Everything
+    stays on the device: no host synchronisation.
+    """
+    feed = _flop_feed()
+    if feed is None:
+        return
+    flop_utils, takes_unpadded = feed
+    params = forward_args.get("packed_seq_params")
+    kwargs = dict(vp_stage=flop_utils.get_model_chunk_vp_stage(model),
+                  **_vision_flops_feed(flop_utils, forward_args, spatial_merge_size))
+    if params is not None:
+        kwargs["cu_seqlens"] = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        if takes_unpadded:
+            kwargs["cu_seqlens_unpadded"] = params.cu_seqlens_q
+    flop_utils.accumulate_flops_metadata(state, forward_args["input_ids"], **kwargs)
