@@ -224,8 +224,12 @@ def step_path() -> str:
 
 
 def step_lines() -> str:
-    """Lines of ``step.py`` (the per-micro-batch path), as ``wc -l`` counts them."""
-    return f"{len((ROOT / 'src' / 'megatron' / 'bridge_thd' / 'step.py').read_text().splitlines())} lines"
+    """Lines of the ``step/`` package (the per-micro-batch path), as ``wc -l`` counts them: the total and the
+    largest of its modules."""
+    counts = {path.name: len(path.read_text().splitlines())
+              for path in sorted((ROOT / "src" / "megatron" / "bridge_thd" / "step").glob("*.py"))}
+    largest = max(counts, key=counts.get)
+    return f"{sum(counts.values())} lines in {len(counts)} modules (the largest, `{largest}`, {counts[largest]})"
 
 
 # The planner's README cases: synthetic receipts, micro-batch 4, 8 x H100.
@@ -510,7 +514,7 @@ BLOCKS: dict[str, Block] = {
     "bench-pack": Block(bench_pack_block, "results", source="benchmarks/bench_pack.py -> results/bench_pack.json"),
     "step-host-syncs": Block(step_host_syncs, "computed", source="opcount over prepare_micro_batch, real model"),
     "step-path": Block(step_path, "computed", source="callpath.step_call_paths: sys.setprofile over forward_step"),
-    "step-lines": Block(step_lines, "computed", inline=True, source="line count of src/megatron/bridge_thd/step.py"),
+    "step-lines": Block(step_lines, "computed", inline=True, source="line count of src/megatron/bridge_thd/step/*.py"),
     "demo": Block(demo_block, "results", source="make demo (--run demo) -> results/demo.json"),
     "demo-gflop": Block(demo_gflop, "results", inline=True, source="results/demo.json"),
     "parity-single": Block(_parity("single"), "results", source="benchmarks/parity_report.py -> results/parity_report.json"),

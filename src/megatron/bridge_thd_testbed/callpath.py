@@ -43,7 +43,7 @@ class Call:
             None for a call from outside the root (the entry point, or a callback whose stack holds no recorded
             function).
         module: module (``__name__``) of the function called.
-        function: its qualified name (``_to_device.<locals>.move``).
+        function: its qualified name (``to_device.<locals>.move``).
         line: the line its ``def`` starts on (two functions of one qualified name stay two).
     """
 
