@@ -152,7 +152,7 @@ def test_no_module_of_the_runtime_package_imports_the_test_bed_even_lazily():
 def test_only_the_planners_cpu_mode_imports_the_cpu_build():
     # bridge-thd scan --cpu-tiny runs Megatron-Bridge's collate on a CPU-made dataset; nothing else of the
     # runtime package imports the CPU build's stand-ins.
-    assert list(_offenders("bridge_thd", ("megatron.bridge_thd_cpu",))) == ["plan/scan.py"]
+    assert list(_offenders("bridge_thd", ("megatron.bridge_thd_cpu",))) == ["plan/scan/environment.py"]
 
 
 def test_upstream_versions_and_line_numbers_live_in_the_docs_not_in_the_code():
@@ -260,8 +260,8 @@ def test_the_import_graph_of_the_package_has_no_cycle():
     # itself (a lazy import hides a cycle only until the function runs).
     graph = _import_graph()
     # lazy imports are edges: scan's planner run (inside a function) reaches the plan command, not the CLI
-    assert "megatron.bridge_thd.plan.plan_command" in graph["megatron.bridge_thd.plan.scan"]
-    assert "megatron.bridge_thd.plan.cli" not in graph["megatron.bridge_thd.plan.scan"]
+    assert "megatron.bridge_thd.plan.plan_command" in graph["megatron.bridge_thd.plan.scan.command"]
+    assert "megatron.bridge_thd.plan.cli" not in graph["megatron.bridge_thd.plan.scan.command"]
     for source, target in KNOWN_CYCLE_EDGES:
         assert target in graph[source], f"{source} -> {target} is gone: drop it from KNOWN_CYCLE_EDGES"
         graph[source].discard(target)

@@ -23,7 +23,7 @@ The patches (targets, where they are built and applied, why; one line each in do
   are ``MagicMock`` objects without TE: the Qwen3-VL attention's ``attention.TEDotProductAttention``
   (the CPU THD core attention) and ``inference_layers`` ``InferenceColumnParallelLinear``,
   ``InferenceLayerNormColumnParallelLinear`` (classes no object is an instance of).
-* Scoped, test bed only: ``bridge_thd_testbed/training.py`` ``cpu_training_patches()``, applied by
+* Scoped, test bed only: ``bridge_thd_testbed/training/trainer_on_cpu.py`` ``cpu_training_patches()``, applied by
   ``cpu_training()``, for Megatron-Bridge's ``finetune()`` on the CPU: the provider's
   ``get_gpt_layer_with_transformer_engine_spec``; the Qwen3.5-VL provider's
   ``get_transformer_block_with_experimental_attention_variant_spec`` (the test bed's local hybrid
