@@ -9,7 +9,12 @@ from typing import Any
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron.bridge_thd.moe_padding.mask import declares_padding_mask
-from megatron.bridge_thd.moe_padding.model import CP_HELPERS, QWEN3_VL_MODEL_MODULE, PaddingMaskForward, padding_mask_class
+from megatron.bridge_thd.moe_padding.model import (
+    CP_HELPERS,
+    QWEN3_VL_MODEL_MODULE,
+    PaddingMaskForward,
+    padding_mask_class,
+)
 from megatron.bridge_thd.moe_padding.refusals import fail_if_unsupported
 from megatron.bridge_thd.moe_padding.routers import moe_layers, use_padding_aware_modules
 from megatron.bridge_thd.rules import ROUTES_REAL_TOKENS_ONLY
