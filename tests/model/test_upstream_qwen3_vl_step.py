@@ -44,6 +44,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _real_model import FakeGroup
 
 from megatron.bridge_thd.patches import Patch, applied
 from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
@@ -104,14 +105,6 @@ class _ChunkTakingPaddingMask(_ModelChunk):
     def forward(self, input_ids, position_ids, attention_mask, labels=None, loss_mask=None, packed_seq_params=None,
                 padding_mask=None):
         raise AssertionError("the packer's adapter never calls the model")
-
-
-class _FakeGroup:
-    def size(self):
-        return 1
-
-    def rank(self):
-        return 0
 
 
 def _chunk_config(config=None, **settings) -> SimpleNamespace:
@@ -225,7 +218,7 @@ def _our_packer():
                               tokenizer=SimpleNamespace(pad_token_id=pad_token_id),
                               skip_getting_attention_mask_from_dataset=batch.get("attention_mask") is None)
         state.cfg.dataset.packing_length_fallback = "pad_token"
-        pg = SimpleNamespace(tp=_FakeGroup(), cp=_FakeGroup(), pp=_FakeGroup(), ep=_FakeGroup())
+        pg = SimpleNamespace(tp=FakeGroup(1), cp=FakeGroup(1), pp=FakeGroup(1), ep=FakeGroup(1))
         model = _ChunkTakingPaddingMask(None, _chunk_config(seq_length=width))
         plan = dataclasses.replace(build_step_plan(state, model, pg, QWEN3_VL), align=pad_to_multiple_of)
         prepared = prepare_with_plan(dict(batch, visual_inputs=None), plan, is_last_stage=True)
