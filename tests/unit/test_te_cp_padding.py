@@ -3,7 +3,7 @@
 ``thd_padding_chunks`` is checked three ways: against hand-computed examples (the issue's own
 reproducer among them), against a brute force that cuts each rank's local row out of the packed
 row's padding mask with the CP partition, and on every layout the packer makes. The gate
-(``check_te_cp_padding``) is checked on affected and fixed stacks, with TE absent, and for laziness
+(``te_cp_padding_verdict``, which the step's rule ``te_cp_padding`` refuses by) is checked on affected and fixed stacks, with TE absent, and for laziness
 (it never imports Transformer Engine). See docs/te-cp-padding.md.
 """
 
@@ -25,7 +25,7 @@ from megatron.bridge_thd.context_parallel import thd_local_positions, thd_paddin
 from megatron.bridge_thd.packing import required_alignment
 from megatron.bridge_thd.te_compat import (
     TE_CP_PADDING_RULE,
-    check_te_cp_padding,
+    te_cp_padding_verdict,
     cudnn_version_tuple,
 )
 
@@ -211,6 +211,15 @@ def test_folding_the_static_tail_into_the_last_slot_would_create_the_issue_case(
 # --------------------------------------------------------------------------------------------
 # the version gate
 # --------------------------------------------------------------------------------------------
+def check_te_cp_padding(cp_size, **stack) -> str:
+    """The verdict as the step's rule ``te_cp_padding`` acts on it: an affected stack's reason raised (the step's
+    plan refuses with exactly that message), an accepted stack's reason returned."""
+    accepted, reason = te_cp_padding_verdict(cp_size, **stack)
+    if not accepted:
+        raise ValueError(reason)
+    return reason
+
+
 AFFECTED = dict(te_version="2.6.0+c90a720", cudnn_version=(9, 7, 1), compute_capability=(9, 0),
                 fused_attention=True, override=False)
 

@@ -16,7 +16,8 @@ import torch
 from megatron.bridge_thd.lengths import DeferredCheck
 from megatron.bridge_thd.mrope import qwen3_vl_position_ids_deferred
 
-__all__ = ["ModelAdapter", "VisionTokens", "Qwen3VLAdapter", "Qwen25VLAdapter", "QWEN3_VL", "QWEN25_VL"]
+__all__ = ["ModelAdapter", "VisionTokens", "Qwen3VLAdapter", "Qwen25VLAdapter", "QWEN3_VL", "QWEN25_VL",
+           "FAMILY_BY_MODEL_CLASS", "family_of_model_class"]
 
 
 class ModelAdapter(Protocol):
@@ -53,9 +54,12 @@ class ModelAdapter(Protocol):
         """The module whose ``input_tensor`` holds what a receiving pipeline stage got (Megatron-Core's
         ``TransformerBlock.set_input_tensor``), or None."""
 
-    def check_supported(self, layout: str, sizes: dict[str, int]) -> None:
-        """Raise ``ValueError`` (naming the setting and the fix) for a layout or parallel size the
-        family's model cannot take; called before anything is built."""
+    # What the family's model can take, read by the rule ``model_family`` (megatron.bridge_thd.rules), which
+    # refuses the rest before anything is built.
+    display_name: str  # how messages name the family
+    model_class: str  # Megatron-Bridge's model class, as messages name it
+    takes_thd_static: bool  # a segment without a real token (the static row's tail) is fine
+    takes_context_parallel: bool  # the model splits its input for context parallelism
 
     def data_checks(self, layout: str, keep: torch.Tensor) -> list[DeferredCheck]:
         """Deferred checks on the micro-batch the family's model needs (read in the step's one host
@@ -98,6 +102,10 @@ class Qwen3VLAdapter:
     videos per frame); the decoder is ``language_model.decoder``."""
 
     name: str = "qwen3_vl"
+    display_name: str = "Qwen3-VL"
+    model_class: str = "Megatron-Bridge's Qwen3VLModel"
+    takes_thd_static: bool = True
+    takes_context_parallel: bool = True
 
     def tokens(self, model_config) -> VisionTokens:
         return _vision_tokens(model_config)
@@ -112,9 +120,6 @@ class Qwen3VLAdapter:
 
     def p2p_decoder(self, model):
         return getattr(getattr(model, "language_model", None), "decoder", None)
-
-    def check_supported(self, layout, sizes):
-        return None
 
     def data_checks(self, layout, keep):
         return []
@@ -135,6 +140,10 @@ class Qwen25VLAdapter:
     """
 
     name: str = "qwen2_5_vl"
+    display_name: str = "Qwen2.5-VL"
+    model_class: str = "Megatron-Bridge's Qwen25VLModel"
+    takes_thd_static: bool = False  # it rebuilds positions per THD segment and needs a real token in each
+    takes_context_parallel: bool = False  # no context-parallel split of its input (its recipes set CP=1)
 
     def tokens(self, model_config) -> VisionTokens:
         return _vision_tokens(model_config)
@@ -144,19 +153,6 @@ class Qwen25VLAdapter:
 
     def p2p_decoder(self, model):
         return getattr(getattr(model, "language_model", None), "decoder", None)
-
-    def check_supported(self, layout, sizes):
-        if layout == "thd_static":
-            raise ValueError(
-                "dataset.packing_layout='thd_static' with Qwen2.5-VL: Megatron-Bridge's Qwen25VLModel rebuilds "
-                "positions per THD segment and needs a real token in every segment, and the static row's tail has "
-                "none; use packing_layout='thd' (with model.variable_seq_lengths=True under PP) or 'bshd'"
-            )
-        if sizes.get("cp", 1) > 1:
-            raise ValueError(
-                f"context_parallel_size={sizes['cp']} with Qwen2.5-VL: Megatron-Bridge's Qwen25VLModel has no "
-                "context-parallel split of its input (its recipes set CP=1); set context_parallel_size=1"
-            )
 
     def data_checks(self, layout, keep):
         if layout != "thd":
@@ -173,3 +169,13 @@ class Qwen25VLAdapter:
 
 QWEN3_VL = Qwen3VLAdapter()
 QWEN25_VL = Qwen25VLAdapter()
+# The family of each Megatron-Bridge model class a provider may declare it builds (configure reads it).
+FAMILY_BY_MODEL_CLASS: dict[str, ModelAdapter] = {"Qwen3VLModel": QWEN3_VL, "Qwen25VLModel": QWEN25_VL}
+
+
+def family_of_model_class(model_class: type) -> ModelAdapter | None:
+    """The family of a model class (by its name, the class or a base of it), or None."""
+    for cls in model_class.__mro__:
+        if cls.__name__ in FAMILY_BY_MODEL_CLASS:
+            return FAMILY_BY_MODEL_CLASS[cls.__name__]
+    return None

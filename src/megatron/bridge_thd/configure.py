@@ -39,6 +39,14 @@ from megatron.bridge_thd.rules import (  # noqa: F401 - the predicates users imp
     effective_cuda_graph_impl,
     read_setup,
     uses_hybridep,
+    variable_lengths_set_by_bridge,
+)
+from megatron.bridge_thd.settings import (
+    HAND_SET_ATTRIBUTES,
+    SETTINGS_ATTRIBUTE,
+    GlobalBatchPacking,
+    PackingSettings,
+    settings_of,
 )
 
 __all__ = [
@@ -71,7 +79,10 @@ FLAG_RULES: tuple[FlagRule, ...] = (
              "`True` (where the object takes it; required with `train.micro_batch_size=1`, where it is the step's "
              "only switch)"),
     FlagRule("collate leaves packing to the step", "`dataset.defer_in_batch_packing_to_step`", "same", "`True`"),
-    FlagRule("layout of the packed row", "`dataset.packing_layout` * (ours)", "(ours)", "`layout`"),
+    FlagRule("megatron.bridge_thd's settings: the layout, the over-long policy, global-batch packing, the length "
+             "fallback", "`dataset.bridge_thd` * (ours: a `settings.PackingSettings`)", "(ours)",
+             "a record of `layout` and the `overlong_samples` / `global_batch_packing` arguments "
+             "([settings.md](settings.md))"),
     FlagRule("the dataset's 2D mask reaches the step", "`dataset.skip_getting_attention_mask_from_dataset`", "same",
              "`False`"),
     FlagRule("fixed collate width", "`dataset.pad_to_max_length`", "same (forced for PP>1 or EP>1)",
@@ -84,11 +95,6 @@ FLAG_RULES: tuple[FlagRule, ...] = (
              "`moe_hybridep_pad_variable_tokens` in Core versions that name it so (Bridge lists both)",
              "`True` for HybridEP without CUDA graphs (what Bridge sets itself: in `validate()` for in-batch "
              "packing, or in the model config's `finalize()` for every HybridEP config, by line)"),
-    FlagRule("global-batch packing setting", "`dataset.global_batch_packing` * (ours)", "(ours)",
-             "the `global_batch_packing` argument, when given ([batching.md](batching.md))"),
-    FlagRule("what happens to a sample longer than seq_length", "`dataset.overlong_samples` * (ours)", "(ours)",
-             "the `overlong_samples` argument, when given; unset means `\"truncate\"` "
-             "([overlong-samples.md](overlong-samples.md))"),
     FlagRule("loss normalised per token over the whole step", "`model.calculate_per_token_loss`", "same",
              "`True` with global-batch packing"),
     FlagRule("DDP sums gradients (required with per-token loss)", "`ddp.average_in_collective`", "same",
@@ -154,57 +160,93 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
             config does not show; ``False`` asserts none (refused if the model enables them).
         force: overwrite settings the user set explicitly to values the layout cannot use, with a
             WARNING line each, instead of refusing them. It lifts nothing else.
-
-    Besides the flags, ``configure`` gives Megatron-Bridge's ``GenericVisualInputs`` a ``pin_memory()`` so that
-    its loader's pin thread pins the pixels too (``pinning.visual_inputs_pin_patch``, once per process).
-        global_batch_packing: ``None`` / ``False``: Megatron-Bridge's own placement (in-batch
-            packing). ``True`` or a :class:`megatron.bridge_thd.batching.bridge.GlobalBatchPacking`:
-            place each step's samples across DP ranks and micro-batches (docs/batching.md); stored
-            as ``dataset.global_batch_packing``, and Megatron-Bridge's loader builder is wrapped
-            once for the process (``batching.bridge.loader_patch``).
+        global_batch_packing: ``True`` or a :class:`megatron.bridge_thd.settings.GlobalBatchPacking`: place each
+            step's samples across DP ranks and micro-batches (docs/batching.md), and Megatron-Bridge's loader
+            builder is wrapped once for the process (``batching.bridge.loader_patch``); ``False``: Megatron-Bridge's
+            own placement (in-batch packing); ``None``: keep what the dataset holds (unset: off).
         overlong_samples: what happens to a sample longer than ``seq_length`` (docs/overlong-samples.md):
             ``"truncate"`` (Megatron-Bridge's cut, counted in the log), ``"drop"`` (no loss from it) or
-            ``"refuse"``; None keeps ``dataset.overlong_samples`` (unset: ``"truncate"``). Stored as
-            ``dataset.overlong_samples``. For Megatron-Bridge's own config the loader builder is wrapped once per
-            process (``batching.bridge.loader_patch``): the loaders' collate measures every row before its cut.
+            ``"refuse"``; None keeps what the dataset holds (unset: ``"truncate"``). For Megatron-Bridge's own
+            config the loader builder is wrapped once per process (``batching.bridge.loader_patch``): the loaders'
+            collate measures every row before its cut.
+
+    ``layout`` and the two arguments are stored as one record, ``dataset.bridge_thd``
+    (:class:`megatron.bridge_thd.settings.PackingSettings`, validated when made; docs/settings.md); hand-set
+    attributes it takes values from (``dataset.packing_layout``, ...) are cleared. Besides the flags, ``configure``
+    gives Megatron-Bridge's ``GenericVisualInputs`` a ``pin_memory()`` so that its loader's pin thread pins the pixels
+    too (``pinning.visual_inputs_pin_patch``, once per process).
 
     Returns:
         ``cfg`` itself, mutated.
 
     Raises:
-        ValueError: ``layout`` is not a known layout, or the config contradicts the step (every
-            problem found is listed; nothing is changed then).
+        ValueError: ``layout`` is not a known layout, a setting's value is not one the record takes, or the config
+            contradicts the step (every problem found is listed; nothing is changed then).
     """
     _check_arguments(layout, cuda_graphs, force)
-    settings = read_setup(cfg, layout, cuda_graphs, _global_batch_setting(global_batch_packing))
-    _check_overlong_argument(overlong_samples)
+    sections = _sections(cfg)
+    record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples)
+    setup = read_setup(cfg, layout, cuda_graphs, settings=record)
 
-    problems, notes = configure_problems(settings)
-    changes, change_notes = _plan_changes(settings)
-    overrides = _explicit_overrides(changes)
+    problems = configure_problems(setup)
+    changes, notes = _plan_changes(setup, sections, record)
+    overrides = _explicit_overrides(changes) + _layout_overrides(sections.dataset, layout)
     if not force:
         problems += [override.refusal() for override in overrides]
     if problems:
         raise ValueError("configure: the config contradicts megatron.bridge_thd's step:\n- " + "\n- ".join(problems))
 
     # ---- everything checked: write ----
-    # Unset, the step and the loaders read the default.
-    overlong = [] if overlong_samples is None else [
-        _Change(settings.dataset, "dataset", "overlong_samples", overlong_samples, guarded=False)]
-    changed = _apply(changes + overlong)
-    if settings.global_batch is not None or type(cfg).__module__.startswith("megatron.bridge"):
+    changed = _apply(changes)
+    if record.global_batch_packing is not None or type(cfg).__module__.startswith("megatron.bridge"):
         _wrap_loader_builder()
-    _pin_visual_inputs(change_notes)
-    _log(settings, changed, notes + change_notes, overrides)
+    _pin_visual_inputs(notes)
+    _log(setup, changed, notes, overrides)
     return cfg
 
 
-def _check_overlong_argument(value: str | None) -> None:
-    from megatron.bridge_thd.overlong import POLICIES
+class _Sections(NamedTuple):
+    """The config objects ``configure`` writes to."""
 
-    if value is not None and value not in POLICIES:
-        raise ValueError(f"overlong_samples: {value!r}; expected one of {', '.join(map(repr, POLICIES))} (or None: keep "
-                         "dataset.overlong_samples, default 'truncate')")
+    dataset: Any
+    model: Any  # the transformer config (a provider's ``.transformer`` when it has one)
+    ddp: Any
+
+
+def _sections(cfg: Any) -> _Sections:
+    dataset, model = getattr(cfg, "dataset", None), getattr(cfg, "model", None)
+    if dataset is None or model is None:
+        raise ValueError("cfg: needs cfg.dataset and cfg.model (a Megatron-Bridge ConfigContainer or alike)")
+    return _Sections(dataset, getattr(model, "transformer", model), getattr(cfg, "ddp", None))
+
+
+def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_samples: str | None) -> PackingSettings:
+    """The record ``configure`` stores: ``layout``, and each argument given; what is not given keeps the value the
+    dataset holds (its record, or the hand-set attributes), else the default. Validated when made."""
+    current = settings_of(dataset)
+    if global_batch_packing is None:
+        global_batch = current.global_batch_packing
+    else:
+        global_batch = GlobalBatchPacking() if global_batch_packing is True else global_batch_packing or None
+    return PackingSettings(
+        layout=layout,
+        overlong_samples=current.overlong_samples if overlong_samples is None else overlong_samples,
+        global_batch_packing=global_batch,
+        length_fallback=current.length_fallback,
+    )
+
+
+def _layout_overrides(dataset: Any, layout: str) -> list[_Override]:
+    """A layout the dataset already holds (its record, or a hand-set ``packing_layout``) other than ``layout``."""
+    record = getattr(dataset, SETTINGS_ATTRIBUTE, None)
+    held = record.layout if isinstance(record, PackingSettings) else getattr(dataset, "packing_layout", None)
+    if held is None or held == layout:
+        return []
+    name = f"{SETTINGS_ATTRIBUTE}.layout" if isinstance(record, PackingSettings) else "packing_layout"
+    change = _Change(dataset, "dataset", name, layout,
+                     why=f"configure was called with layout={layout!r}, and the step reads its layout from here",
+                     alternative=", or call configure with that layout")
+    return [_Override(change, held)]
 
 
 def _wrap_loader_builder() -> None:
@@ -240,19 +282,6 @@ def _check_arguments(layout: Any, cuda_graphs: Any, force: Any) -> None:
         raise ValueError(f"cuda_graphs: {cuda_graphs!r}; pass None (read the model config), True or False")
     if not isinstance(force, bool):
         raise ValueError(f"force: {force!r}; pass True or False")
-
-
-def _global_batch_setting(value: Any) -> Any:
-    """``global_batch_packing`` as a ``GlobalBatchPacking`` or None; anything else is refused."""
-    if value is None or value is False:
-        return None
-    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
-
-    if value is True:
-        return GlobalBatchPacking()
-    if not isinstance(value, GlobalBatchPacking):
-        raise ValueError(f"global_batch_packing: {value!r}; pass None, True or a batching.bridge.GlobalBatchPacking")
-    return value
 
 
 # ---- step 3: compute the changes, and find those that would overwrite an explicit setting ----
@@ -303,12 +332,29 @@ class _Override:
         )
 
 
-def _plan_changes(s: Setup) -> tuple[list[_Change], list[str]]:
+def _plan_changes(s: Setup, sections: _Sections, record: PackingSettings) -> tuple[list[_Change], list[str]]:
     """The attributes to set, in the order they are set, and the notes that explain them."""
-    notes: list[str] = _micro_batch_one_notes(s)
-    changes = [*_dataset_changes(s), *_pipeline_changes(s, notes), *_dense_dispatcher_changes(s), *_hybridep_changes(s, notes),
-               *_global_batch_changes(s)]
+    notes: list[str] = _micro_batch_one_notes(s) + _graph_notes(s)
+    changes = [*_dataset_changes(s, sections.dataset), *_settings_changes(sections.dataset, record),
+               *_pipeline_changes(s, sections.model, notes), *_dense_dispatcher_changes(s, sections.model),
+               *_hybridep_changes(s, sections.model, notes), *_global_batch_changes(s, sections)]
     return changes, notes
+
+
+def _graph_notes(s: Setup) -> list[str]:
+    """Why ``variable_seq_lengths=True`` with CUDA graphs is accepted where Megatron-Bridge set it."""
+    if not variable_lengths_set_by_bridge(s):
+        return []
+    return ["model.variable_seq_lengths=True was set by Megatron-Bridge's finalize() for in-batch packing with PP>1; "
+            "the static layout keeps the row length fixed, p2p only exchanges shapes"]
+
+
+def _settings_changes(dataset: Any, record: PackingSettings) -> list[_Change]:
+    """The record, stored as ``dataset.bridge_thd``; the hand-set attributes it took its values from are cleared
+    (the record is then the one place that holds them)."""
+    cleared = [_Change(dataset, "dataset", attribute, None, required=False, guarded=False)
+               for attribute in HAND_SET_ATTRIBUTES.values() if getattr(dataset, attribute, None) is not None]
+    return [_Change(dataset, "dataset", SETTINGS_ATTRIBUTE, record, guarded=False), *cleared]
 
 
 # What one sample per micro-batch gives each layout (docs/configure.md, "A micro-batch of one sample").
@@ -334,9 +380,9 @@ def _micro_batch_one_notes(s: Setup) -> list[str]:
     return notes
 
 
-def _dataset_changes(s: Setup) -> list[_Change]:
+def _dataset_changes(s: Setup, dataset: Any) -> list[_Change]:
     """The dataset's packing flags, and ``pad_to_max_length`` where a fixed collate width is needed."""
-    dataset, layout = s.dataset, s.layout
+    layout = s.layout
     packing_on = (
         f"configure turns in-batch packing on for every layout, and megatron.bridge_thd's step reads "
         f"dataset.enable_in_batch_packing and dataset.pack_sequences_in_batch as one switch, so False contradicts "
@@ -365,11 +411,6 @@ def _dataset_changes(s: Setup) -> list[_Change]:
                 "batch; Megatron-Bridge's data/datasets/direct_sft.py), and megatron.bridge_thd's step rejects "
                 "packed batches",
                 alternative=", or use Megatron-Bridge's vlm_step for collate-time packing"),
-        _Change(dataset, "dataset", "packing_layout", layout,
-                why=f"configure was called with layout={layout!r}, and the step reads its layout from here",
-                alternative=", or call configure with that layout"),
-        *([_Change(dataset, "dataset", "global_batch_packing", s.global_batch, guarded=False)]
-          if s.global_batch is not None else []),
         _Change(dataset, "dataset", "skip_getting_attention_mask_from_dataset", False,
                 why="the step takes each sample's real tokens from the dataset's 2D attention mask, which this "
                 "flag asks the data path to leave out (a dataset that honours it gives the step no mask, and the "
@@ -390,7 +431,7 @@ def _dataset_changes(s: Setup) -> list[_Change]:
     return changes
 
 
-def _global_batch_changes(s: Setup) -> list[_Change]:
+def _global_batch_changes(s: Setup, sections: _Sections) -> list[_Change]:
     """Per-token loss normalisation, which makes the gradient independent of the placement."""
     if s.global_batch is None:
         return []
@@ -399,25 +440,24 @@ def _global_batch_changes(s: Setup) -> list[_Change]:
            "calculate_per_token_loss is set (pipeline_parallel/schedules.py forward_step), which would weigh a "
            "token by where it was placed; per-token normalisation over the whole step keeps loss and gradients "
            "those of Megatron-Bridge's own placement")
-    changes = [_Change(s.model, "model", "calculate_per_token_loss", True, why=why,
+    changes = [_Change(sections.model, "model", "calculate_per_token_loss", True, why=why,
                        alternative=", or turn global-batch packing off")]
-    if s.ddp is not None and hasattr(s.ddp, "average_in_collective"):
+    if sections.ddp is not None and hasattr(sections.ddp, "average_in_collective"):
         changes.append(_Change(
-            s.ddp, "ddp", "average_in_collective", False,
+            sections.ddp, "ddp", "average_in_collective", False,
             why="Megatron-Core's DistributedDataParallel refuses average_in_collective with calculate_per_token_loss "
                 "(distributed/distributed_data_parallel.py)",
             alternative=", or turn global-batch packing off"))
     return changes
 
 
-def _dense_dispatcher_changes(s: Setup) -> list[_Change]:
+def _dense_dispatcher_changes(s: Setup, model: Any) -> list[_Change]:
     """A dense model whose config will hold ``variable_seq_lengths=True`` (``"thd"`` or Bridge's in-batch flag, with
     PP>1) leaves the ``'allgather'`` dispatcher it never uses for ``'alltoall'``: Megatron-Core's config check refuses
     the pair even without experts, and Megatron-Bridge's setup may finalize the model config again after validate()
     turned ``variable_seq_lengths`` on. (With experts: :func:`rules._moe_allgather_problems` refuses.)"""
-    model = s.model
-    if not (s.pp > 1 and (s.layout == "thd" or s.bridge_packing_flag) and callable(getattr(model, "finalize", None))
-            and s.dispatcher == "allgather" and not getattr(model, "num_moe_experts", None)):
+    if not (s.pp > 1 and (s.layout == "thd" or s.bridge_packing_flag) and s.model.finalizes
+            and s.model.dispatcher == "allgather" and not s.model.experts):
         return []
     return [_Change(
         model, "model", "moe_token_dispatcher_type", "alltoall", required=False,
@@ -428,16 +468,15 @@ def _dense_dispatcher_changes(s: Setup) -> list[_Change]:
         alternative=", or set pipeline_model_parallel_size=1")]
 
 
-def _pipeline_changes(s: Setup, notes: list[str]) -> list[_Change]:
+def _pipeline_changes(s: Setup, model: Any, notes: list[str]) -> list[_Change]:
     """For ``"thd"`` with PP>1, let p2p exchange shapes: ``variable_seq_lengths`` or Bridge's hook for it."""
-    model = s.model
     if s.layout == "thd" and s.pp > 1:
         changes = []
-        deferred_post_init = callable(getattr(model, "finalize", None))
+        deferred_post_init = s.model.finalizes
         if deferred_post_init:
             # Bridge's validate() sets this private hook itself whenever in-batch packing is on.
             changes.append(_Change(model, "model", "_enable_in_batch_packing", True, guarded=False))
-        if deferred_post_init and s.dispatcher == "allgather":
+        if deferred_post_init and s.model.dispatcher == "allgather":
             notes.append(
                 "model.variable_seq_lengths is set to True by the model config's finalize() (hook "
                 "_enable_in_batch_packing): setting it before finalize() trips Megatron-Core's allgather-dispatcher "
@@ -456,7 +495,7 @@ def _pipeline_changes(s: Setup, notes: list[str]) -> list[_Change]:
             f"layout {s.layout!r} keeps a fixed row length; Megatron-Bridge's validate() still sets "
             "variable_seq_lengths=True for in-batch packing with PP>1 (p2p then exchanges shapes)"
         )
-    elif s.pp > 1 and not s.variable_seq_lengths:
+    elif s.pp > 1 and not s.model.variable_seq_lengths:
         notes.append(
             f"layout {s.layout!r} with train.micro_batch_size=1 keeps variable_seq_lengths off: the pipeline stages "
             "exchange fixed (seq_length, 1, hidden) buffers, which the row fills exactly"
@@ -464,17 +503,17 @@ def _pipeline_changes(s: Setup, notes: list[str]) -> list[_Change]:
     return []
 
 
-def _hybridep_changes(s: Setup, notes: list[str]) -> list[_Change]:
+def _hybridep_changes(s: Setup, model: Any, notes: list[str]) -> list[_Change]:
     """For HybridEP without CUDA graphs, the padding of uneven dispatch inputs Bridge sets itself."""
-    if not (s.hybridep and not s.graphs):
+    if not (s.model.hybridep and not s.graphs):
         return []
-    fields = [name for name in HYBRIDEP_PADDING_FIELDS if hasattr(s.model, name)] or [HYBRIDEP_PADDING_FIELDS[0]]
+    fields = [name for name in HYBRIDEP_PADDING_FIELDS if hasattr(model, name)] or [HYBRIDEP_PADDING_FIELDS[0]]
     notes.append(
         "HybridEP without CUDA graphs: per-rank token counts may differ; Megatron-Bridge pads "
         f"uneven HybridEP dispatch inputs ({', '.join(fields)}=True), so layout {s.layout!r} is allowed"
     )
     why = "packed rows give HybridEP different token counts per rank, and " + _bridge_hybridep_padding()
-    return [_Change(s.model, "model", name, True, required=False, why=why) for name in fields]
+    return [_Change(model, "model", name, True, required=False, why=why) for name in fields]
 
 
 def _bridge_hybridep_padding() -> str:

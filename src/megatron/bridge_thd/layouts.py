@@ -64,8 +64,8 @@ def layout_for(requested: str, *, pp: int, variable_seq_lengths: bool) -> str:
     """The layout that runs: ``requested``, except ``thd`` under pipeline parallelism without
     ``variable_seq_lengths``, which becomes ``thd_static`` (stages exchange fixed-shape buffers;
     a row whose length changes every micro-batch would make send and receive disagree)."""
-    if requested not in LAYOUTS:
-        raise ValueError(f"dataset.packing_layout: {requested!r} is not one of {LAYOUT_NAMES}")
+    if requested not in LAYOUTS:  # an argument check: a run's layout comes from the validated settings
+        raise ValueError(f"requested: {requested!r} is not one of {LAYOUT_NAMES}")
     if requested == "thd" and pp > 1 and not variable_seq_lengths:
         return "thd_static"
     return requested

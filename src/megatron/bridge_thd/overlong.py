@@ -31,14 +31,16 @@ from typing import Any, Callable
 
 import torch
 
+from megatron.bridge_thd.settings import OVERLONG_POLICIES, settings_of
+
 __all__ = ["POLICIES", "DEFAULT_POLICY", "LENGTHS_KEY", "OverlongCollate", "collate_patch", "measure_rows",
            "measure_in_this_process",
            "policy_of", "CutReport", "cut_report", "log_cut"]
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("truncate", "drop", "refuse")
-DEFAULT_POLICY = "truncate"
+POLICIES = OVERLONG_POLICIES
+DEFAULT_POLICY = OVERLONG_POLICIES[0]
 # The batch key the measures travel under: (3, B) int64 = tokens before the cut, supervised tokens before the cut,
 # dropped (0 / 1).
 LENGTHS_KEY = "bridge_thd_untruncated"
@@ -48,15 +50,9 @@ _POLICY: contextvars.ContextVar[str | None] = contextvars.ContextVar("bridge_thd
 
 
 def policy_of(dataset: Any) -> str:
-    """The run's policy: ``dataset.overlong_samples``, or the default.
-
-    Raises:
-        ValueError: a value outside :data:`POLICIES`.
-    """
-    policy = getattr(dataset, "overlong_samples", None) or DEFAULT_POLICY
-    if policy not in POLICIES:
-        raise ValueError(f"{SETTING}: {policy!r}; expected one of {', '.join(map(repr, POLICIES))}")
-    return policy
+    """The run's policy: the settings' ``overlong_samples`` (:func:`megatron.bridge_thd.settings.settings_of`, which
+    validates it), or the default."""
+    return settings_of(dataset).overlong_samples
 
 
 def measure_rows(batch: dict, sequence_length: int | None, policy: str | None) -> None:
@@ -98,8 +94,8 @@ class OverlongCollate:
     the loader's worker processes, started by fork or spawn alike: the policy travels with this object)."""
 
     def __init__(self, collate_fn: Callable, policy: str):
-        if policy not in POLICIES:
-            raise ValueError(f"{SETTING}: {policy!r}; expected one of {', '.join(map(repr, POLICIES))}")
+        if policy not in POLICIES:  # an argument check: the run's value comes from the validated settings
+            raise ValueError(f"policy: {policy!r}; expected one of {', '.join(map(repr, POLICIES))}")
         self.collate_fn, self.policy = collate_fn, policy
 
     def __call__(self, examples):

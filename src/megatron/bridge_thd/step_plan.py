@@ -16,20 +16,20 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 
+from megatron.bridge_thd.adapters import ModelAdapter, VisionTokens
 from megatron.bridge_thd.layouts import layout_for, static_row_length
-from megatron.bridge_thd.overlong import policy_of
 from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.rules import (
     ROUTES_REAL_TOKENS_ONLY,
+    STEP,
     layout_dependent_moe_settings,
     read_setup,
+    refuse,
     requested_layout,
-    step_problems,
 )
+from megatron.bridge_thd.settings import settings_of
 from megatron.bridge_thd.upstream import load_bridge_module
 from megatron.bridge_thd.upstream_line import upstream_line
 
@@ -132,8 +132,8 @@ class StepPlan:
     extras: tuple[str, ...]
     extras_refused: tuple[str, ...]
     padding_mask_cut_for_cp: bool
-    tokens: Any
-    adapter: Any
+    tokens: VisionTokens
+    adapter: ModelAdapter
     pad_token_id: int | None
     overlong_samples: str
     check_nan: bool
@@ -183,11 +183,10 @@ def _sizes(pg_collection) -> dict[str, int]:
     return {name: size(name) for name in ("tp", "cp", "pp", "ep")}
 
 
-def _fallback_pad_id(state, model_config) -> int | None:
-    """The pad id of ``dataset.packing_length_fallback="pad_token"`` (tokenizer, then model config), or None
-    when the fallback is off."""
-    dataset = getattr(state.cfg, "dataset", None)
-    if getattr(dataset, "packing_length_fallback", None) != "pad_token":
+def _fallback_pad_id(state, model_config, fallback: str | None) -> int | None:
+    """The pad id of the length fallback ``"pad_token"`` (tokenizer, then model config), or None when the fallback
+    is off or no pad id is set (the rule ``length_fallback_pad_id`` refuses the latter)."""
+    if fallback != "pad_token":
         return None
     tokenizer = getattr(state, "tokenizer", None)
     pad_id = getattr(tokenizer, "pad_id", None)
@@ -195,13 +194,20 @@ def _fallback_pad_id(state, model_config) -> int | None:
         pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None:
         pad_id = getattr(getattr(model_config, "text_config", model_config), "pad_token_id", None)
-    if pad_id is None:
-        raise ValueError(
-            "dataset.packing_length_fallback: 'pad_token' needs a pad id from state.tokenizer (pad_id / "
-            "pad_token_id) or the model config (pad_token_id); none is set. Enable the dataset mask instead."
-        )
-    logger.info("bridge_thd: without an attention mask, lengths = 1 + last position whose id != pad id %d", pad_id)
+    if pad_id is not None:
+        logger.info("bridge_thd: without an attention mask, lengths = 1 + last position whose id != pad id %d", pad_id)
     return pad_id
+
+
+def _te_cp_padding_defect(layout: str, cp: int) -> str | None:
+    """The installed Transformer Engine's CP padding defect for a THD layout under CP (TransformerEngine issue 2186,
+    docs/te-cp-padding.md), detected once; None where there is none or it cannot arise."""
+    if layout == "bshd" or cp <= 1:
+        return None
+    from megatron.bridge_thd.te_compat import te_cp_padding_verdict
+
+    accepted, reason = te_cp_padding_verdict(cp)
+    return None if accepted else reason
 
 
 def _static_rows(state, layout: str, micro_batch_size: int | None, seq_length: int,
@@ -243,22 +249,19 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
     core = unwrap_model(model)
     model_config = getattr(core, "config", None)
     cfg = state.cfg
+    settings = settings_of(cfg.dataset)
     sizes = _sizes(pg_collection)
     probe = read_setup(cfg, "bshd", model_config=model_config, sizes=sizes)
-    layout = _resolved_layout(cfg, sizes, probe.variable_seq_lengths)
+    layout = _resolved_layout(cfg, sizes, probe.model.variable_seq_lengths)
     recorded = getattr(getattr(state, "train_state", None), ROWS_ATTRIBUTE, None)
     recorded = recorded.rows if isinstance(recorded, GlobalBatchRows) else ()
-    setup = read_setup(cfg, layout, model_config=model_config, sizes=sizes, adapter=adapter,
+    setup = read_setup(cfg, layout, model_config=model_config, sizes=sizes, adapter=adapter, built_model=type(core),
                        routes_real_tokens_only=bool(getattr(core, ROUTES_REAL_TOKENS_ONLY, False)),
-                       row_lengths=tuple(row.length for row in recorded))
-    problems = step_problems(setup)
-    if problems:
-        raise ValueError("bridge_thd: the configuration cannot run this step:\n- " + "\n- ".join(problems))
+                       row_lengths=tuple(row.length for row in recorded),
+                       te_cp_padding_defect=_te_cp_padding_defect(layout, sizes["cp"]),
+                       length_fallback_pad_id=_fallback_pad_id(state, model_config, settings.length_fallback))
+    refuse(setup, STEP, "bridge_thd: the configuration cannot run this step")
     _warn_padded_moe_routing(setup)
-    if layout != "bshd" and setup.cp > 1:
-        from megatron.bridge_thd.te_compat import check_te_cp_padding
-
-        check_te_cp_padding(setup.cp)  # TransformerEngine issue 2186 (docs/te-cp-padding.md), detected once
     extras, refused = declared_extras(model)
     static_rows = _static_rows(state, layout, setup.micro_batch_size, setup.seq_length, setup.align)
     rerun = getattr(cfg, "rerun_state_machine", None)
@@ -271,7 +274,7 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
         padding_mask_cut_for_cp="padding_mask" in extras and setup.cp > 1 and not setup.routes_real_tokens_only
         and _takes_a_cp_local_padding_mask(core),
         tokens=adapter.tokens(model_config), adapter=adapter,
-        pad_token_id=_fallback_pad_id(state, model_config), overlong_samples=policy_of(cfg.dataset),
+        pad_token_id=setup.length_fallback_pad_id, overlong_samples=settings.overlong_samples,
         check_nan=bool(getattr(rerun, "check_for_nan_in_loss", True)),
         check_spiky=bool(getattr(rerun, "check_for_spiky_loss", False)),
         device=next(core.parameters()).device, model_name=type(core).__name__,

@@ -38,7 +38,7 @@ __all__ = [
     "CpPaddingRule",
     "TE_CP_PADDING_RULE",
     "DETECT",
-    "check_te_cp_padding",
+    "te_cp_padding_verdict",
     "installed_te_version",
     "cudnn_version_tuple",
 ]
@@ -93,7 +93,7 @@ class _Detect:
 
 
 DETECT = _Detect()
-"""Default of :func:`check_te_cp_padding`'s environment arguments: look it up (lazily)."""
+"""Default of :func:`te_cp_padding_verdict`'s environment arguments: look it up (lazily)."""
 
 # Distribution names TE is installed under (pip meta-package, framework and core wheels; a
 # source build registers "transformer_engine", which metadata lookup normalises to the first).
@@ -145,7 +145,7 @@ def _fmt(version) -> str:
     return ".".join(str(part) for part in version)
 
 
-def check_te_cp_padding(
+def te_cp_padding_verdict(
     cp_size: int,
     *,
     te_version=DETECT,
@@ -153,12 +153,12 @@ def check_te_cp_padding(
     compute_capability=DETECT,
     fused_attention=DETECT,
     override=DETECT,
-) -> str:
-    """Refuse THD rows under context parallelism on stacks with TransformerEngine issue 2186.
+) -> tuple[bool, str]:
+    """Whether THD rows under context parallelism are safe from TransformerEngine issue 2186 on this stack.
 
-    Call it once per step (or per micro-batch: the environment is detected once and cached)
-    wherever THD rows are built for a model with ``cp_size > 1``. The BSHD layout is not
-    concerned (no ragged attention).
+    The step's plan asks once (the environment is detected once and cached) for a model with ``cp_size > 1`` and a
+    THD layout, and its rule ``te_cp_padding`` (:mod:`megatron.bridge_thd.rules`) refuses an affected stack with the
+    reason given here. The BSHD layout is not concerned (no ragged attention).
 
     Args:
         cp_size: the context-parallel group size. 1 returns at once, detecting nothing.
@@ -174,40 +174,38 @@ def check_te_cp_padding(
             ``BRIDGE_THD_ALLOW_TE_CP_PADDING == "1"``.
 
     Returns:
-        Why the configuration is accepted, one short phrase (for a log line).
-
-    Raises:
-        ValueError: on an affected stack, naming the versions found, the issue and the fixes.
+        ``(True, why it is accepted)``, one short phrase (for a log line); or ``(False, the refusal)`` on an affected
+        stack, naming the versions found, the issue and the fixes.
     """
     check_int("cp_size", cp_size, 1, "pass the context-parallel group size")
     rule = TE_CP_PADDING_RULE
     if cp_size == 1:
-        return "cp_size=1: no context-parallel chunks"
+        return True, "cp_size=1: no context-parallel chunks"
     if te_version is DETECT:
         te_version = installed_te_version()
     if te_version is None:
-        return "Transformer Engine is not installed (the CPU attention path does not use it)"
+        return True, "Transformer Engine is not installed (the CPU attention path does not use it)"
     if compute_capability is DETECT or cudnn_version is DETECT:
         detected_capability, detected_cudnn = _detected_device()
         compute_capability = detected_capability if compute_capability is DETECT else compute_capability
         cudnn_version = detected_cudnn if cudnn_version is DETECT else cudnn_version
     if compute_capability is None:
-        return "no CUDA device: Transformer Engine attention does not run"
+        return True, "no CUDA device: Transformer Engine attention does not run"
     if compute_capability[0] != rule.affected_compute_capability_major:
-        return f"sm{compute_capability[0]}{compute_capability[1]}: cuDNN's SDPA backward is affected on Hopper only"
+        return True, f"sm{compute_capability[0]}{compute_capability[1]}: cuDNN's SDPA backward is affected on Hopper only"
     if cudnn_version is None:
-        return "no cuDNN: Transformer Engine cannot use FusedAttention"
+        return True, "no cuDNN: Transformer Engine cannot use FusedAttention"
     if tuple(cudnn_version) >= rule.cudnn_fixed:
-        return f"cuDNN {_fmt(cudnn_version)} >= {_fmt(rule.cudnn_fixed)} has the fix"
+        return True, f"cuDNN {_fmt(cudnn_version)} >= {_fmt(rule.cudnn_fixed)} has the fix"
     if fused_attention is DETECT:
         fused_attention = os.environ.get(rule.fused_attention_env, "1") != "0"
     if not fused_attention:
-        return f"{rule.fused_attention_env}=0: TE does not use cuDNN attention"
+        return True, f"{rule.fused_attention_env}=0: TE does not use cuDNN attention"
     if override is DETECT:
         override = os.environ.get(rule.override_env, "0") == "1"
     if override:
-        return f"{rule.override_env}=1: the stack is declared patched"
-    raise ValueError(
+        return True, f"{rule.override_env}=1: the stack is declared patched"
+    return False, (
         f"context parallelism (cp_size={cp_size}) with packed THD rows: Transformer Engine {te_version} with cuDNN "
         f"{_fmt(cudnn_version)} on sm{compute_capability[0]}{compute_capability[1]} (Hopper) gives NaN gradients "
         "whenever a CP rank's chunk of a sequence holds only padding (TransformerEngine issue 2186, "

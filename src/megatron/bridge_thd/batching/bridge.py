@@ -24,49 +24,13 @@ from typing import Any
 
 from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.patches import Patch
+from megatron.bridge_thd.settings import SETTINGS_ATTRIBUTE, GlobalBatchPacking, settings_of
 
 __all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "plan_loader", "run_row_length",
            "run_row_buckets", "run_static_rows", "check_overlong", "measure_overlong_samples",
            "shared_sizes", "check_ranks_agree", "LoaderPlan"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GlobalBatchPacking:
-    """The run's global-batch packing setting (``cfg.dataset.global_batch_packing``).
-
-    Attributes:
-        cost_model: what a sample costs: a planner preset name (``"qwen3-vl-8b"``), a Hugging Face
-            ``config.json`` path or a ``plan.presets.ModelSpec``; None balances on VERL's
-            tokens-and-attention proxy ``s + s^2 / 24576`` (no vision term).
-        row_length: ``thd_static``: the run's fixed row in slots, checked against every loader's whole
-            run when the loaders are built; None: the smallest row that fits every loader's whole run
-            (training and evaluation), chosen then (never written back here: the step's plan reads it from
-            ``train_state``); a resumed run chooses the same. ``thd``: ``micro_batch_size * seq_length``, checked likewise.
-        row_buckets: ``thd_static``: how many fixed row lengths the run may use. The longest is the row above;
-            up to ``row_buckets - 1`` shorter ones are chosen with it from the same draws, to least padding
-            (:func:`.sampler.optimal_row_lengths`), and each micro-batch takes the shortest that holds it. Each
-            row is static in everything the decoder sees (length, ``cu_seqlens`` count, ``max_seqlen``). 1: one
-            row for the run. None (default): 4, or 1 where only one row shape can run (fixed pipeline p2p
-            shapes, CUDA graphs: ``rules.one_row_shape``), where a value above 1 is refused. ``thd`` ignores
-            it (its row follows each micro-batch).
-        lengths_file: the training set's sizes from a ``bridge-thd scan`` lengths file of it (docs/scan.md) instead of
-            a scan when the loaders are built; refused when its sample count is not the dataset's. The validation and
-            test sets are scanned (or read from the cache) as without it.
-        sizes_cache: directory for the one-time lengths scan (default ``~/.cache/bridge_thd/sizes``); a
-            directory shared by a node's ranks lets one scan serve them.
-        seed: tie-breaking seed of the placement.
-        log: one log line per step on global rank 0 (real tokens, padding, per-rank imbalance).
-    """
-
-    cost_model: Any = None
-    row_length: int | None = None
-    row_buckets: int | None = None
-    lengths_file: str | None = None
-    sizes_cache: str | None = None
-    seed: int = 0
-    log: bool = True
 
 
 def _alignment(cfg) -> int:
@@ -222,10 +186,10 @@ def plan_loader(loader, *, label: str, cfg, settings: GlobalBatchPacking, dp_ran
     from megatron.bridge_thd.batching.sampler import cycles, rank_samplers, run_draws
 
     inner = loader.batch_sampler
+    # The rule global_batch_sampler refuses a dataloader_type without these samplers; this checks the argument.
     if type(inner).__name__ not in ("MegatronPretrainingSampler", "MegatronPretrainingRandomSampler"):
-        raise ValueError(
-            f"dataset.dataloader_type: global-batch packing draws from Megatron-Bridge's 'single' / 'cyclic' samplers, "
-            f"but the {label} loader's sampler is {type(inner).__name__}")
+        raise TypeError(f"loader ({label}): its batch sampler is {type(inner).__name__}, not Megatron-Bridge's "
+                        "MegatronPretrainingSampler / MegatronPretrainingRandomSampler")
     num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
     if label == "train" and settings.lengths_file is not None:
         from megatron.bridge_thd.batching.sizes import file_sizes
@@ -235,9 +199,8 @@ def plan_loader(loader, *, label: str, cfg, settings: GlobalBatchPacking, dp_ran
     else:
         sizes = shared_sizes(loader, seq_length=cfg.model.seq_length, cache_dir=settings.sizes_cache, label=label)
     check_ranks_agree(sizes, label=label)
-    from megatron.bridge_thd.overlong import policy_of
-
-    check_overlong(sizes, seq_length=cfg.model.seq_length, policy=policy_of(cfg.dataset), label=label)
+    check_overlong(sizes, seq_length=cfg.model.seq_length, policy=settings_of(cfg.dataset).overlong_samples,
+                   label=label)
     draws = run_draws(rank_samplers(inner, dp_size, from_start=True), num_micro_batches, max(steps, 1),
                       cycle=cycles(inner))
     return LoaderPlan(label, loader, inner, dp_rank, dp_size, micro_batch_size, num_micro_batches, sizes, draws)
@@ -378,6 +341,14 @@ def measure_overlong_samples(loaders, policy: str) -> None:
             loader.collate_fn = OverlongCollate(loader.collate_fn, policy)
 
 
+def _configured(dataset) -> bool:
+    """``configure`` set the config up for our step (its record), or the settings were set by hand."""
+    from megatron.bridge_thd.settings import HAND_SET_ATTRIBUTES
+
+    return getattr(dataset, SETTINGS_ATTRIBUTE, None) is not None or any(
+        getattr(dataset, attribute, None) is not None for attribute in HAND_SET_ATTRIBUTES.values())
+
+
 def _wrap(original):
     """``build_train_valid_test_data_loaders`` whose loaders measure over-long samples when ``configure`` set the
     config up for our step (``cfg.dataset.packing_layout``) and are rebuilt around the placement when
@@ -385,14 +356,16 @@ def _wrap(original):
 
     def build_train_valid_test_data_loaders(cfg, train_state, *args, **kwargs):
         loaders = original(cfg, train_state, *args, **kwargs)
-        if getattr(cfg.dataset, "packing_layout", None) is not None:  # configured for our step
-            from megatron.bridge_thd.overlong import policy_of
-
-            measure_overlong_samples(loaders, policy_of(cfg.dataset))
-        settings = getattr(cfg.dataset, "global_batch_packing", None)
+        if not _configured(cfg.dataset):
+            return loaders
+        run_settings = settings_of(cfg.dataset)
+        measure_overlong_samples(loaders, run_settings.overlong_samples)
+        settings = run_settings.global_batch_packing
         if settings is None:
             return loaders
         import torch
+
+        from megatron.bridge_thd.rules import LOADERS, read_setup, refuse
 
         from megatron.bridge_thd.batching.cost import sample_cost
 
@@ -403,6 +376,8 @@ def _wrap(original):
         eval_gbs = getattr(cfg.validation, "eval_global_batch_size", None) or gbs
         groups = {"train": (dp_group, gbs, mbs), "valid": (eval_group, eval_gbs, eval_mbs),
                   "test": (eval_group, eval_gbs, eval_mbs)}
+        refuse(read_setup(cfg, run_settings.layout, dp=torch.distributed.get_world_size(group=dp_group)), LOADERS,
+               "global_batch_packing: the loaders cannot be built")
         steps = _run_steps(cfg)
         plans = []
         for label, loader in zip(("train", "valid", "test"), loaders):
@@ -417,7 +392,7 @@ def _wrap(original):
         if not plans:
             return loaders
         align = _alignment(cfg)
-        static = getattr(cfg.dataset, "packing_layout", "thd") == "thd_static"
+        static = run_settings.layout == "thd_static"
         cost = sample_cost(settings.cost_model) if settings.cost_model is not None else None
         capacity = mbs * round_up(cfg.model.seq_length, align)
         row = run_row_length(plans, settings=settings, align=align, capacity=capacity, cost=cost, static=static)
@@ -425,9 +400,9 @@ def _wrap(original):
         if static:
             from megatron.bridge_thd.step_plan import ROWS_ATTRIBUTE, GlobalBatchRows
 
-            from megatron.bridge_thd.rules import read_setup, row_buckets
+            from megatron.bridge_thd.rules import row_buckets
 
-            count = row_buckets(read_setup(cfg, "thd_static", global_batch=settings))
+            count = row_buckets(read_setup(cfg, "thd_static"))
             row_lengths = run_row_buckets(plans, settings=settings, count=count, row_length=row, align=align, cost=cost)
             _log_rows(row_lengths, count)
             # Where the step's plan reads the run's rows: Megatron-Bridge's runtime state, not the user's config.

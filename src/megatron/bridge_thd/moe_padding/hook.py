@@ -43,9 +43,9 @@ def with_padding_mask(model):
     Raises:
         TypeError: ``model`` is not a Megatron-Bridge ``Qwen3VLModel`` (and declares no ``padding_mask``),
             or a decoder MoE layer is not Megatron-Core's ``MoELayer`` with its ``TopKRouter``.
-        ValueError: ``recompute_granularity='full'``, ``cuda_graph_impl`` other than ``'none'`` or
-            ``mlp_chunks_for_training > 1`` (the mask could not reach every router); the message
-            names the setting and the fix.
+        ValueError: a setting the registry's hook rules refuse (``rules``, place ``hook``: full recompute, CUDA
+            graphs, chunked MLP, ...; the mask could not reach every router); the message names the setting and the
+            fix.
     """
     if isinstance(model, (list, tuple)):
         raise TypeError("model: with_padding_mask takes one model chunk; for a list use padding_mask_pre_wrap_hook")

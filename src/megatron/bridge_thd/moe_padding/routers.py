@@ -97,8 +97,9 @@ class PaddingMaskTopKRouter(TopKRouter):
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)
         if self.routing_type == "sinkhorn":
             probs, routing_map = self.sinkhorn_load_balancing(logits)
-        elif self.routing_type == "quantile_balancing":
-            raise ValueError("config.moe_router_load_balancing_type: quantile balancing does not support padding masks")
+        elif self.routing_type == "quantile_balancing":  # the hook's rules refuse it before any forward
+            assert padding_mask is None, "Quantile balancing routing does not support padding masks yet."
+            probs, routing_map = self.quantile_balancing(logits)
         else:
             probs, routing_map = topk_routing_with_score_function(
                 logits, self.topk, use_pre_softmax=config.moe_router_pre_softmax,

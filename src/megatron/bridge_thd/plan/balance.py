@@ -134,16 +134,17 @@ def micro_batches_per_rank(global_batch_size, micro_batch_size: int, dp: int, nu
     """``global_batch_size / (micro_batch_size * dp)``, the micro-batches every DP rank runs per step.
 
     Raises:
-        ValueError: naming ``--global-batch-size``: not an int >= 1, not a multiple of
-            ``micro_batch_size * dp``, or larger than the ``num_samples`` samples.
+        ValueError: naming ``--global-batch-size``: not an int >= 1, or larger than the ``num_samples`` samples; or
+            the rule ``global_batch_size`` (not a multiple of ``micro_batch_size * dp``).
     """
+    from megatron.bridge_thd.rules import RULES, Setup
+
     per_micro = micro_batch_size * dp
     check_int("--global-batch-size", global_batch_size)
-    if global_batch_size % per_micro:
-        raise ValueError(
-            f"--global-batch-size {global_batch_size}: must be a multiple of micro_batch_size * DP = "
-            f"{micro_batch_size} x {dp} = {per_micro} (Megatron-Bridge's rule: every DP rank runs the same number of "
-            f"micro-batches); e.g. {max(per_micro, global_batch_size // per_micro * per_micro)}")
+    found = RULES["global_batch_size"].check(Setup(layout="thd", micro_batch_size=micro_batch_size, dp=dp,
+                                                   global_batch_size=global_batch_size))
+    if found:
+        raise ValueError(found[0])
     if global_batch_size > num_samples:
         raise ValueError(
             f"--global-batch-size {global_batch_size}: larger than the {num_samples} samples, so no step can be formed; "

@@ -49,10 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per step, a multiple of micro_batch_size * DP (default micro_batch_size * "
                    "micro-batches * DP); the steps are consecutive global batches of the samples, placed with and "
                    "without global-batch packing (docs/batching.md)")
-    p.add_argument("--row-buckets", type=int, default=DEFAULT_ROW_BUCKETS, metavar="K",
-                   help=f"most thd_static rows global-batch packing may use (default {DEFAULT_ROW_BUCKETS}, the "
-                   "runtime's dataset.global_batch_packing.row_buckets; 1: one row, as with CUDA graphs or fixed "
-                   "pipeline shapes); each micro-batch takes the shortest that holds it")
+    p.add_argument("--row-buckets", type=int, default=None, metavar="K",
+                   help=f"most thd_static rows global-batch packing may use (the runtime's "
+                   f"dataset.global_batch_packing.row_buckets; default as there: {DEFAULT_ROW_BUCKETS}, or 1 where only "
+                   "one row shape can run, as with fixed pipeline shapes); each micro-batch takes the shortest that "
+                   "holds it")
     for name in ("tp", "cp", "pp", "ep"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--gpus", type=int, default=8, help="total GPUs (DP = gpus / (tp*cp*pp))")
@@ -97,7 +98,8 @@ def run(args) -> str:
                         sequence_parallel=not args.no_sequence_parallel)
     if args.ep > 1 and not spec.is_moe:
         raise ValueError(f"--ep {args.ep}: {spec.name} is a dense model (no experts); use --ep 1")
-    check_row_buckets(args.row_buckets)
+    if args.row_buckets is not None:
+        check_row_buckets(args.row_buckets)
     if args.overhead_ms < 0:
         raise ValueError(f"--overhead-ms: expected >= 0, got {args.overhead_ms}")
     micro_batches = args.micro_batches
@@ -113,9 +115,13 @@ def run(args) -> str:
         micro_batches = implied
     settings = PlanSettings(args.seq_length, args.micro_batch_size, parallel, micro_batches or 1,
                             get_gpu(args.gpu), args.mfu, args.overhead_ms / 1e3)
+    global_batch_size = args.global_batch_size or args.micro_batch_size * (micro_batches or 1) * parallel.dp
+    refused, row_buckets = planner_refusals(spec, settings, global_batch_size, args.row_buckets)
     result = plan(spec, samples, settings)
     text = format_plan(result, balance_plan(spec, samples, settings, args.global_batch_size, seed=args.seed,
-                                                 row_buckets=args.row_buckets))
+                                                 row_buckets=row_buckets))
+    text += "".join(f"\nrefused by the step for layout {layout!r} (docs/rules.md): {problem}"
+                    for layout, problems in refused.items() for problem in problems)
     if args.png:
         try:
             from megatron.bridge_thd.plan.plot import write_plot
@@ -124,6 +130,43 @@ def run(args) -> str:
         except ImportError as error:
             text += f"\n{error}"
     return text
+
+
+def planner_setup(layout: str, spec, settings, global_batch_size: int, row_buckets: int | None):
+    """The rules' :class:`~megatron.bridge_thd.rules.Setup` of a plan for ``layout``: the model config and the run
+    as ``configure`` would set them up from the plan's options (the THD layouts with global-batch packing of
+    ``row_buckets`` rows, as the plan's balance table compares them)."""
+    from megatron.bridge_thd.rules import ModelFacts, Setup
+    from megatron.bridge_thd.settings import GlobalBatchPacking, PackingSettings
+
+    par = settings.parallel
+    model = ModelFacts(seq_length=settings.seq_length, sequence_parallel=par.sp, fp8=par.fp8,
+                       experts=spec.num_moe_experts or 0, sizes=(par.tp, par.cp, par.pp, par.ep))
+    # The planner compares global-batch packing with in-batch placement for the THD layouts; "bshd" runs in-batch.
+    global_batch = GlobalBatchPacking(row_buckets=row_buckets) if layout != "bshd" else None
+    return Setup(layout=layout, settings=PackingSettings(layout=layout, global_batch_packing=global_batch), model=model, tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep, dp=par.dp,
+        seq_lengths=(settings.seq_length, settings.seq_length), micro_batch_size=settings.micro_batch_size,
+        global_batch_size=global_batch_size)
+
+
+def planner_refusals(spec, settings, global_batch_size: int, row_buckets: int | None
+                     ) -> tuple[dict[str, list[str]], int]:
+    """What the registry's planner rules refuse, by layout, and the ``thd_static`` rows global-batch packing uses
+    (``row_buckets``, or the runtime's default for this setup).
+
+    Raises:
+        ValueError: a problem every layout has (e.g. the global batch size), listed.
+    """
+    from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER
+    from megatron.bridge_thd.rules import PLANNER, problems
+    from megatron.bridge_thd.rules import row_buckets as runtime_row_buckets
+
+    setups = {layout: planner_setup(layout, spec, settings, global_batch_size, row_buckets) for layout in LAYOUT_ORDER}
+    refused = {layout: problems(setup, PLANNER) for layout, setup in setups.items()}
+    common = [problem for problem in refused[LAYOUT_ORDER[0]] if all(problem in found for found in refused.values())]
+    if common:
+        raise ValueError("; ".join(common))
+    return {layout: found for layout, found in refused.items() if found}, runtime_row_buckets(setups["thd_static"])
 
 
 def main(argv: list[str] | None = None) -> int:

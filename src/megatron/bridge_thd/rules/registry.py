@@ -1,0 +1,89 @@
+"""The registry of rules: each rule once, tagged with the places that run it (docs/rules.md).
+
+A rule is a function of a :class:`~megatron.bridge_thd.rules.setup.Setup` that returns the problems it finds as
+messages (the setting, what is wrong, what to set); it never raises and never writes. :func:`rule` registers one
+with its places; :func:`problems` runs every rule of a place, in registration order, on one ``Setup``;
+:func:`refuse` raises them as one ``ValueError``. The places:
+
+* ``configure``: before the model exists, from the config alone;
+* ``planner``: ``bridge-thd plan``, from its options;
+* ``step``: when the step builds its plan, from the config, the built model and the process groups;
+* ``hook``: when the MoE padding hook installs its routers, from the model config;
+* ``loaders``: when global-batch packing builds the loaders.
+
+``configure`` runs every rule a later place runs that its facts can decide, so what it accepts the step and the
+hook accept (``tests/unit/test_rules.py`` checks the tags and the messages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron.bridge_thd.rules.setup import Setup
+
+__all__ = ["Rule", "rule", "RULES", "PLACES", "CONFIGURE", "PLANNER", "STEP", "HOOK", "LOADERS", "rules_for",
+           "problems", "refuse"]
+
+CONFIGURE, PLANNER, STEP, HOOK, LOADERS = "configure", "planner", "step", "hook", "loaders"
+PLACES = (CONFIGURE, PLANNER, STEP, HOOK, LOADERS)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: its name, the places that run it and the check.
+
+    Attributes:
+        name: the function's name without a leading underscore (docs/rules.md lists them).
+        places: where it runs (:data:`PLACES`).
+        check: ``Setup -> list[str]``, the problems found (empty: none).
+    """
+
+    name: str
+    places: frozenset[str]
+    check: Callable[[Setup], list[str]]
+
+    @property
+    def summary(self) -> str:
+        """The first line of the check's docstring."""
+        return (self.check.__doc__ or "").strip().splitlines()[0] if self.check.__doc__ else ""
+
+
+# Every rule, by name, in registration order (the order configure's error lists problems in).
+RULES: dict[str, Rule] = {}
+
+
+def rule(*places: str) -> Callable[[Callable[[Setup], list[str]]], Callable[[Setup], list[str]]]:
+    """Register the decorated check as a :class:`Rule` run at ``places``."""
+    unknown = set(places) - set(PLACES)
+    if not places or unknown:
+        raise ValueError(f"places: {sorted(unknown) or 'none'}; expected some of {PLACES}")
+
+    def register(check: Callable[[Setup], list[str]]) -> Callable[[Setup], list[str]]:
+        name = check.__name__.lstrip("_")
+        if name in RULES:
+            raise ValueError(f"rule {name!r}: registered twice")
+        RULES[name] = Rule(name, frozenset(places), check)
+        return check
+
+    return register
+
+
+def rules_for(place: str) -> tuple[Rule, ...]:
+    """The rules run at ``place``, in registration order."""
+    if place not in PLACES:
+        raise ValueError(f"place: {place!r}; expected one of {PLACES}")
+    return tuple(r for r in RULES.values() if place in r.places)
+
+
+def problems(setup: Setup, place: str) -> list[str]:
+    """Every problem the rules of ``place`` find in ``setup``."""
+    return [problem for r in rules_for(place) for problem in r.check(setup)]
+
+
+def refuse(setup: Setup, place: str, heading: str) -> None:
+    """Raise one ``ValueError``, ``heading`` then each problem on its own line, when the rules of ``place`` find
+    any in ``setup``."""
+    found = problems(setup, place)
+    if found:
+        raise ValueError(f"{heading}:\n- " + "\n- ".join(found))

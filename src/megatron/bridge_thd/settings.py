@@ -1,0 +1,180 @@
+"""Everything ``megatron.bridge_thd`` adds to a run, in one typed, frozen record (docs/settings.md).
+
+:class:`PackingSettings` holds the packed layout, the over-long policy, global-batch packing and the length
+fallback. It is validated when it is made: a value outside what a field takes is refused then, naming the setting,
+what was wrong and what to set. ``configure`` makes it from its arguments and stores it as
+``cfg.dataset.bridge_thd`` (:data:`SETTINGS_ATTRIBUTE`); the step's plan, the loaders and the rules read it with
+:func:`settings_of`, the one reader. Whether these settings are *compatible with the rest of the run* (CUDA graphs,
+pipeline shapes, MoE dispatch, ...) is the rules' job (:mod:`megatron.bridge_thd.rules`), not the record's.
+
+A configuration made by hand, without ``configure``, may instead carry the four values as plain attributes of
+``cfg.dataset`` (``packing_layout``, ``overlong_samples``, ``global_batch_packing``, ``packing_length_fallback``,
+the names earlier releases of this package set): :func:`settings_of` reads them into the same record, through the
+same validation. With the record present, such an attribute that says something else is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from megatron.bridge_thd.checks import is_int_at_least
+from megatron.bridge_thd.layouts import LAYOUT_NAMES
+
+__all__ = ["PackingSettings", "GlobalBatchPacking", "settings_of", "SETTINGS_ATTRIBUTE", "OVERLONG_POLICIES",
+           "LENGTH_FALLBACKS", "DEFAULT_ROW_BUCKETS", "HAND_SET_ATTRIBUTES"]
+
+# Where configure stores the record: an attribute of cfg.dataset.
+SETTINGS_ATTRIBUTE = "bridge_thd"
+# What happens to a sample longer than seq_length (docs/overlong-samples.md); the first is the default.
+OVERLONG_POLICIES = ("truncate", "drop", "refuse")
+# How lengths are read from a batch without an attention mask: None refuses such a batch (docs/lengths.md).
+LENGTH_FALLBACKS = (None, "pad_token")
+# Rows a thd_static run under global-batch packing may use when row_buckets is left unset.
+DEFAULT_ROW_BUCKETS = 4
+
+
+@dataclass(frozen=True)
+class GlobalBatchPacking:
+    """The run's global-batch packing setting (``PackingSettings.global_batch_packing``; docs/batching.md).
+
+    Attributes:
+        cost_model: what a sample costs: a planner preset name (``"qwen3-vl-8b"``), a Hugging Face
+            ``config.json`` path or a ``plan.presets.ModelSpec``; None balances on VERL's
+            tokens-and-attention proxy ``s + s^2 / 24576`` (no vision term).
+        row_length: ``thd_static``: the run's fixed row in slots, checked against every loader's whole
+            run when the loaders are built; None: the smallest row that fits every loader's whole run
+            (training and evaluation), chosen then (never written back here: the step's plan reads it from
+            ``train_state``); a resumed run chooses the same. ``thd``: ``micro_batch_size * seq_length``, checked likewise.
+        row_buckets: ``thd_static``: how many fixed row lengths the run may use. The longest is the row above;
+            up to ``row_buckets - 1`` shorter ones are chosen with it from the same draws, to least padding
+            (:func:`megatron.bridge_thd.batching.sampler.optimal_row_lengths`), and each micro-batch takes the
+            shortest that holds it. Each row is static in everything the decoder sees (length, ``cu_seqlens``
+            count, ``max_seqlen``). 1: one row for the run. None (default): :data:`DEFAULT_ROW_BUCKETS`, or 1
+            where only one row shape can run (fixed pipeline p2p shapes, CUDA graphs: ``rules.one_row_shape``),
+            where a value above 1 is refused. ``thd`` ignores it (its row follows each micro-batch).
+        lengths_file: the training set's sizes from a ``bridge-thd scan`` lengths file of it (docs/scan.md) instead of
+            a scan when the loaders are built; refused when its sample count is not the dataset's. The validation and
+            test sets are scanned (or read from the cache) as without it.
+        sizes_cache: directory for the one-time lengths scan (default ``~/.cache/bridge_thd/sizes``); a
+            directory shared by a node's ranks lets one scan serve them.
+        seed: tie-breaking seed of the placement.
+        log: one log line per step on global rank 0 (real tokens, padding, per-rank imbalance).
+    """
+
+    cost_model: Any = None  # a preset name, a config.json path or a plan.presets.ModelSpec (the planner's type)
+    row_length: int | None = None
+    row_buckets: int | None = None
+    lengths_file: str | None = None
+    sizes_cache: str | None = None
+    seed: int = 0
+    log: bool = True
+
+    def problems(self) -> list[str]:
+        """What is wrong with the values themselves (each naming the setting and what to set); empty when
+        nothing is."""
+        problems = []
+        if self.row_length is not None and not is_int_at_least(self.row_length, 1):
+            problems.append(f"global_batch_packing.row_length: {self.row_length!r}; expected None (chosen from the "
+                            "data) or an int >= 1")
+        if self.row_buckets is not None and not is_int_at_least(self.row_buckets, 1):
+            problems.append(f"global_batch_packing.row_buckets: {self.row_buckets!r}; expected None (the default: "
+                            f"{DEFAULT_ROW_BUCKETS}, or 1 where only one row shape can run) or an int >= 1")
+        if self.lengths_file is not None and not os.path.isfile(str(self.lengths_file)):
+            problems.append(f"global_batch_packing.lengths_file: {self.lengths_file!r} is not a file; write it with "
+                            "bridge-thd scan (docs/scan.md), or unset it to scan the data when the loaders are built")
+        if not is_int_at_least(self.seed, 0):
+            problems.append(f"global_batch_packing.seed: {self.seed!r}; expected an int >= 0")
+        if self.cost_model is not None:
+            from megatron.bridge_thd.batching.cost import sample_cost
+
+            try:
+                sample_cost(self.cost_model)
+            except (ValueError, OSError) as error:
+                problems.append(f"global_batch_packing.cost_model: {error}")
+        return problems
+
+
+@dataclass(frozen=True)
+class PackingSettings:
+    """What ``megatron.bridge_thd`` adds to a run, validated when made (``ValueError`` listing every problem).
+
+    Attributes:
+        layout: the packed layout the step runs: ``"thd"``, ``"thd_static"`` or ``"bshd"`` (docs/configure.md).
+            The step runs ``"bshd"`` whatever this says while in-batch packing is off
+            (``dataset.enable_in_batch_packing`` / ``pack_sequences_in_batch``), and ``"thd_static"`` for ``"thd"``
+            under pipeline parallelism without ``model.variable_seq_lengths`` (``layouts.layout_for``).
+        overlong_samples: what happens to a sample longer than ``seq_length``: ``"truncate"`` (Megatron-Bridge's
+            cut, counted in the log), ``"drop"`` (no loss from it) or ``"refuse"`` (docs/overlong-samples.md).
+        global_batch_packing: place each step's samples across DP ranks and micro-batches (docs/batching.md), or
+            None: Megatron-Bridge's own placement.
+        length_fallback: ``"pad_token"``: a batch without an attention mask has right-padded lengths read from the
+            pad id; None: such a batch is refused (docs/lengths.md).
+    """
+
+    layout: str = "thd"
+    overlong_samples: str = OVERLONG_POLICIES[0]
+    global_batch_packing: GlobalBatchPacking | None = None
+    length_fallback: str | None = None
+
+    def __post_init__(self):
+        problems = []
+        if not isinstance(self.layout, str) or self.layout not in LAYOUT_NAMES:
+            problems.append(f"layout: {self.layout!r} is not one of {LAYOUT_NAMES}")
+        if self.overlong_samples not in OVERLONG_POLICIES:
+            problems.append(f"overlong_samples: {self.overlong_samples!r}; expected one of "
+                            f"{', '.join(map(repr, OVERLONG_POLICIES))}")
+        if self.length_fallback not in LENGTH_FALLBACKS:
+            problems.append(f"length_fallback: {self.length_fallback!r}; expected None (a batch without an attention "
+                            "mask is refused) or 'pad_token'")
+        batching = self.global_batch_packing
+        if batching is not None and not isinstance(batching, GlobalBatchPacking):
+            problems.append(f"global_batch_packing: {batching!r}; pass None, True or a GlobalBatchPacking")
+        elif batching is not None:
+            problems += batching.problems()
+        if problems:
+            raise ValueError("dataset.bridge_thd (megatron.bridge_thd's settings):\n- " + "\n- ".join(problems))
+
+
+# The plain cfg.dataset attributes a hand-made configuration may carry instead of the record, by field.
+HAND_SET_ATTRIBUTES = {
+    "layout": "packing_layout",
+    "overlong_samples": "overlong_samples",
+    "global_batch_packing": "global_batch_packing",
+    "length_fallback": "packing_length_fallback",
+}
+
+
+def _hand_set(dataset: Any) -> dict[str, Any]:
+    """The hand-set attributes of ``dataset`` that hold a value, by :class:`PackingSettings` field."""
+    values = {name: getattr(dataset, attribute, None) for name, attribute in HAND_SET_ATTRIBUTES.items()}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def settings_of(dataset: Any) -> PackingSettings:
+    """The run's settings: ``dataset.bridge_thd`` (set by ``configure``), else the record of the hand-set
+    attributes (:data:`HAND_SET_ATTRIBUTES`; unset ones keep the defaults).
+
+    Raises:
+        ValueError: a hand-set value the record does not take, or one that contradicts the stored record.
+    """
+    record = getattr(dataset, SETTINGS_ATTRIBUTE, None)
+    hand_set = _hand_set(dataset)
+    if record is None:
+        return PackingSettings(**hand_set)
+    if not isinstance(record, PackingSettings):
+        raise ValueError(f"dataset.{SETTINGS_ATTRIBUTE}: {record!r}; expected a megatron.bridge_thd.settings."
+                         "PackingSettings (configure stores one)")
+    contradicting = [f"dataset.{HAND_SET_ATTRIBUTES[name]}={value!r}" for name, value in hand_set.items()
+                     if value != getattr(record, name)]
+    if contradicting:
+        raise ValueError(f"{', '.join(contradicting)} contradicts dataset.{SETTINGS_ATTRIBUTE} ({record}), which "
+                         "configure stored; remove the attribute, or call configure again with the value you want")
+    return record
+
+
+def field_names() -> tuple[str, ...]:
+    """The record's fields, in order (docs and the flag table list them)."""
+    return tuple(f.name for f in fields(PackingSettings))
+
