@@ -303,6 +303,20 @@ def configure_flags() -> str:
     return "\n".join(rows) + "\n\n" + FLAG_RULES_NOTE
 
 
+def rules_table() -> str:
+    """The registry of rules (``rules.RULES``): each rule, where it runs, the first line of its docstring."""
+    from megatron.bridge_thd.rules import PLACES, RULES
+
+    rows = ["| Rule | Module | " + " | ".join(PLACES) + " | What it refuses |",
+            "| --- | --- | " + " | ".join("---" for _ in PLACES) + " | --- |"]
+    for name, rule in RULES.items():
+        module = rule.check.__module__.rsplit(".", 1)[-1]
+        marks = " | ".join("x" if place in rule.places else "" for place in PLACES)
+        summary = rule.summary.replace("``", "`").replace("|", "\\|")
+        rows.append(f"| `{name}` | `rules/{module}.py` | {marks} | {summary} |")
+    return "\n".join(rows)
+
+
 def plan_discussion() -> str:
     """The paragraph under the planner tables, its numbers from the same plans."""
     plans = _plans()
@@ -526,6 +540,7 @@ BLOCKS: dict[str, Block] = {
     "plan-calibration": Block(plan_calibration, "computed", source="bridge-thd plan --calibrate"),
     "plan-calibration-discussion": Block(plan_calibration_discussion, "computed", source="bridge-thd plan --calibrate"),
     "configure-flags": Block(configure_flags, "computed", source="configure.FLAG_RULES"),
+    "rules-table": Block(rules_table, "computed", source="rules.RULES (the registry)"),
     "edge-cases-pp": Block(_edge_cases("pp"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),
     "edge-cases-moe": Block(_edge_cases("moe"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),
     "global-batch-headline": Block(_benchmark("global_batch_packing", "headline", "global_batch_packing"), "results",

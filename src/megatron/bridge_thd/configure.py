@@ -148,7 +148,8 @@ def is_explicit(obj: Any, name: str) -> bool:
 
 
 def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None, force: bool = False,
-              global_batch_packing: Any = None, overlong_samples: str | None = None) -> Any:
+              global_batch_packing: Any = None, overlong_samples: str | None = None,
+              length_fallback: str | None = None) -> Any:
     """Set ``cfg``'s packing flags for ``megatron.bridge_thd.qwen3_vl_step.forward_step``.
 
     Args:
@@ -169,8 +170,10 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
             ``"refuse"``; None keeps what the dataset holds (unset: ``"truncate"``). For Megatron-Bridge's own
             config the loader builder is wrapped once per process (``batching.bridge.loader_patch``): the loaders'
             collate measures every row before its cut.
+        length_fallback: ``"pad_token"``: a batch without an attention mask has right-padded lengths read from the
+            pad id (docs/megatron-bridge-step.md); None keeps what the dataset holds (unset: such a batch is refused).
 
-    ``layout`` and the two arguments are stored as one record, ``dataset.bridge_thd``
+    ``layout`` and the three arguments are stored as one record, ``dataset.bridge_thd``
     (:class:`megatron.bridge_thd.settings.PackingSettings`, validated when made; docs/settings.md); hand-set
     attributes it takes values from (``dataset.packing_layout``, ...) are cleared. Besides the flags, ``configure``
     gives Megatron-Bridge's ``GenericVisualInputs`` a ``pin_memory()`` so that its loader's pin thread pins the pixels
@@ -185,7 +188,7 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
     """
     _check_arguments(layout, cuda_graphs, force)
     sections = _sections(cfg)
-    record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples)
+    record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples, length_fallback)
     setup = read_setup(cfg, layout, cuda_graphs, settings=record)
 
     problems = configure_problems(setup)
@@ -220,7 +223,8 @@ def _sections(cfg: Any) -> _Sections:
     return _Sections(dataset, getattr(model, "transformer", model), getattr(cfg, "ddp", None))
 
 
-def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_samples: str | None) -> PackingSettings:
+def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_samples: str | None,
+              length_fallback: str | None) -> PackingSettings:
     """The record ``configure`` stores: ``layout``, and each argument given; what is not given keeps the value the
     dataset holds (its record, or the hand-set attributes), else the default. Validated when made."""
     current = settings_of(dataset)
@@ -232,7 +236,7 @@ def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_sam
         layout=layout,
         overlong_samples=current.overlong_samples if overlong_samples is None else overlong_samples,
         global_batch_packing=global_batch,
-        length_fallback=current.length_fallback,
+        length_fallback=current.length_fallback if length_fallback is None else length_fallback,
     )
 
 

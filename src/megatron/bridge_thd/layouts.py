@@ -37,7 +37,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Layout:
-    """One packing layout (``dataset.packing_layout``).
+    """One packing layout (the settings' ``layout``).
 
     Attributes:
         name: the value users set.

@@ -9,7 +9,7 @@ loss mask, applies the run's policy, and carries the measures with the batch as 
 int64 tensor: real tokens before the cut, supervised tokens before the cut, 1 where the policy dropped the sample.
 No second pass over the data: the numbers come from the tensors the collate already built.
 
-The policy (``dataset.overlong_samples``, set by ``configure(..., overlong_samples=...)``):
+The policy (``overlong_samples``, set by ``configure(..., overlong_samples=...)``):
 
 * ``"truncate"`` (the default, what Megatron-Bridge does): the collate cuts as before; the step counts the real
   and supervised tokens lost in its log, and says once, loudly, that samples are being cut.
@@ -44,7 +44,7 @@ DEFAULT_POLICY = OVERLONG_POLICIES[0]
 # The batch key the measures travel under: (3, B) int64 = tokens before the cut, supervised tokens before the cut,
 # dropped (0 / 1).
 LENGTHS_KEY = "bridge_thd_untruncated"
-SETTING = "dataset.overlong_samples"
+SETTING = "overlong_samples"
 
 _POLICY: contextvars.ContextVar[str | None] = contextvars.ContextVar("bridge_thd_overlong_policy", default=None)
 

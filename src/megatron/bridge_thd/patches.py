@@ -44,7 +44,7 @@ The patches (targets, where they are built and applied, why; one line each in do
   ``configure`` for a Megatron-Bridge config or with ``global_batch_packing=...``:
   ``megatron.bridge.data.loaders`` ``build_train_valid_test_data_loaders`` (gives a configured run's loaders
   the over-long policy, and rebuilds them around global-batch packing's batch sampler when
-  ``cfg.dataset.global_batch_packing`` is set; the original's result otherwise).
+  the settings' ``global_batch_packing`` is set; the original's result otherwise).
 * Permanent (:func:`apply_permanently`): ``overlong.py`` ``collate_patch()``, applied in the process that runs a
   loader's ``OverlongCollate`` or the lengths scan: ``megatron.bridge.models.qwen_vl.data.collate_fn``
   ``prepare_sequence_batch`` (measures every row before the cut, applies the over-long policy, then the original).

@@ -170,7 +170,8 @@ def settings_of(dataset: Any) -> PackingSettings:
                      if value != getattr(record, name)]
     if contradicting:
         raise ValueError(f"{', '.join(contradicting)} contradicts dataset.{SETTINGS_ATTRIBUTE} ({record}), which "
-                         "configure stored; remove the attribute, or call configure again with the value you want")
+                         "configure stored; remove the attribute, or call configure again with the value you want (its "
+                         "argument of the same name: layout, overlong_samples, global_batch_packing, length_fallback)")
     return record
 
 

@@ -77,7 +77,7 @@ def in_batch_static_row(micro_batch_size: int, seq_length: int, align: int) -> S
 @dataclass(frozen=True)
 class GlobalBatchRows:
     """What global-batch packing decided for ``thd_static`` when the loaders were built: the run's rows, by
-    ascending length (``dataset.global_batch_packing.row_buckets`` at most); a micro-batch takes the shortest
+    ascending length (``global_batch_packing.row_buckets`` at most); a micro-batch takes the shortest
     that holds its aligned tokens (``layouts.row_bucket``)."""
 
     rows: tuple[StaticRow, ...]
@@ -109,9 +109,9 @@ class StepPlan:
             mask cut as it cuts its row, and no hook (``moe_padding.with_padding_mask``) cuts it (CP > 1 only).
         tokens: the family's constants (the adapter's ``tokens(model_config)``: vision token ids, merge size).
         adapter: the model family (:mod:`megatron.bridge_thd.adapters`).
-        pad_token_id: the pad id lengths fall back to without a mask (``dataset.packing_length_fallback=
+        pad_token_id: the pad id lengths fall back to without a mask (``length_fallback=
             "pad_token"``), or None (a batch without a mask is refused).
-        overlong_samples: the over-long policy (``dataset.overlong_samples``, :mod:`megatron.bridge_thd.overlong`),
+        overlong_samples: the over-long policy (``overlong_samples``, :mod:`megatron.bridge_thd.overlong`),
             which the loaders' collate applies; the step logs what it cut.
         check_nan, check_spiky: Megatron-Bridge's loss checks (``rerun_state_machine``).
         device: where the model's parameters are.

@@ -213,7 +213,7 @@ def te_cp_padding_verdict(
         f"{_fmt(rule.cudnn_fixed)}). No layout avoids such chunks: any sample shorter than 2*cp = {2 * cp_size} "
         "tokens makes one, and so does alignment padding of other short samples. Fix: install cuDNN >= "
         f"{_fmt(rule.cudnn_fixed)} (e.g. pip install 'nvidia-cudnn-cu12>=9.18', or a container that has it), or "
-        "set context_parallel_size=1, or dataset.packing_layout='bshd'; set "
+        "set context_parallel_size=1, or layout='bshd'; set "
         f"{rule.override_env}=1 only if your TE build zero-fills the fused-attention backward workspace (the "
         "workaround in the issue)"
     )

@@ -98,8 +98,8 @@ def minimal_state(
         seq_length: ``model.seq_length``.
         micro_batch_size: ``train.micro_batch_size``.
         packing: ``dataset.pack_sequences_in_batch``.
-        packing_layout: ``dataset.packing_layout`` (None = the default, ``"thd"``).
-        global_batch_packing: ``dataset.global_batch_packing`` (a ``batching.bridge.GlobalBatchPacking``).
+        packing_layout: the settings' ``layout`` (None = the default, ``"thd"``).
+        global_batch_packing: the settings' ``global_batch_packing`` (a ``batching.bridge.GlobalBatchPacking``).
         static_rows: ``step_plan.StaticRow``s (ascending length) recorded as global-batch packing records its
             run's rows (``train_state.bridge_thd_rows``), where the step's plan reads them; empty: none recorded.
         model_settings: extra ``cfg.model`` attributes (``variable_seq_lengths``, ``fp8``,

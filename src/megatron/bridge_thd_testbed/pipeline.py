@@ -42,7 +42,7 @@ def pipeline_step(full_state_dict: dict, batches: list[dict], layout: str, varia
         full_state_dict: the PP = 1 model's weights (``build_qwen3_vl(tiny_qwen3_vl_config(
             num_layers=...))``).
         batches: Megatron-Bridge VLM micro-batches, each of ``micro_batch_size`` samples.
-        layout, variable_seq_lengths: ``dataset.packing_layout`` and ``model.variable_seq_lengths``.
+        layout, variable_seq_lengths: the settings' ``layout`` and ``model.variable_seq_lengths``.
         static_rows: global-batch packing's ``step_plan.StaticRow``s for ``thd_static`` (ascending; micro-batches
             may then hold any number of samples, up to a row's segments, each taking the shortest row that holds it).
 

@@ -10,7 +10,7 @@ collate, the workers and the resume point (``consumed_samples``) are Megatron-Br
 steps and their samples are the ones its sampler draws; only their placement changes.
 
 ``configure(cfg, layout, global_batch_packing=GlobalBatchPacking(...))`` stores the setting as
-``cfg.dataset.global_batch_packing`` and applies :func:`loader_patch` once for the process (a
+the settings' ``global_batch_packing`` and applies :func:`loader_patch` once for the process (a
 :class:`megatron.bridge_thd.patches.Patch` of ``loaders.build_train_valid_test_data_loaders``, a
 no-op for a config without the setting).
 """
@@ -80,7 +80,7 @@ def _scan_once_per_node(path, scan):
     sizes = read_cached_sizes(path)
     if sizes is None:
         raise ValueError(f"global_batch_packing.sizes_cache: {path} is missing on this rank after its node's scan; "
-                         "set dataset.global_batch_packing.sizes_cache to a directory every rank of a node shares")
+                         "set global_batch_packing.sizes_cache to a directory every rank of a node shares")
     return sizes
 
 
@@ -125,9 +125,9 @@ def check_ranks_agree(sizes, *, label: str) -> None:
         raise ValueError(
             f"global_batch_packing ({label} loader): the ranks disagree on the samples' sizes ({detail}); every rank "
             "places every step from its own sizes, so they would train other samples than Megatron-Bridge draws. "
-            "Give every rank the same data and processor, or clear dataset.global_batch_packing.sizes_cache")
+            "Give every rank the same data and processor, or clear global_batch_packing.sizes_cache")
     raise ValueError(f"global_batch_packing ({label} loader): the ranks' size digests differ ({digests}); clear "
-                     "dataset.global_batch_packing.sizes_cache")
+                     "global_batch_packing.sizes_cache")
 
 
 def check_overlong(sizes, *, seq_length: int, policy: str | None, label: str) -> None:
@@ -144,10 +144,10 @@ def check_overlong(sizes, *, seq_length: int, policy: str | None, label: str) ->
     listed = ", ".join(f"{int(i)} ({int(sizes.untruncated[i])} tokens)" for i in over[:8].tolist())
     if policy == "refuse":
         raise ValueError(
-            f"dataset.overlong_samples='refuse': {len(over)} distinct sample(s) of the {label} dataset are longer than "
+            f"overlong_samples='refuse': {len(over)} distinct sample(s) of the {label} dataset are longer than "
             f"seq_length={seq_length} before Megatron-Bridge's collate would cut them: dataset samples {listed}"
             f"{' ...' if len(over) > 8 else ''}. Raise dataset.seq_length and model.seq_length to at least "
-            f"{int(sizes.untruncated[worst])}, filter these samples, or set dataset.overlong_samples to 'truncate' or 'drop'")
+            f"{int(sizes.untruncated[worst])}, filter these samples, or set overlong_samples to 'truncate' or 'drop'")
     if is_global_rank_zero():
         lost = int((sizes.untruncated[over] - seq_length).sum())
         logger.warning("bridge_thd.batching (%s loader): %d distinct sample(s) are longer than seq_length=%d (dataset "
@@ -246,7 +246,7 @@ def run_row_length(plans: list[LoaderPlan], *, settings: GlobalBatchPacking, ali
     for plan in plans:
         step = unfit(plan, row)
         if step is not None:
-            setting = "dataset.global_batch_packing.row_length" if fixed is not None else "train.micro_batch_size"
+            setting = "global_batch_packing.row_length" if fixed is not None else "train.micro_batch_size"
             raise ValueError(
                 f"global_batch_packing: step {step + 1} of the {plan.label} loader (dataset samples "
                 f"{plan.draws[step].tolist()[:16]}...) does not fit {plan.dp_size * plan.num_micro_batches} rows of {row} "
@@ -316,7 +316,7 @@ def _log_rows(row_lengths: tuple[int, ...], count: int) -> None:
 
     if is_global_rank_zero():
         logger.info("bridge_thd.batching: thd_static rows for the run: %s slots (each micro-batch takes the shortest "
-                    "that holds it; at most %d: dataset.global_batch_packing.row_buckets)",
+                    "that holds it; at most %d: global_batch_packing.row_buckets)",
                     ", ".join(str(length) for length in row_lengths), count)
 
 
@@ -351,8 +351,8 @@ def _configured(dataset) -> bool:
 
 def _wrap(original):
     """``build_train_valid_test_data_loaders`` whose loaders measure over-long samples when ``configure`` set the
-    config up for our step (``cfg.dataset.packing_layout``) and are rebuilt around the placement when
-    ``cfg.dataset.global_batch_packing`` is set; the original otherwise."""
+    config up for our step (its settings record) and are rebuilt around the placement when
+    the settings' ``global_batch_packing`` is set; the original otherwise."""
 
     def build_train_valid_test_data_loaders(cfg, train_state, *args, **kwargs):
         loaders = original(cfg, train_state, *args, **kwargs)

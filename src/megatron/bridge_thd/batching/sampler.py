@@ -177,7 +177,7 @@ class GlobalBatchSampler:
                  sizes: SampleSizes, static_row: bool, align_to: int = 1, seed: int = 0,
                  cost: SampleCost | None = None, log: bool = True, label: str = "train", cycle: bool = False,
                  first_step: int = 1, planned_steps: int | None = None,
-                 setting: str = "dataset.global_batch_packing.row_length", row_lengths: Sequence[int] | None = None,
+                 setting: str = "global_batch_packing.row_length", row_lengths: Sequence[int] | None = None,
                  on_step: Callable[[StepPlacement], None] | None = None):
         self.samplers, self.dp_rank, self.num_micro_batches = list(samplers), dp_rank, num_micro_batches
         self.row_length, self.sizes, self.static_row = row_length, sizes, static_row
@@ -352,7 +352,7 @@ def row_length_for_steps(steps, *, sizes: SampleSizes, dp_size: int, num_micro_b
         row = grown if upper is None or row == upper else min(grown, upper)
     raise ValueError(
         f"row_length{where}: the run's steps need a row longer than {upper} slots (micro_batch_size * seq_length); "
-        "set dataset.global_batch_packing.row_length, or raise train.micro_batch_size")
+        "set global_batch_packing.row_length, or raise train.micro_batch_size")
 
 
 def choose_row_length(samplers: Sequence, *, num_micro_batches: int, sizes: SampleSizes, steps: int,

@@ -294,7 +294,7 @@ def write_cached_sizes(sizes: SampleSizes, path: Path) -> None:
 
 
 def file_sizes(path, dataset, *, seq_length: int | None, spatial_merge_size: int = 2,
-               setting: str = "dataset.global_batch_packing.lengths_file") -> SampleSizes:
+               setting: str = "global_batch_packing.lengths_file") -> SampleSizes:
     """The sizes of ``dataset``'s distinct samples from a lengths file (``bridge-thd scan``'s, read by the planner's
     ``plan.samples.load_lengths``): row ``i`` is distinct sample ``i`` (:func:`repeat_period`). ``lengths`` are the
     file's tokens cut to ``seq_length``; ``untruncated`` / ``supervised`` the file's.

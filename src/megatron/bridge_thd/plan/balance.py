@@ -291,7 +291,7 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
     """Every layout of :data:`~.layouts.LAYOUT_ORDER` with in-batch placement and with global-batch packing
     (module docstring). ``global_batch_size`` defaults to ``micro_batch_size * micro_batches_per_step * DP``;
     ``row_buckets``: the most ``thd_static`` rows global-batch packing may use (the runtime's
-    ``dataset.global_batch_packing.row_buckets``; 1: one row, the figures before row buckets).
+    ``global_batch_packing.row_buckets``; 1: one row, the figures before row buckets).
 
     Raises:
         ValueError: a global batch that is not a multiple of ``micro_batch_size * DP`` or larger than

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "without global-batch packing (docs/batching.md)")
     p.add_argument("--row-buckets", type=int, default=None, metavar="K",
                    help=f"most thd_static rows global-batch packing may use (the runtime's "
-                   f"dataset.global_batch_packing.row_buckets; default as there: {DEFAULT_ROW_BUCKETS}, or 1 where only "
+                   f"global_batch_packing.row_buckets; default as there: {DEFAULT_ROW_BUCKETS}, or 1 where only "
                    "one row shape can run, as with fixed pipeline shapes); each micro-batch takes the shortest that "
                    "holds it")
     for name in ("tp", "cp", "pp", "ep"):

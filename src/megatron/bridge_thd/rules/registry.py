@@ -45,8 +45,8 @@ class Rule:
 
     @property
     def summary(self) -> str:
-        """The first line of the check's docstring."""
-        return (self.check.__doc__ or "").strip().splitlines()[0] if self.check.__doc__ else ""
+        """The first paragraph of the check's docstring, on one line."""
+        return " ".join((self.check.__doc__ or "").strip().split("\n\n")[0].split())
 
 
 # Every rule, by name, in registration order (the order configure's error lists problems in).

@@ -55,7 +55,7 @@ def _static_pipeline(s: Setup) -> list[str]:
     if s.row_length is not None and mbs is not None and round_up(s.row_length, align) != mbs * round_up(
             seq_length, align):
         problems.append(
-            f"dataset.global_batch_packing.row_length: {s.row_length} slots, but without variable_seq_lengths the "
+            f"global_batch_packing.row_length: {s.row_length} slots, but without variable_seq_lengths the "
             f"pipeline's fixed buffers hold train.micro_batch_size * model.seq_length = {mbs} x {seq_length} slots; "
             f"set row_length to {mbs * round_up(seq_length, align)} (or leave it unset), or set "
             "model.variable_seq_lengths=True")
@@ -67,7 +67,7 @@ def _row_lengths(s: Setup) -> list[str]:
     """Several recorded ``thd_static`` rows where only one row shape can run."""
     if len(s.row_lengths) < 2 or s.layout != "thd_static" or not one_row_shape(s):
         return []
-    return [f"dataset.global_batch_packing.row_buckets: the loaders chose {len(s.row_lengths)} rows "
+    return [f"global_batch_packing.row_buckets: the loaders chose {len(s.row_lengths)} rows "
             f"({', '.join(map(str, s.row_lengths))} slots), but {one_row_shape(s)}; set row_buckets=1"]
 
 
@@ -98,7 +98,7 @@ def _global_batch_row_buckets(s: Setup) -> list[str]:
     buckets = s.global_batch.row_buckets if s.global_batch is not None else None
     if buckets is None or buckets <= 1 or s.layout != "thd_static" or not one_row_shape(s):
         return []
-    return [f"dataset.global_batch_packing.row_buckets: {buckets} rows, but {one_row_shape(s)}; set row_buckets=1 "
+    return [f"global_batch_packing.row_buckets: {buckets} rows, but {one_row_shape(s)}; set row_buckets=1 "
             "(or leave it unset: then one row)"]
 
 
@@ -114,7 +114,7 @@ def _global_batch_size(s: Setup) -> list[str]:
             f"{max(per_micro, gbs // per_micro * per_micro)}"]
 
 
-@rule(CONFIGURE, PLANNER, STEP)
+@rule(CONFIGURE, STEP)
 def _model_family(s: Setup) -> list[str]:
     """A layout or parallel size the model family cannot take (the adapter's ``takes_*`` facts)."""
     family = s.family
@@ -123,7 +123,7 @@ def _model_family(s: Setup) -> list[str]:
     problems = []
     if s.layout == "thd_static" and not family.takes_thd_static:
         problems.append(
-            f"dataset.packing_layout='thd_static' with {family.display_name}: {family.model_class} rebuilds positions "
+            f"layout='thd_static' with {family.display_name}: {family.model_class} rebuilds positions "
             "per THD segment and needs a real token in every segment, and the static row's tail has none; use "
             "packing_layout='thd' (with model.variable_seq_lengths=True under PP) or 'bshd'")
     if s.cp > 1 and not family.takes_context_parallel:
@@ -146,5 +146,7 @@ def _length_fallback_pad_id(s: Setup) -> list[str]:
     """The ``pad_token`` length fallback without a pad id to read."""
     if s.settings.length_fallback != "pad_token" or s.length_fallback_pad_id is not None:
         return []
-    return ["dataset.packing_length_fallback: 'pad_token' needs a pad id from state.tokenizer (pad_id / pad_token_id) "
-            "or the model config (pad_token_id); none is set. Enable the dataset mask instead."]
+    return ["length_fallback='pad_token' (dataset.bridge_thd, or the hand-set dataset.packing_length_fallback) needs a "
+            "pad id from state.tokenizer (pad_id / pad_token_id) or the model config (pad_token_id); none is set. Set "
+            "the tokenizer's pad id, or let the dataset's mask reach the step "
+            "(dataset.skip_getting_attention_mask_from_dataset=False) and drop the fallback"]

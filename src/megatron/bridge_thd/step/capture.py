@@ -27,7 +27,7 @@ def capture_keep_mask(inputs: Inputs, plan: StepPlan) -> tuple[torch.Tensor, lis
     validity checks (a 2D mask: only 0 / 1 values; a 4D one: causal with padding).
 
     Without a mask, lengths are derived from the pad token only when the user opted in with
-    ``dataset.packing_length_fallback = "pad_token"`` (the plan's ``pad_token_id``), never a guess.
+    ``length_fallback="pad_token"`` (the settings record) (the plan's ``pad_token_id``), never a guess.
     """
     tokens = inputs.tokens
     if inputs.attention_mask is not None:
@@ -36,7 +36,7 @@ def capture_keep_mask(inputs: Inputs, plan: StepPlan) -> tuple[torch.Tensor, lis
         raise ValueError(
             "attention_mask: the batch carries no attention mask, so real sample lengths are unknown. Set "
             "dataset.skip_getting_attention_mask_from_dataset=False so the dataset's 2D mask reaches the step "
-            "(recommended), or set dataset.packing_length_fallback='pad_token' to derive right-padded lengths "
+            "(recommended), or pass configure(..., length_fallback='pad_token') to derive right-padded lengths "
             "from the tokenizer's pad id."
         )
     is_content = tokens != plan.pad_token_id

@@ -112,7 +112,7 @@ def summary(scan: Scan, seq_length: int) -> str:
             f"{len(cut.emptied)}" + (f" ({_listed(cut.emptied)})" if cut.emptied else ""),
             f"  samples whose image / video tokens would be cut (our step refuses them): {len(cut.image_cut)}"
             + (f" ({_listed(cut.image_cut)})" if cut.image_cut else ""),
-            "  Megatron-Bridge's collate says nothing; with configure(...), dataset.overlong_samples decides: "
+            "  Megatron-Bridge's collate says nothing; with configure(...), overlong_samples decides: "
             "'truncate' (the default) cuts them and logs what is lost, 'drop' masks their loss, 'refuse' stops at the "
             "first",
         ]

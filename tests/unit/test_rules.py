@@ -1,0 +1,248 @@
+"""The registry of rules (docs/rules.md): each rule once, tagged with its places; ``configure`` refuses what the step
+and the MoE hook refuse later, in the same words; no configuration refusal outside the registry and the settings
+record."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+from types import SimpleNamespace
+
+import pytest
+
+import megatron.bridge_thd as package
+from megatron.bridge_thd import rules
+from megatron.bridge_thd.configure import configure
+from megatron.bridge_thd.moe_padding.refusals import fail_if_unsupported
+from megatron.bridge_thd.rules import CONFIGURE, HOOK, PLACES, PLANNER, RULES, STEP, Setup, rules_for
+from megatron.bridge_thd.rules.registry import rule
+from megatron.bridge_thd.settings import GlobalBatchPacking, PackingSettings, settings_of
+
+# Rules the step runs that configure cannot decide from the config alone, each with the fact it lacks.
+STEP_ONLY = {
+    "row_lengths": "the rows global-batch packing chose when the loaders were built",
+    "te_cp_padding": "the installed Transformer Engine and cuDNN on the GPU",
+    "length_fallback_pad_id": "the tokenizer's pad id",
+}
+
+
+def test_every_rule_has_known_places_and_a_docstring():
+    assert RULES, "no rule registered"
+    for name, r in RULES.items():
+        assert r.name == name and r.places and r.places <= set(PLACES), name
+        assert r.summary, f"rule {name} has no docstring"
+
+
+def test_configure_runs_every_rule_the_step_and_the_hook_run_except_what_it_cannot_know():
+    configure_rules = {r.name for r in rules_for(CONFIGURE)}
+    later = {r.name for r in rules_for(STEP)} | {r.name for r in rules_for(HOOK)}
+    assert later - configure_rules == set(STEP_ONLY)
+    assert {r.name for r in rules_for(HOOK)} <= configure_rules
+
+
+def test_a_rule_cannot_be_registered_twice_or_for_an_unknown_place():
+    with pytest.raises(ValueError, match="registered twice"):
+        rule(STEP)(RULES["moe_overlap"].check)
+    with pytest.raises(ValueError, match="places"):
+        rule("trainer")
+    with pytest.raises(ValueError, match="place"):
+        rules_for("trainer")
+
+
+def _model(**settings):
+    base = dict(tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=1,
+                expert_model_parallel_size=1, seq_length=64, num_moe_experts=4, moe_token_dispatcher_type="alltoall",
+                cuda_graph_impl="none", recompute_granularity=None, mlp_chunks_for_training=1)
+    return SimpleNamespace(**{**base, **settings})
+
+
+def _marked_hook(model):
+    return model
+
+
+setattr(_marked_hook, rules.ROUTES_REAL_TOKENS_ONLY, True)
+
+
+def _cfg(model):
+    model._pre_wrap_hooks = [_marked_hook]
+    return SimpleNamespace(dataset=SimpleNamespace(seq_length=64, dataloader_type="cyclic"), model=model,
+                           train=SimpleNamespace(micro_batch_size=2, global_batch_size=8))
+
+
+@pytest.mark.parametrize("setting", [
+    dict(recompute_granularity="full"),
+    dict(cuda_graph_impl="local"),
+    dict(mlp_chunks_for_training=2),
+    dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position"),
+    dict(moe_router_load_balancing_type="seq_aux_loss", recompute_granularity="selective", recompute_modules=["moe"]),
+    dict(moe_router_load_balancing_type="quantile_balancing"),
+])
+def test_configure_refuses_what_the_hook_refuses_in_the_same_words(setting):
+    with pytest.raises(ValueError) as hook_error:
+        fail_if_unsupported(_model(**setting))
+    hook_problems = str(hook_error.value).split("\n- ")[1:]
+    assert hook_problems, str(hook_error.value)
+    with pytest.raises(ValueError) as configure_error:
+        configure(_cfg(_model(**setting)), "thd")
+    configure_problems = str(configure_error.value).split("\n- ")[1:]
+    for problem in hook_problems:
+        assert problem in configure_problems
+    # The setting is named in every problem.
+    name = next(iter(setting))
+    assert all(name in problem or "cuda_graph" in problem for problem in hook_problems)
+
+
+def test_the_hook_accepts_what_configure_accepts():
+    model = _model(moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="seq_aux_loss")
+    configure(_cfg(model), "thd")
+    fail_if_unsupported(model)  # nothing to refuse
+
+
+def test_the_planner_refuses_in_the_rules_words():
+    """``bridge-thd plan`` runs the planner's rules: the same message as the registry's rule."""
+    from megatron.bridge_thd.plan.balance import micro_batches_per_rank
+
+    setup = Setup(layout="thd", micro_batch_size=4, dp=8, global_batch_size=7)
+    (expected,) = RULES["global_batch_size"].check(setup)
+    with pytest.raises(ValueError) as error:
+        micro_batches_per_rank(7, 4, 8, 1024)
+    assert str(error.value) == expected
+    assert "train.global_batch_size" in expected and "set it to" in expected
+    assert "global_batch_size" in {r.name for r in rules_for(PLANNER)}
+
+
+def test_the_planner_marks_a_layout_the_step_would_refuse():
+    from megatron.bridge_thd.plan.plan_command import build_parser, run
+
+    text = run(build_parser().parse_args(["--pp", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
+                                          "--row-buckets", "3", "--num-samples", "64"]))
+    setup = Setup(layout="thd_static", settings=PackingSettings("thd_static", global_batch_packing=GlobalBatchPacking(
+        row_buckets=3)), pp=2, micro_batch_size=1)
+    (expected,) = RULES["global_batch_row_buckets"].check(setup)
+    assert f"refused by the step for layout 'thd_static' (docs/rules.md): {expected}" in text
+
+
+# ---- the settings record ----
+
+
+def test_the_record_refuses_each_bad_value_naming_it():
+    with pytest.raises(ValueError) as error:
+        PackingSettings(layout="sbhd", overlong_samples="cut", length_fallback="eos",
+                        global_batch_packing=GlobalBatchPacking(row_length=0, row_buckets=True, seed=-1))
+    message = str(error.value)
+    for needle in ("layout: 'sbhd'", "overlong_samples: 'cut'", "length_fallback: 'eos'",
+                   "global_batch_packing.row_length: 0", "global_batch_packing.row_buckets: True",
+                   "global_batch_packing.seed: -1"):
+        assert needle in message
+    with pytest.raises(ValueError, match="global_batch_packing: True"):
+        PackingSettings(global_batch_packing=True)
+
+
+def test_the_record_is_frozen_and_read_from_one_place():
+    record = PackingSettings("thd_static", overlong_samples="drop")
+    with pytest.raises(AttributeError):
+        record.layout = "thd"  # type: ignore[misc]
+    dataset = SimpleNamespace(bridge_thd=record)
+    assert settings_of(dataset) is record
+    hand_set = SimpleNamespace(packing_layout="bshd", overlong_samples="refuse")
+    assert settings_of(hand_set) == PackingSettings("bshd", overlong_samples="refuse")
+    assert settings_of(SimpleNamespace()) == PackingSettings()
+
+
+def test_a_hand_set_attribute_contradicting_the_record_is_refused():
+    dataset = SimpleNamespace(bridge_thd=PackingSettings("thd"), packing_layout="bshd")
+    with pytest.raises(ValueError, match=r"dataset.packing_layout='bshd' contradicts dataset.bridge_thd"):
+        settings_of(dataset)
+    dataset.packing_layout = "thd"  # saying the same is fine
+    assert settings_of(dataset).layout == "thd"
+
+
+def test_configure_stores_the_record_and_clears_the_hand_set_attributes():
+    cfg = _cfg(_model(num_moe_experts=None))
+    cfg.dataset.overlong_samples = "drop"  # set by hand before configure: kept, moved into the record
+    configure(cfg, "thd_static")
+    assert cfg.dataset.bridge_thd == PackingSettings("thd_static", overlong_samples="drop")
+    assert cfg.dataset.overlong_samples is None
+    configure(cfg, "thd_static", overlong_samples="refuse")  # an argument replaces the held value
+    assert settings_of(cfg.dataset).overlong_samples == "refuse"
+    with pytest.raises(ValueError, match=r"dataset.bridge_thd.layout='thd_static' was set explicitly"):
+        configure(cfg, "thd")
+    assert settings_of(cfg.dataset).layout == "thd_static"  # refused: nothing written
+
+
+# ---- no configuration refusal outside the registry ----
+
+# What a raise names when it names a setting of the run's configuration.
+_SETTING = re.compile(r"(dataset\.|model\.[a-z_]+|train\.|ddp\.|comm_overlap\.|config\.[a-z_]+|context_parallel_size|"
+                      r"packing_layout|global_batch_packing|overlong_samples|packing_length_fallback|cuda_graph_impl|"
+                      r"dataloader_type|recompute_|mlp_chunks|moe_[a-z_]+)")
+# The raises outside the registry that name a setting, each a refusal of the data or the environment at run time
+# (not of a combination of settings), or an argument check: (module, start of the message) -> why it stays.
+ALLOWED = {
+    ("batching/bridge.py", "global_batch_packing.sizes_cache:"): "a rank cannot read its node's scan (filesystem)",
+    ("batching/bridge.py", "global_batch_packing ( loader): the ranks disagree"): "the ranks' data differ",
+    ("batching/bridge.py", "global_batch_packing ( loader): the ranks' size digests"): "the ranks' data differ",
+    ("batching/bridge.py", "overlong_samples='refuse':"): "the policy refusing samples of the data",
+    ("batching/bridge.py", "global_batch_packing: step"): "a step of the data does not fit the chosen row",
+    ("batching/bridge.py", "global_batch_packing: Megatron-Bridge's data loaders cannot"): "the environment",
+    ("batching/cost.py", "model: expected a preset name"): "an argument check",
+    ("batching/sampler.py", "row_length"): "the run's draws need a longer row (the data)",
+    ("batching/sizes.py", "dataset.sample_lengths:"): "the dataset's metadata",
+    ("batching/sizes.py", "dataset.sample_image_grids:"): "the dataset's metadata",
+    ("batching/sizes.py", "dataset sample"): "a sample of the data",
+    ("moe_padding/hook.py", "model: this Megatron-Bridge's"): "the installed upstream (an argument check)",
+    ("overlong.py", "='refuse':"): "the policy refusing samples of a micro-batch",
+    ("plan/presets.py", "model preset"): "an argument check of the planner",
+    ("plan/presets.py", ": field"): "a config.json file's content",
+    ("plan/presets.py", ": no such config.json"): "a missing file",
+    ("step/capture.py", "attention_mask:"): "a batch without a mask (the data)",
+    ("step/rows.py", "batch:  samples for train.micro_batch_size"): "a batch of another size than the loaders'",
+    ("step/rows.py", "batch:  samples, but the run's static row"): "a batch the static row cannot hold",
+}
+
+
+def _setting_raises(root: pathlib.Path) -> list[tuple[str, str]]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = path.relative_to(root).as_posix()
+        if module.startswith(("rules/", "interop/")) or module == "settings.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                text = " ".join(n.value for n in ast.walk(node.exc)
+                                if isinstance(n, ast.Constant) and isinstance(n.value, str))
+                if _SETTING.search(text):
+                    found.append((module, text))
+    return found
+
+
+def _matches(module: str, text: str, allowed: tuple[str, str]) -> bool:
+    return module == allowed[0] and " ".join(text.split()).startswith(" ".join(allowed[1].split()))
+
+
+def test_no_configuration_refusal_outside_the_registry():
+    found = _setting_raises(pathlib.Path(package.__file__).parent)
+    unexplained = [f"{module}: {text[:100]!r}" for module, text in found
+                   if not any(_matches(module, text, allowed) for allowed in ALLOWED)]
+    assert not unexplained, "a raise naming a setting outside rules/ (register a rule instead):\n" + "\n".join(
+        unexplained)
+    stale = [allowed for allowed in ALLOWED if not any(_matches(module, text, allowed) for module, text in found)]
+    assert not stale, f"ALLOWED entries that match no raise any more (remove them): {stale}"
+
+
+def test_the_records_the_rules_and_the_step_read_are_typed_without_any():
+    """``Setup``, ``ModelFacts``, ``StepPlan`` and ``PackingSettings``: every field has a type, none is ``Any``
+    (the rules read facts, not upstream objects)."""
+    import sys
+    import typing
+
+    import megatron.bridge_thd.adapters as adapters
+    from megatron.bridge_thd.rules import ModelFacts
+    from megatron.bridge_thd.step_plan import StepPlan
+
+    for record in (Setup, ModelFacts, StepPlan, PackingSettings):
+        namespace = {**vars(sys.modules[record.__module__]), "ModelAdapter": adapters.ModelAdapter}
+        hints = typing.get_type_hints(record, globalns=namespace)
+        assert set(hints) == {f.name for f in record.__dataclass_fields__.values()}
+        assert not [name for name, hint in hints.items() if "Any" in str(hint)], record.__name__
