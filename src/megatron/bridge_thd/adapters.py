@@ -162,7 +162,7 @@ class Qwen25VLAdapter:
             empty.any(),
             "batch: a sample without any real token in a 'thd' micro-batch for Qwen2.5-VL: Megatron-Bridge's "
             "Qwen25VLModel needs a real token in every THD segment (packed_seq_utils.py); drop empty samples in the "
-            "dataset or use packing_layout='bshd'",
+            "dataset or use layout='bshd'",
             lambda: f"samples {empty.nonzero().flatten().tolist()}",
         )]
 

@@ -8,7 +8,8 @@
     cfg = configure(qwen3_vl_recipe_config(), layout="thd")   # same object, mutated
     finetune(cfg, forward_step_func=forward_step)
 
-``configure(cfg, layout="thd", *, cuda_graphs=None, force=False)`` takes a Megatron-Bridge
+``configure(cfg, layout="thd", *, cuda_graphs=None, force=False, global_batch_packing=None,
+overlong_samples=None, length_fallback=None)`` takes a Megatron-Bridge
 ``ConfigContainer`` (or any object with ``cfg.dataset``, ``cfg.model`` and ``cfg.train`` shaped
 like it), checks the settings that decide how a micro-batch reaches the step, sets the flags
 (below), logs what it changed at INFO and returns ``cfg``. Every check runs before anything is
@@ -81,7 +82,7 @@ FLAG_RULES: tuple[FlagRule, ...] = (
     FlagRule("collate leaves packing to the step", "`dataset.defer_in_batch_packing_to_step`", "same", "`True`"),
     FlagRule("megatron.bridge_thd's settings: the layout, the over-long policy, global-batch packing, the length "
              "fallback", "`dataset.bridge_thd` * (ours: a `settings.PackingSettings`)", "(ours)",
-             "a record of `layout` and the `overlong_samples` / `global_batch_packing` arguments "
+             "a record of `layout` and the `overlong_samples` / `global_batch_packing` / `length_fallback` arguments "
              "([settings.md](settings.md))"),
     FlagRule("the dataset's 2D mask reaches the step", "`dataset.skip_getting_attention_mask_from_dataset`", "same",
              "`False`"),
@@ -459,7 +460,7 @@ def _dense_dispatcher_changes(s: Setup, model: Any) -> list[_Change]:
     """A dense model whose config will hold ``variable_seq_lengths=True`` (``"thd"`` or Bridge's in-batch flag, with
     PP>1) leaves the ``'allgather'`` dispatcher it never uses for ``'alltoall'``: Megatron-Core's config check refuses
     the pair even without experts, and Megatron-Bridge's setup may finalize the model config again after validate()
-    turned ``variable_seq_lengths`` on. (With experts: :func:`rules._moe_allgather_problems` refuses.)"""
+    turned ``variable_seq_lengths`` on. (With experts: the rule ``moe_allgather`` refuses.)"""
     if not (s.pp > 1 and (s.layout == "thd" or s.bridge_packing_flag) and s.model.finalizes
             and s.model.dispatcher == "allgather" and not s.model.experts):
         return []

@@ -125,7 +125,7 @@ def _model_family(s: Setup) -> list[str]:
         problems.append(
             f"layout='thd_static' with {family.display_name}: {family.model_class} rebuilds positions "
             "per THD segment and needs a real token in every segment, and the static row's tail has none; use "
-            "packing_layout='thd' (with model.variable_seq_lengths=True under PP) or 'bshd'")
+            "layout='thd' (with model.variable_seq_lengths=True under PP) or 'bshd'")
     if s.cp > 1 and not family.takes_context_parallel:
         problems.append(
             f"context_parallel_size={s.cp} with {family.display_name}: {family.model_class} has no context-parallel "
