@@ -45,6 +45,7 @@ from megatron.bridge_thd import qwen3_vl_step
 from megatron.bridge_thd.configure import LAYOUT_NAMES, configure, cuda_graphs_enabled, is_explicit, uses_hybridep
 from megatron.bridge_thd.layouts import layout_for
 from megatron.bridge_thd.rules import requested_layout
+from megatron.bridge_thd.settings import SETTINGS_ATTRIBUTE, PackingSettings, settings_of
 from megatron.bridge_thd.upstream import bridge_available, load_bridge_module
 from megatron.bridge_thd.upstream_line import upstream_line
 
@@ -548,14 +549,14 @@ def test_sets_the_dataset_flags_and_returns_the_same_object(layout):
     assert ds.enable_in_batch_packing is True
     assert ds.pack_sequences_in_batch is True
     assert ds.defer_in_batch_packing_to_step is True
-    assert ds.packing_layout == layout
+    assert settings_of(ds).layout == layout
     assert ds.skip_getting_attention_mask_from_dataset is False
     assert configured_layout(cfg) == layout
 
 
 def test_default_layout_is_thd():
     cfg = configure(make_cfg())
-    assert cfg.dataset.packing_layout == "thd"
+    assert settings_of(cfg.dataset).layout == "thd"
 
 
 def test_without_configure_the_step_does_not_pack():
@@ -605,18 +606,21 @@ def test_pack_alias_skipped_where_the_object_refuses_new_attributes():
         defer_in_batch_packing_to_step: bool = False
         skip_getting_attention_mask_from_dataset: bool = True
         packing_layout: str = "thd"
+        seq_length: int = 4096
+        bridge_thd: typing.Any = None  # where configure stores its settings record
 
     cfg = SimpleNamespace(dataset=SlottedDataset(), model=SimpleNamespace(), train=SimpleNamespace(micro_batch_size=2))
     configure(cfg, "thd_static")
     assert not hasattr(cfg.dataset, "pack_sequences_in_batch")
     assert cfg.dataset.enable_in_batch_packing and cfg.dataset.defer_in_batch_packing_to_step
-    assert cfg.dataset.packing_layout == "thd_static"
+    assert settings_of(cfg.dataset).layout == "thd_static"
 
 
 def test_required_flag_that_cannot_be_set_is_an_error():
     @dataclasses.dataclass(frozen=True)
     class FrozenDataset:
         enable_in_batch_packing: bool = False
+        seq_length: int = 4096
 
     cfg = SimpleNamespace(dataset=FrozenDataset(), model=SimpleNamespace(), train=SimpleNamespace())
     with pytest.raises(ValueError, match=r"dataset.enable_in_batch_packing: cannot be set"):
@@ -654,11 +658,21 @@ def test_explicit_skip_attention_mask_is_refused_and_forced(caplog):
 
 
 def test_explicit_packing_layout_differing_from_the_argument_is_refused():
+    # The record a first configure call stored.
     cfg = configure(make_cfg(), "thd")
+    with pytest.raises(ValueError, match=r"dataset.bridge_thd.layout='thd' was set explicitly, but configure was "
+                       r"called with layout='bshd'.*or call configure with that layout.*force=True"):
+        configure(cfg, "bshd")
+    assert settings_of(configure(cfg, "bshd", force=True).dataset).layout == "bshd"
+    # A hand-set packing_layout (settings.HAND_SET_ATTRIBUTES): refused the same way; force moves it into the record.
+    cfg = make_cfg(dataset=dict(packing_layout="thd"))
+    before = snapshot(cfg)
     with pytest.raises(ValueError, match=r"dataset.packing_layout='thd' was set explicitly, but configure was called "
                        r"with layout='bshd'.*or call configure with that layout.*force=True"):
         configure(cfg, "bshd")
-    assert configure(cfg, "bshd", force=True).dataset.packing_layout == "bshd"
+    assert snapshot(cfg) == before
+    configure(cfg, "bshd", force=True)
+    assert settings_of(cfg.dataset).layout == "bshd" and cfg.dataset.packing_layout is None
 
 
 def test_values_equal_to_what_the_layout_needs_are_not_overrides(caplog):
@@ -667,6 +681,15 @@ def test_values_equal_to_what_the_layout_needs_are_not_overrides(caplog):
                      packing_layout="thd", skip_getting_attention_mask_from_dataset=False, pad_to_max_length=True),
         model=dict(pipeline_model_parallel_size=2, variable_seq_lengths=True),
     )
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        configure(cfg, "thd")
+    # Nothing but the move of the hand-set layout into the record (settings.md: configure clears the attribute).
+    assert (f"changed: dataset.{SETTINGS_ATTRIBUTE}: unset -> {PackingSettings(layout='thd')!r}; "
+            "dataset.packing_layout: 'thd' -> None") in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # The same values held as the record: nothing at all changes.
+    cfg.dataset.packing_layout = None
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         configure(cfg, "thd")
     assert "changed: nothing" in caplog.text
@@ -778,7 +801,7 @@ def test_micro_batch_size_one_runs_the_layout_without_bridges_flag(layout, caplo
         configure(cfg, layout)
     assert cfg.dataset.enable_in_batch_packing is False
     assert cfg.dataset.pack_sequences_in_batch is True and cfg.dataset.defer_in_batch_packing_to_step is True
-    assert cfg.dataset.packing_layout == layout and configured_layout(cfg) == layout
+    assert settings_of(cfg.dataset).layout == layout and configured_layout(cfg) == layout
     assert f"train.micro_batch_size=1: dataset.enable_in_batch_packing stays False" in caplog.text
     assert configure_module._ONE_SAMPLE[layout] in caplog.text
     # Control: the same config at micro-batch size 2 turns Megatron-Bridge's flag on.
@@ -807,6 +830,8 @@ def test_micro_batch_size_one_needs_the_steps_switch_where_the_layout_packs():
         defer_in_batch_packing_to_step: bool = False
         skip_getting_attention_mask_from_dataset: bool = True
         packing_layout: str = "thd"
+        seq_length: int = 4096
+        bridge_thd: typing.Any = None  # where configure stores its settings record
 
     for layout in ("thd", "thd_static"):
         cfg = SimpleNamespace(dataset=SlottedDataset(), model=SimpleNamespace(), train=SimpleNamespace(micro_batch_size=1))
@@ -848,16 +873,17 @@ def test_micro_batch_size_one_with_global_batch_packing_is_accepted_and_says_wha
 
     cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, train=dict(micro_batch_size=1))
     setup = read_setup(cfg, layout, global_batch=GlobalBatchPacking())
-    assert configure_problems(setup)[0] == []
-    changes, notes = configure_module._plan_changes(setup)
+    assert configure_problems(setup) == []
+    changes, notes = configure_module._plan_changes(setup, configure_module._sections(cfg), setup.settings)
     assert any("one sample" in note and "only balances the DP ranks" in note for note in notes)
     planned = {c.name: c.value for c in changes}
     assert planned["enable_in_batch_packing"] is False and planned["pack_sequences_in_batch"] is True
     assert planned["calculate_per_token_loss"] is True
     # Control: at micro-batch size 2 no such note.
     cfg.train.micro_batch_size = 2
-    assert not any("one sample" in note for note in configure_module._plan_changes(read_setup(
-        cfg, layout, global_batch=GlobalBatchPacking()))[1])
+    setup = read_setup(cfg, layout, global_batch=GlobalBatchPacking())
+    assert not any("one sample" in note for note in configure_module._plan_changes(
+        setup, configure_module._sections(cfg), setup.settings)[1])
 
 
 @pytest.mark.parametrize("micro_batch_size", [2, 8])
@@ -1029,7 +1055,7 @@ def test_static_layouts_with_cuda_graphs_fix_the_collate_width(layout):
     cfg = make_bridge_like_cfg(model=dict(cuda_graph_impl=impl))
     configure(cfg, layout)
     assert cfg.dataset.pad_to_max_length is True
-    assert cfg.dataset.packing_layout == layout
+    assert settings_of(cfg.dataset).layout == layout
 
 
 def test_cuda_graphs_argument_false_contradicting_model():
@@ -1099,7 +1125,7 @@ def test_hybridep_without_cuda_graphs_allows_thd_and_pads(layout, caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         configure(cfg, layout)
     assert cfg.model.moe_hybridep_pad_uneven_dispatch_inputs is True
-    assert cfg.dataset.packing_layout == layout
+    assert settings_of(cfg.dataset).layout == layout
     assert "HybridEP without CUDA graphs" in caplog.text
 
 
@@ -1337,7 +1363,7 @@ def test_changes_are_logged_at_info(caplog):
     for change in (
         "dataset.enable_in_batch_packing: unset -> True",
         "dataset.defer_in_batch_packing_to_step: unset -> True",
-        "dataset.packing_layout: unset -> 'thd'",
+        f"dataset.bridge_thd: unset -> {PackingSettings(layout='thd')!r}",
         "dataset.skip_getting_attention_mask_from_dataset: unset -> False",
         "model.variable_seq_lengths: unset -> True",
     ):
@@ -1370,7 +1396,7 @@ def test_bridge_finalize_rejects_variable_seq_lengths_on_dense_models(bridge):
 
 def test_thd_with_pp_on_bridge_dense_config_finalizes(bridge):
     model = bridge_transformer_config(bridge, pipeline_model_parallel_size=2)
-    cfg = SimpleNamespace(dataset=SimpleNamespace(), model=model, train=SimpleNamespace(micro_batch_size=2))
+    cfg = SimpleNamespace(dataset=SimpleNamespace(seq_length=4096), model=model, train=SimpleNamespace(micro_batch_size=2))
     configure(cfg, "thd")
     assert model.variable_seq_lengths is False  # not set directly: finalize would refuse it
     assert model._enable_in_batch_packing is True
@@ -1387,7 +1413,7 @@ def test_thd_with_pp_on_bridge_moe_alltoall_config_sets_it_directly(bridge):
         moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=2,
     )
-    cfg = SimpleNamespace(dataset=SimpleNamespace(), model=model, train=SimpleNamespace(micro_batch_size=2))
+    cfg = SimpleNamespace(dataset=SimpleNamespace(seq_length=4096), model=model, train=SimpleNamespace(micro_batch_size=2))
     configure(cfg, "thd")
     assert model.variable_seq_lengths is True
     model.finalize()
@@ -1417,7 +1443,7 @@ def test_hybridep_padding_matches_bridges_own(bridge):
     settings = dict(HYBRIDEP, num_moe_experts=4, expert_model_parallel_size=2)
     ours = bridge_transformer_config(bridge, **settings)
     theirs = bridge_transformer_config(bridge, **settings)
-    configure(SimpleNamespace(dataset=SimpleNamespace(), model=ours, train=SimpleNamespace(micro_batch_size=2)), "thd")
+    configure(SimpleNamespace(dataset=SimpleNamespace(seq_length=4096), model=ours, train=SimpleNamespace(micro_batch_size=2)), "thd")
     safe_hybridep_dispatch(bridge, theirs)
     assert theirs.moe_hybridep_pad_uneven_dispatch_inputs is True
     assert ours.moe_hybridep_pad_uneven_dispatch_inputs is True
@@ -1484,7 +1510,7 @@ def test_mock_vlm_defaults_are_overwritten_not_refused(mock_vlm_config_cls):
     configure(cfg, "thd")
     assert dataset.enable_in_batch_packing and dataset.defer_in_batch_packing_to_step
     assert dataset.skip_getting_attention_mask_from_dataset is False
-    assert dataset.pack_sequences_in_batch is True and dataset.packing_layout == "thd"
+    assert dataset.pack_sequences_in_batch is True and settings_of(dataset).layout == "thd"
     explicit = mock_vlm_config_cls(
         seq_length=4096, hf_processor_path="Qwen/Qwen3-VL-8B-Instruct", enable_in_batch_packing=True
     )
@@ -1548,7 +1574,7 @@ def test_configured_config_passes_bridges_packing_validation(
             "defer_in_batch_packing_to_step",
             "skip_getting_attention_mask_from_dataset",
             "pad_to_max_length",
-            "packing_layout",
+            SETTINGS_ATTRIBUTE,
             "pack_sequences_in_batch",
         )
     }
@@ -1589,7 +1615,7 @@ def test_the_flag_table_is_rendered_from_configures_records():
         "dataset.enable_in_batch_packing",
         "dataset.pack_sequences_in_batch",
         "dataset.defer_in_batch_packing_to_step",
-        "dataset.packing_layout",
+        "dataset.bridge_thd",
         "dataset.skip_getting_attention_mask_from_dataset",
         "dataset.pad_to_max_length",
         "model.variable_seq_lengths",
@@ -1645,36 +1671,58 @@ def test_moe_capacity_or_seq_aux_loss_with_thd_need_the_padding_hook(moe_setting
 # global-batch packing's static rows (row_buckets)
 
 
-def _row_bucket_setup(buckets, **model):
+def _row_bucket_setup(buckets, train=None, **model):
     from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
     from megatron.bridge_thd.rules import read_setup
 
-    cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, model=model)
+    cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, model=model, train=train)
     return read_setup(cfg, "thd_static", global_batch=GlobalBatchPacking(row_buckets=buckets))
 
 
 @pytest.mark.parametrize("buckets", [0, -1, True, "4", 2.0])
 def test_row_buckets_that_are_not_a_positive_int_are_refused(buckets):
-    from megatron.bridge_thd.rules import configure_problems
+    """The settings record refuses the value when it is made (docs/settings.md), so configure does too, before it
+    changes anything."""
+    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
 
-    problems, _ = configure_problems(_row_bucket_setup(buckets))
-    assert [p for p in problems if p.startswith(f"global_batch_packing.row_buckets: {buckets!r}; expected None")]
+    expected = f"\n- global_batch_packing.row_buckets: {buckets!r}; expected None"
+    with pytest.raises(ValueError, match=r"^dataset.bridge_thd \(megatron.bridge_thd's settings\):") as info:
+        _row_bucket_setup(buckets)
+    assert expected in str(info.value)
+    cfg = make_cfg(dataset={"dataloader_type": "cyclic"})
+    before = snapshot(cfg)
+    with pytest.raises(ValueError) as info:
+        configure(cfg, "thd_static", global_batch_packing=GlobalBatchPacking(row_buckets=buckets))
+    assert expected in str(info.value)
+    assert snapshot(cfg) == before
 
 
-@pytest.mark.parametrize("model, why", [
-    ({"pipeline_model_parallel_size": 2}, "fixed-shape buffers"),
-    ({"cuda_graph_impl": "local"}, "CUDA graphs"),
+# PP>1 keeps fixed p2p shapes at micro-batch size 1 only: above it Megatron-Bridge's in-batch packing flag makes its
+# finalize() turn variable_seq_lengths on (rules.Setup.variable_lengths_on_build), and several rows can run.
+@pytest.mark.parametrize("model, train, why", [
+    ({"pipeline_model_parallel_size": 2}, {"micro_batch_size": 1}, "fixed-shape buffers"),
+    ({"cuda_graph_impl": "local"}, None, "CUDA graphs"),
 ])
-def test_several_rows_where_one_row_shape_can_run_are_refused_and_unset_means_one(model, why):
+def test_several_rows_where_one_row_shape_can_run_are_refused_and_unset_means_one(model, train, why):
     from megatron.bridge_thd.rules import configure_problems, row_buckets
 
-    problems, _ = configure_problems(_row_bucket_setup(4, **model))
-    assert [p for p in problems if p.startswith("dataset.global_batch_packing.row_buckets: 4 rows") and why in p
+    problems = configure_problems(_row_bucket_setup(4, train, **model))
+    assert [p for p in problems if p.startswith("global_batch_packing.row_buckets: 4 rows") and why in p
             and "set row_buckets=1" in p], problems
-    unset = _row_bucket_setup(None, **model)
-    assert not [p for p in configure_problems(unset)[0] if "row_buckets" in p]
+    unset = _row_bucket_setup(None, train, **model)
+    assert not [p for p in configure_problems(unset) if "row_buckets" in p]
     assert row_buckets(unset) == 1
-    assert not [p for p in configure_problems(_row_bucket_setup(1, **model))[0] if "row_buckets" in p]
+    assert not [p for p in configure_problems(_row_bucket_setup(1, train, **model)) if "row_buckets" in p]
+
+
+def test_several_rows_with_pp_are_accepted_where_bridge_makes_the_lengths_variable():
+    """Control for the PP case above: at micro-batch size 4 the model is built with variable_seq_lengths."""
+    from megatron.bridge_thd.rules import configure_problems, row_buckets
+
+    setup = _row_bucket_setup(4, {"micro_batch_size": 4}, pipeline_model_parallel_size=2)
+    assert setup.variable_lengths_on_build and not setup.fixed_p2p_shapes
+    assert not [p for p in configure_problems(setup) if "row_buckets" in p]
+    assert row_buckets(_row_bucket_setup(None, {"micro_batch_size": 4}, pipeline_model_parallel_size=2)) == 4
 
 
 def test_row_buckets_default_to_four_where_several_row_shapes_can_run():
