@@ -67,7 +67,15 @@ def test_layout_for(requested, pp, variable, expected):
 
 
 def test_an_unknown_layout_is_refused_naming_the_setting():
-    with pytest.raises(ValueError, match="dataset.packing_layout: 'sbhd'"):
+    from megatron.bridge_thd.settings import PackingSettings, settings_of
+
+    # A run's layout comes from the settings record, which refuses an unknown one when it is made (hand-set too).
+    for make in (lambda: PackingSettings(layout="sbhd"), lambda: settings_of(SimpleNamespace(packing_layout="sbhd"))):
+        with pytest.raises(ValueError, match=r"^dataset.bridge_thd \(megatron.bridge_thd's settings\):\n- layout: "
+                           r"'sbhd' is not one of \('thd', 'thd_static', 'bshd'\)"):
+            make()
+    # layout_for's own argument check names its argument.
+    with pytest.raises(ValueError, match=r"^requested: 'sbhd' is not one of \('thd', 'thd_static', 'bshd'\)"):
         layouts.layout_for("sbhd", pp=1, variable_seq_lengths=False)
 
 

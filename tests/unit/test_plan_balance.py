@@ -221,9 +221,13 @@ def test_default_global_batch_is_micro_batch_size_times_micro_batches_times_dp()
 
 
 def test_bad_global_batch_sizes_are_refused_naming_the_flag():
-    for bad, words in ((6, "multiple of micro_batch_size \\* DP"), (0, "int >= 1"), (8, "larger than the 4 samples")):
+    for bad, words in ((0, "int >= 1"), (8, "larger than the 4 samples")):
         with pytest.raises(ValueError, match=f"--global-batch-size.*{words}"):
             balance_plan(TINY, _text(8, 8, 1, 1), _settings(), bad)
+    # The multiple-of rule is the rules registry's (global_batch_size), worded with the setting it is about.
+    with pytest.raises(ValueError, match=r"train.global_batch_size: 6 is not a multiple of micro_batch_size \* DP = "
+                       r"2 x 2 = 4 .*set it to e.g. 4"):
+        balance_plan(TINY, _text(8, 8, 1, 1), _settings(), 6)
 
 
 def test_cli_prints_both_placements_and_takes_the_flag(capsys):
@@ -240,7 +244,8 @@ def test_cli_prints_both_placements_and_takes_the_flag(capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--global-batch-size", "48"], "--global-batch-size 48: must be a multiple of micro_batch_size * DP = 4 x 8 = 32"),
+    (["--global-batch-size", "48"], "train.global_batch_size: 48 is not a multiple of micro_batch_size * DP = 4 x 8 = 32 "
+     "(Megatron-Bridge's rule: every DP rank runs the same number of micro-batches); set it to e.g. 32"),
     (["--global-batch-size", "0"], "--global-batch-size: expected an int >= 1"),
     (["--global-batch-size", "-32"], "--global-batch-size: expected an int >= 1"),
     (["--global-batch-size", "128"], "--global-batch-size 128: larger than the 64 samples"),
