@@ -193,7 +193,7 @@ def test_the_step_refuses_thd_without_the_wrapper(batches, settings, caplog):
     model = _model(False, **settings)
     for layout in ("thd", "thd_static"):
         name = "moe_expert_capacity_factor" if settings is CAPACITY else "seq_aux_loss"
-        with pytest.raises(ValueError, match=f"{name}.*packing_layout='{layout}'.*padding_mask_pre_wrap_hook"):
+        with pytest.raises(ValueError, match=f"{name}.* with layout='{layout}'.*padding_mask_pre_wrap_hook.*or set layout='bshd'"):
             step_run(model, padded["right"], layout, seq_length=SEQ)
     caplog.set_level(logging.WARNING)
     step_run(model, padded["right"], "bshd", seq_length=SEQ)  # Megatron-Bridge's own layout: a warning

@@ -739,7 +739,8 @@ def test_enable_in_batch_packing_old_name(enabled, expected, ref, right_batch):
 
 def test_unknown_layout_raises(ref, right_batch):
     state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="sbhd")
-    with pytest.raises(ValueError, match="packing_layout"):
+    with pytest.raises(ValueError, match=r"dataset.bridge_thd \(megatron.bridge_thd's settings\):\n- layout: 'sbhd' is not "
+                       r"one of \('thd', 'thd_static', 'bshd'\)"):
         run_step(RecordingSpy(ref), right_batch, state)
 
 

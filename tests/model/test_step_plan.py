@@ -22,7 +22,7 @@ from megatron.bridge_thd.step import prepare as step_prepare
 from megatron.bridge_thd.adapters import QWEN3_VL
 from megatron.bridge_thd.configure import configure
 from megatron.bridge_thd.qwen3_vl_step import forward_step, prepare_micro_batch, prepare_with_plan
-from megatron.bridge_thd.rules import STEP_RULES, read_setup, step_problems
+from megatron.bridge_thd.rules import CONFIGURE, STEP, read_setup, rules_for, step_problems
 from megatron.bridge_thd.step_plan import StaticRow, StepPlan, build_step_plan, in_batch_static_row
 from megatron.bridge_thd.upstream_line import upstream_line
 from megatron.bridge_thd_cpu.data import select_samples, synthetic_receipt_batch
@@ -169,15 +169,13 @@ def test_the_step_refuses_at_its_plan_what_configure_refuses(model):
 
 
 def test_every_step_rule_is_a_configure_rule():
-    from megatron.bridge_thd import rules
-
-    source = inspect.getsource(rules.configure_problems)
-    # The static pipeline row and the seq_length presence depend on facts final only once the model is built
-    # (Megatron-Bridge's finalize sets variable_seq_lengths); the recorded rows exist only once the loaders are built
-    # (configure judges the row_buckets setting instead); every other step rule is configure's too.
-    step_only = {"_static_pipeline_problems", "_seq_length_set_problems", "_row_lengths_problems"}
-    assert {rule.__name__ for rule in STEP_RULES} - step_only <= {
-        name for name in dir(rules) if name.endswith("_problems") and f"{name}(" in source}
+    # The recorded rows exist only once the loaders are built (configure judges the row_buckets setting instead);
+    # the installed Transformer Engine stack and the length fallback's pad id only in the step; every other step rule
+    # is configure's too.
+    step_only = {"row_lengths", "te_cp_padding", "length_fallback_pad_id"}
+    step = rules_for(STEP)
+    assert step_only <= {rule.name for rule in step}
+    assert {rule.name for rule in step if CONFIGURE not in rule.places} == step_only
 
 
 # ---------------------------------------------------------------------------------------------
