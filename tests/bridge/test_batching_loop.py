@@ -188,7 +188,7 @@ def test_evaluation_loaders_are_checked_against_the_row_when_built():
         assert first_unfit_step(plan.draws, sizes=plan.sizes, dp_size=DP, num_micro_batches=NMB, row_length=row,
                                 align_to=ALIGN) is None
     fixed = GlobalBatchPacking(row_length=train_alone, log=False)
-    with pytest.raises(ValueError, match=r"of the valid loader .*dataset\.global_batch_packing\.row_length"):
+    with pytest.raises(ValueError, match=r"of the valid loader .*; raise global_batch_packing\.row_length"):
         run_row_length(plans, settings=fixed, align=ALIGN, capacity=MBS * 128, cost=None, static=True)
 
 
@@ -400,9 +400,10 @@ def test_a_lengths_file_gives_the_training_sets_sizes_and_one_of_another_dataset
     with pytest.raises(ValueError, match=r"lengths_file: .* holds 12 samples, but the dataset has 13 distinct samples"):
         plan_loader(_loader("single", _Indices(13), 0), label="train", cfg=_cfg(), settings=settings, dp_rank=0,
                     dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=1)
-    from megatron.bridge_thd.rules import configure_problems, read_setup
+    from megatron.bridge_thd.rules import read_setup
 
+    # A lengths file that does not exist: the settings record refuses it when made (docs/settings.md).
     missing = SimpleNamespace(dataset=SimpleNamespace(dataloader_type="cyclic"), model=SimpleNamespace(seq_length=128))
-    problems, _ = configure_problems(read_setup(missing, "thd_static",
-                                                global_batch=GlobalBatchPacking(lengths_file=str(tmp_path / "no.json"))))
-    assert [p for p in problems if p.startswith("global_batch_packing.lengths_file:") and "is not a file" in p]
+    with pytest.raises(ValueError, match=r"^dataset.bridge_thd \(megatron.bridge_thd's settings\):\n"
+                       r"- global_batch_packing.lengths_file: '.*no.json' is not a file; write it with bridge-thd scan"):
+        read_setup(missing, "thd_static", global_batch=GlobalBatchPacking(lengths_file=str(tmp_path / "no.json")))

@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from megatron.bridge_thd.settings import PackingSettings, settings_of
 from megatron.bridge_thd_cpu.cord_v2 import PROCESSOR_TOKEN_IDS, tiny_qwen3_vl_processor, write_cord_v2_preset_layout
 from megatron.bridge_thd_testbed.launcher import run_on_gloo
 from megatron.bridge_thd_testbed.training import TRAINING_VISION_GEOMETRY
@@ -55,7 +56,7 @@ def _batch_for(policy: str, root: str):
     dataset.seq_length = SEQ_LENGTH
     # What configure(cfg, layout="thd", overlong_samples=policy) sets on the dataset (configure.FLAG_RULES).
     dataset.defer_in_batch_packing_to_step, dataset.skip_getting_attention_mask_from_dataset = True, False
-    dataset.packing_layout, dataset.overlong_samples = "thd", policy
+    dataset.bridge_thd = PackingSettings(layout="thd", overlong_samples=policy)
     dataset.num_workers, dataset.pin_memory, dataset.persistent_workers = 0, False, False
     dataset.finalize()
     cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.micro_batch_size = 1, MICRO_BATCH, MICRO_BATCH
@@ -181,7 +182,8 @@ def test_truncate_cuts_as_megatron_bridge_does_and_counts_the_loss_in_the_log(wo
     lost_supervised = sum(past for full, _, past in rows if full > SEQ_LENGTH)
     lines = world["truncate"]["lines"]
     warnings = [text for level, text in lines if level == "WARNING" and "longer than seq_length" in text]
-    assert len(warnings) == 1 and "dataset.overlong_samples='truncate'" in warnings[0] and "'refuse'" in warnings[0]
+    assert len(warnings) == 1 and "overlong_samples='truncate' cuts them" in warnings[0]
+    assert "Set overlong_samples='refuse'" in warnings[0]
     assert (f"bridge_thd: 1 over-long sample(s) cut to seq_length={SEQ_LENGTH}: {lost} real tokens and {lost_supervised} "
             "supervised tokens lost") in [text for _, text in lines]
     assert lost > 0 and lost_supervised > 0
@@ -208,7 +210,7 @@ def test_refuse_stops_at_the_first_over_long_sample_with_its_length_and_the_fix(
     full = max(f["attention_mask"].sum().item() for f in world["full"][:MICRO_BATCH])
     assert error is not None and f"longer than seq_length={SEQ_LENGTH}" in error
     assert f"{int(full)} tokens" in error and "dataset.seq_length and model.seq_length" in error
-    assert "dataset.overlong_samples" in error
+    assert error.startswith("overlong_samples='refuse': ") and "set overlong_samples to 'truncate'" in error
 
 
 def test_the_lengths_scan_sees_the_untruncated_lengths_and_refuses_by_dataset_index(world):
@@ -242,9 +244,10 @@ def test_the_policy_travels_with_a_picklable_collate_and_bad_values_are_refused(
 
     copy = pickle.loads(pickle.dumps(OverlongCollate(_identity, "drop")))  # a spawned loader worker gets this
     assert copy.policy == "drop" and copy.collate_fn is _identity
-    with pytest.raises(ValueError, match=r"dataset.overlong_samples: 'cut'; expected one of 'truncate', 'drop', 'refuse'"):
+    with pytest.raises(ValueError, match=r"policy: 'cut'; expected one of 'truncate', 'drop', 'refuse'"):
         OverlongCollate(_identity, "cut")
-    with pytest.raises(ValueError, match=r"dataset.overlong_samples: 'skip'"):
+    with pytest.raises(ValueError, match=r"^dataset.bridge_thd \(megatron.bridge_thd's settings\):\n- overlong_samples: "
+                       r"'skip'; expected one of 'truncate', 'drop', 'refuse'"):
         policy_of(SimpleNamespace(overlong_samples="skip"))
     assert policy_of(SimpleNamespace()) == "truncate"
     cfg = SimpleNamespace(dataset=SimpleNamespace(seq_length=4096), train=SimpleNamespace(micro_batch_size=2),
@@ -252,7 +255,8 @@ def test_the_policy_travels_with_a_picklable_collate_and_bad_values_are_refused(
                                                 seq_length=4096))
     with pytest.raises(ValueError, match=r"overlong_samples: 'cut'; expected one of"):
         configure(cfg, "thd", overlong_samples="cut")
-    assert configure(cfg, "thd", overlong_samples="refuse").dataset.overlong_samples == "refuse"
+    assert settings_of(configure(cfg, "thd", overlong_samples="refuse").dataset).overlong_samples == "refuse"
+    assert policy_of(cfg.dataset) == "refuse"
 
 
 def test_rows_are_measured_from_the_2d_mask_before_the_cut():

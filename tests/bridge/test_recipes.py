@@ -18,6 +18,8 @@ import traceback
 
 import pytest
 
+from megatron.bridge_thd.settings import settings_of
+
 
 LAYOUT_NAMES = ("thd", "thd_static", "bshd")
 
@@ -111,7 +113,7 @@ def _summary(cfg) -> dict:
         "hybridep_padding": getattr(model, "moe_hybridep_pad_uneven_dispatch_inputs", None),
         "enable_in_batch_packing": cfg.dataset.enable_in_batch_packing,
         "defer": cfg.dataset.defer_in_batch_packing_to_step,
-        "packing_layout": getattr(cfg.dataset, "packing_layout", None),
+        "packing_layout": settings_of(cfg.dataset).layout,
         "pad_to_max_length": getattr(cfg.dataset, "pad_to_max_length", None),
         "skip_mask": getattr(cfg.dataset, "skip_getting_attention_mask_from_dataset", None),
         "variable_seq_lengths": model.variable_seq_lengths,
@@ -126,7 +128,7 @@ def _summary(cfg) -> dict:
         "model_seq_length": model.seq_length,
         "dataset_type": type(cfg.dataset).__name__,
         "data_parallel_size": cfg.data_parallel_size,
-        "global_batch_packing": getattr(cfg.dataset, "global_batch_packing", None) is not None,
+        "global_batch_packing": settings_of(cfg.dataset).global_batch_packing is not None,
         "per_token_loss": getattr(model, "calculate_per_token_loss", None),
         "average_in_collective": cfg.ddp.average_in_collective,
         "loaders_wrapped": _loaders_wrapped(),
@@ -468,8 +470,8 @@ REFUSALS = {
                             None),
     "allgather_ep8_thd": ("configure", "layout: 'thd' with MoE moe_token_dispatcher_type='allgather' and "
                           "expert_model_parallel_size=8", None),
-    "seq_aux_loss_thd": ("configure", "model.moe_router_load_balancing_type='seq_aux_loss' with dataset.packing_layout='thd'", None),
-    "expert_capacity_thd_static": ("configure", "model.moe_expert_capacity_factor=1.0 with dataset.packing_layout='thd_static'",
+    "seq_aux_loss_thd": ("configure", "model.moe_router_load_balancing_type='seq_aux_loss' with layout='thd'", None),
+    "expert_capacity_thd_static": ("configure", "model.moe_expert_capacity_factor=1.0 with layout='thd_static'",
                                    None),
     "hybridep_graphs_thd_static": ("configure", "layout: 'thd_static' with HybridEP", None),
     "unknown_layout": ("configure", "layout: 'sbhd' is not one of ('thd', 'thd_static', 'bshd')", None),
