@@ -168,6 +168,30 @@ def test_the_step_refuses_at_its_plan_what_configure_refuses(model):
         model.config.cuda_graph_impl = original
 
 
+@pytest.mark.parametrize("layout", ["thd", "bshd"])
+def test_moe_overlap_is_refused_when_the_plan_is_built_not_at_the_first_schedule_plan(model, layout):
+    """``overlap_moe_expert_parallel_comm`` makes Megatron-Core's combined 1F1B schedule ask for schedule plans: the
+    step builds them only for ``bshd`` and only with the model's ``build_schedule_plan``, which Megatron-Bridge's
+    ``Qwen3VLModel`` lacks; the plan refuses both before any micro-batch."""
+    assert not hasattr(model, "build_schedule_plan")
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout=layout,
+                          packing=layout != "bshd")
+    original = getattr(model.config, "overlap_moe_expert_parallel_comm", False)
+    model.config.overlap_moe_expert_parallel_comm = True
+    try:
+        with pytest.raises(ValueError) as refused:
+            build_step_plan(state, model, model.pg_collection, QWEN3_VL)
+    finally:
+        model.config.overlap_moe_expert_parallel_comm = original
+    message = str(refused.value)
+    assert message.startswith("bridge_thd: the configuration cannot run this step:")
+    assert "model.overlap_moe_expert_parallel_comm=True" in message
+    assert ("step builds one only for the padded layout" if layout == "thd" else
+            f"({type(model).__name__}) has none") in message
+    model.config.overlap_moe_expert_parallel_comm = original
+    build_step_plan(state, model, model.pg_collection, QWEN3_VL)  # without overlap: the same state is accepted
+
+
 def test_every_step_rule_is_a_configure_rule():
     # The recorded rows exist only once the loaders are built (configure judges the row_buckets setting instead);
     # the installed Transformer Engine stack and the length fallback's pad id only in the step; every other step rule

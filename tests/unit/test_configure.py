@@ -622,9 +622,23 @@ def test_required_flag_that_cannot_be_set_is_an_error():
         enable_in_batch_packing: bool = False
         seq_length: int = 4096
 
+    # A frozen dataset cannot take the settings record either: refused before anything is written.
     cfg = SimpleNamespace(dataset=FrozenDataset(), model=SimpleNamespace(), train=SimpleNamespace())
-    with pytest.raises(ValueError, match=r"dataset.enable_in_batch_packing: cannot be set"):
+    with pytest.raises(ValueError, match=r"cfg.dataset: a FrozenDataset takes no new attribute, so configure cannot "
+                       r"store its settings record dataset.bridge_thd"):
         configure(cfg)
+    assert cfg.dataset.enable_in_batch_packing is False
+
+    class ReadOnlyFlag:  # takes the record, but the required flag is a read-only property
+        seq_length = 4096
+
+        @property
+        def enable_in_batch_packing(self):
+            return False
+
+    cfg = SimpleNamespace(dataset=ReadOnlyFlag(), model=SimpleNamespace(), train=SimpleNamespace())
+    with pytest.raises(ValueError, match=r"dataset.enable_in_batch_packing: cannot be set on ReadOnlyFlag"):
+        configure(cfg, force=True)  # force: a property has no default, so its value counts as set explicitly
 
 
 def test_explicit_defer_false_is_refused():

@@ -70,10 +70,14 @@ def test_an_unknown_layout_is_refused_naming_the_setting():
     from megatron.bridge_thd.settings import PackingSettings, settings_of
 
     # A run's layout comes from the settings record, which refuses an unknown one when it is made (hand-set too).
-    for make in (lambda: PackingSettings(layout="sbhd"), lambda: settings_of(SimpleNamespace(packing_layout="sbhd"))):
-        with pytest.raises(ValueError, match=r"^dataset.bridge_thd \(megatron.bridge_thd's settings\):\n- layout: "
-                           r"'sbhd' is not one of \('thd', 'thd_static', 'bshd'\)"):
-            make()
+    refusal = r"dataset.bridge_thd \(megatron.bridge_thd's settings\):\n- layout: 'sbhd' is not one of \('thd', " \
+        r"'thd_static', 'bshd'\)"
+    with pytest.raises(ValueError, match="^" + refusal):
+        PackingSettings(layout="sbhd")
+    # Hand-set: the message names the attribute the user set, then the record's refusal.
+    with pytest.raises(ValueError, match=r"^the hand-set settings of cfg.dataset \(dataset.packing_layout='sbhd'; .*\): "
+                       + refusal):
+        settings_of(SimpleNamespace(packing_layout="sbhd"))
     # layout_for's own argument check names its argument.
     with pytest.raises(ValueError, match=r"^requested: 'sbhd' is not one of \('thd', 'thd_static', 'bshd'\)"):
         layouts.layout_for("sbhd", pp=1, variable_seq_lengths=False)

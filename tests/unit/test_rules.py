@@ -107,7 +107,7 @@ def test_the_planner_refuses_in_the_rules_words():
     (expected,) = RULES["global_batch_size"].check(setup)
     with pytest.raises(ValueError) as error:
         micro_batches_per_rank(7, 4, 8, 1024)
-    assert str(error.value) == expected
+    assert str(error.value) == f"--global-batch-size 7: {expected}"
     assert "train.global_batch_size" in expected and "set it to" in expected
     assert "global_batch_size" in {r.name for r in rules_for(PLANNER)}
 

@@ -192,7 +192,7 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
     record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples, length_fallback)
     setup = read_setup(cfg, layout, cuda_graphs, settings=record)
 
-    problems = configure_problems(setup)
+    problems = configure_problems(setup) + _record_problems(sections.dataset)
     changes, notes = _plan_changes(setup, sections, record)
     overrides = _explicit_overrides(changes) + _layout_overrides(sections.dataset, layout)
     if not force:
@@ -241,10 +241,28 @@ def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_sam
     )
 
 
+def _record_problems(dataset: Any) -> list[str]:
+    """A dataset object that cannot hold the settings record (checked before anything is written)."""
+    takes_attributes = hasattr(dataset, "__dict__") or SETTINGS_ATTRIBUTE in _slots(type(dataset))
+    frozen = getattr(getattr(type(dataset), "__dataclass_params__", None), "frozen", False)
+    if takes_attributes and not frozen:
+        return []
+    return [f"cfg.dataset: a {type(dataset).__name__} takes no new attribute, so configure cannot store its settings "
+            f"record dataset.{SETTINGS_ATTRIBUTE} (docs/settings.md); use a dataset config that does (Megatron-Bridge's "
+            f"dataset configs do), or give the class a {SETTINGS_ATTRIBUTE!r} slot"]
+
+
+def _slots(cls: type) -> set[str]:
+    return {name for klass in cls.__mro__ for name in getattr(klass, "__slots__", ())}
+
+
 def _layout_overrides(dataset: Any, layout: str) -> list[_Override]:
     """A layout the dataset already holds (its record, or a hand-set ``packing_layout``) other than ``layout``."""
     record = getattr(dataset, SETTINGS_ATTRIBUTE, None)
-    held = record.layout if isinstance(record, PackingSettings) else getattr(dataset, "packing_layout", None)
+    if isinstance(record, PackingSettings):
+        held = record.layout
+    else:  # a hand-set attribute; a class default counts as not set (is_explicit), as for every other setting
+        held = getattr(dataset, "packing_layout", None) if is_explicit(dataset, "packing_layout") else None
     if held is None or held == layout:
         return []
     name = f"{SETTINGS_ATTRIBUTE}.layout" if isinstance(record, PackingSettings) else "packing_layout"

@@ -162,7 +162,12 @@ def settings_of(dataset: Any) -> PackingSettings:
     record = getattr(dataset, SETTINGS_ATTRIBUTE, None)
     hand_set = _hand_set(dataset)
     if record is None:
-        return PackingSettings(**hand_set)
+        try:
+            return PackingSettings(**hand_set)
+        except ValueError as error:
+            named = ", ".join(f"dataset.{HAND_SET_ATTRIBUTES[name]}={value!r}" for name, value in hand_set.items())
+            raise ValueError(f"the hand-set settings of cfg.dataset ({named}; each read as the record's field of the "
+                             f"same name, packing_layout as layout): {error}") from None
     if not isinstance(record, PackingSettings):
         raise ValueError(f"dataset.{SETTINGS_ATTRIBUTE}: {record!r}; expected a megatron.bridge_thd.settings."
                          "PackingSettings (configure stores one)")

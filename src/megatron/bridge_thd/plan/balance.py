@@ -144,7 +144,7 @@ def micro_batches_per_rank(global_batch_size, micro_batch_size: int, dp: int, nu
     found = RULES["global_batch_size"].check(Setup(layout="thd", micro_batch_size=micro_batch_size, dp=dp,
                                                    global_batch_size=global_batch_size))
     if found:
-        raise ValueError(found[0])
+        raise ValueError(f"--global-batch-size {global_batch_size}: {found[0]}")
     if global_batch_size > num_samples:
         raise ValueError(
             f"--global-batch-size {global_batch_size}: larger than the {num_samples} samples, so no step can be formed; "

@@ -103,8 +103,7 @@ def _moe_routing(s: Setup) -> list[str]:
     if s.layout not in THD_LAYOUTS or s.routes_real_tokens_only:
         return []
     return [
-        f"{setting} with layout={s.layout!r}: {why}, so the result would depend on the layout "
-        "(measured on the tiny MoE model in docs/moe-routing.md); register "
+        f"{setting} with layout={s.layout!r}: {why} (measured on the tiny MoE model in docs/moe-routing.md); register "
         "megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook (cfg.model.register_pre_wrap_hook) so the "
         "routers see real tokens only, or set layout='bshd'"
         for setting, why in layout_dependent_moe_settings(s.model)
