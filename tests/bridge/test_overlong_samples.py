@@ -246,7 +246,9 @@ def test_the_policy_travels_with_a_picklable_collate_and_bad_values_are_refused(
     assert copy.policy == "drop" and copy.collate_fn is _identity
     with pytest.raises(ValueError, match=r"policy: 'cut'; expected one of 'truncate', 'drop', 'refuse'"):
         OverlongCollate(_identity, "cut")
-    with pytest.raises(ValueError, match=r"^dataset.bridge_thd \(megatron.bridge_thd's settings\):\n- overlong_samples: "
+    # Hand-set: the refusal names the attribute the user set, then the record's own words.
+    with pytest.raises(ValueError, match=r"^the hand-set settings of cfg.dataset \(dataset.overlong_samples='skip'; .*\): "
+                       r"dataset.bridge_thd \(megatron.bridge_thd's settings\):\n- overlong_samples: "
                        r"'skip'; expected one of 'truncate', 'drop', 'refuse'"):
         policy_of(SimpleNamespace(overlong_samples="skip"))
     assert policy_of(SimpleNamespace()) == "truncate"
