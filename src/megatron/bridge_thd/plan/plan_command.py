@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead-ms", type=float, default=0.0, help="fixed per-step overhead (default 0)")
     p.add_argument("--png", help="write the figure here (needs matplotlib)")
     p.add_argument("--calibrate", action="store_true", help="print the Qwen3.5-VL 2B / cord_v2 / 8xH100 calibration")
+    p.add_argument("--dynamic-cp", type=int, default=None, metavar="TOKENS",
+                   help="compare static CP 1, 2, 4, ... with a CP size per sample at TOKENS tokens of a sample per rank "
+                   "(Megatron-Core's max_seqlen_per_dp_cp_rank) instead of the layouts (docs/dynamic-cp.md); without "
+                   "--lengths it draws the synthetic video mix (plan/video_mix.py)")
     return p
 
 
@@ -92,6 +96,8 @@ def run(args) -> str:
     from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths
 
     spec = spec_from_hf_config(args.hf_config) if args.hf_config else get_preset(args.model)
+    if args.dynamic_cp is not None:
+        return _dynamic_cp(args, spec)
     samples = (load_lengths(args.lengths, spec.vision.spatial_merge_size) if args.lengths
                else receipt_lengths(args.num_samples, args.seed))
     parallel = Parallel(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, gpus=args.gpus,
@@ -130,6 +136,27 @@ def run(args) -> str:
         except ImportError as error:
             text += f"\n{error}"
     return text
+
+
+def _dynamic_cp(args, spec) -> str:
+    """``--dynamic-cp TOKENS``: static CP against a CP size per sample (plan/dynamic_cp.py)."""
+    from megatron.bridge_thd.plan.dynamic_cp import compare_cp, format_cp_comparison
+    from megatron.bridge_thd.plan.roofline import get_gpu
+    from megatron.bridge_thd.plan.samples import load_lengths
+    from megatron.bridge_thd.plan.video_mix import video_mix_lengths
+
+    check_int("--dynamic-cp", args.dynamic_cp, 2)
+    if args.pp != 1 or args.cp != 1:
+        raise ValueError("--dynamic-cp: compares CP sizes itself on a DP x CP world of --gpus / --tp ranks; leave --cp "
+                         "and --pp at 1 (Megatron-Core's CP per sample runs without pipeline parallelism)")
+    samples = (load_lengths(args.lengths, spec.vision.spatial_merge_size) if args.lengths
+               else video_mix_lengths(args.num_samples, seed=args.seed))
+    global_batch_size = args.global_batch_size or args.micro_batch_size * (args.micro_batches or 1) * args.gpus
+    estimates = compare_cp(spec, samples, gpus=args.gpus, tp=args.tp, global_batch_size=global_batch_size,
+                           max_tokens_per_rank=args.dynamic_cp, gpu=get_gpu(args.gpu), mfu=args.mfu)
+    return (f"{spec.name}, {samples.source}: {len(samples.tokens)} samples, steps of {global_batch_size}, "
+            f"{args.gpus} x {args.gpu} (TP {args.tp}), MFU {args.mfu:.0%}\n\n"
+            + format_cp_comparison(estimates, max_tokens_per_rank=args.dynamic_cp))
 
 
 def planner_setup(layout: str, spec, settings, global_batch_size: int, row_buckets: int | None):

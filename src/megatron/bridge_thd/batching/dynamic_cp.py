@@ -1,0 +1,186 @@
+"""Context parallelism per sample: which ranks run which samples, and with which CP size (docs/dynamic-cp.md).
+
+Megatron-Core's ``BalancedCPScheduler`` (``pipeline_parallel/hybrid_cp_schedule.py``) takes one step's samples and
+returns a sequence of *groups*; the groups run one after another (Megatron-Core's hybrid-CP schedule puts a barrier
+between them), and in each group every rank of the DP x CP world runs its samples, each sample on an aligned
+power-of-two block of ranks: its CP size ``k``, the smallest that keeps ``max_tokens_per_rank`` tokens or fewer on a
+rank (raised where that leaves no rank idle). This module calls the scheduler as is on the step's slot lengths and
+turns its answer into *rows*: per group and block, the block's samples packed into THD rows of at most
+``k * max_tokens_per_rank`` slots (the scheduler bounds one sample per rank, not a rank's total), each row run by
+the block's ``k`` ranks.
+
+Pure host code on lengths: every rank computes the same placement from the same lengths (the scheduler sorts and
+assigns without randomness or communication). Shapes and counts in the docstrings; no tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from megatron.bridge_thd.checks import check_int
+from megatron.bridge_thd.packing import round_up
+
+__all__ = ["CPRow", "DynamicCPPlacement", "cp_slots", "place_with_cp_per_sample", "TooLongForTheWorld"]
+
+
+class TooLongForTheWorld(ValueError):
+    """A sample needs more ranks than the DP x CP world has at the per-rank token limit."""
+
+
+@dataclass(frozen=True)
+class CPRow:
+    """One THD row of a step under CP per sample.
+
+    Attributes:
+        group: the scheduler's group (groups run one after another, in this order).
+        ranks: the DP x CP ranks that run the row, ascending (an aligned block of ``cp_size`` ranks).
+        samples: the row's samples, as positions in the step's lengths.
+        slots: the row's token slots, each sample's length aligned to ``2 * cp_size`` (1 for CP size 1).
+    """
+
+    group: int
+    ranks: tuple[int, ...]
+    samples: tuple[int, ...]
+    slots: int
+
+    @property
+    def cp_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def slots_per_rank(self) -> int:
+        """The slots each of the row's ranks holds (its ``1 / cp_size`` of the row)."""
+        return self.slots // self.cp_size
+
+
+@dataclass(frozen=True)
+class DynamicCPPlacement:
+    """A step's rows under CP per sample (:func:`place_with_cp_per_sample`).
+
+    Attributes:
+        rows: every row, by group, then by first rank.
+        world: the DP x CP world size.
+        max_tokens_per_rank: the per-rank token limit the scheduler placed by.
+    """
+
+    rows: tuple[CPRow, ...]
+    world: int
+    max_tokens_per_rank: int
+
+    @property
+    def groups(self) -> int:
+        return 1 + max((row.group for row in self.rows), default=-1)
+
+    def rows_of(self, rank: int) -> tuple[CPRow, ...]:
+        """The rows ``rank`` runs, in order."""
+        return tuple(row for row in self.rows if rank in row.ranks)
+
+    def cp_size_of(self) -> dict[int, int]:
+        """Each sample's CP size, by position."""
+        return {sample: row.cp_size for row in self.rows for sample in row.samples}
+
+
+def cp_slots(length: int, world: int) -> int:
+    """A sample's slots as the scheduler sees them: ``length`` aligned to ``2 * world``, which every CP size up to
+    ``world`` divides (the scheduler then never gives a sample a CP size its aligned length does not fit)."""
+    return round_up(length, 2 * world) if world > 1 else length
+
+
+def _row_alignment(cp_size: int) -> int:
+    """THD alignment of a row run by ``cp_size`` ranks (``2 * cp_size`` under CP; TP 1, no SP / FP8)."""
+    return 2 * cp_size if cp_size > 1 else 1
+
+
+class _Group:
+    """The scheduler's DP x CP group as it reads it: its size."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def _blocks(rank_samples: Sequence[Sequence[int]], group: int) -> list[tuple[tuple[int, ...], list[int]]]:
+    """The blocks of one scheduler group: ranks holding the same samples, with those samples (scheduler order)."""
+    holders: dict[int, list[int]] = {}
+    for rank, samples in enumerate(rank_samples):
+        for sample in samples:
+            holders.setdefault(sample, []).append(rank)
+    blocks: dict[tuple[int, ...], list[int]] = {}
+    for sample, ranks in holders.items():
+        block = tuple(ranks)
+        k = len(block)
+        if k & (k - 1) or block[0] % k or block != tuple(range(block[0], block[0] + k)):
+            raise RuntimeError(f"BalancedCPScheduler placed sample {sample} of group {group} on ranks {block}, not an "
+                               "aligned power-of-two block; Megatron-Core's hybrid groups cannot run it")
+        blocks.setdefault(block, []).append(sample)
+    return sorted(blocks.items())
+
+
+def _rows_of_block(group: int, block: tuple[int, ...], samples: list[int], lengths: Sequence[int],
+                   capacity: int) -> list[CPRow]:
+    """A block's samples in rows of at most ``capacity`` slots: first fit, in decreasing slots (ties by position)."""
+    align = _row_alignment(len(block))
+    slots = {sample: round_up(int(lengths[sample]), align) for sample in samples}
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for sample in sorted(samples, key=lambda s: (-slots[s], s)):
+        for index, total in enumerate(used):
+            if total + slots[sample] <= capacity:
+                rows[index].append(sample)
+                used[index] += slots[sample]
+                break
+        else:
+            rows.append([sample])
+            used.append(slots[sample])
+    return [CPRow(group, block, tuple(sorted(row)), total) for row, total in zip(rows, used)]
+
+
+def place_with_cp_per_sample(lengths: Sequence[int], *, world: int, max_tokens_per_rank: int) -> DynamicCPPlacement:
+    """Place one step's samples on a DP x CP world of ``world`` ranks with a CP size per sample.
+
+    Args:
+        lengths: ``(n,)`` each sample's tokens (its real length; >= 1).
+        world: the DP x CP world size, a power of two (Megatron-Core builds its hybrid groups of 2, 4, ... ranks
+            and the whole world).
+        max_tokens_per_rank: the most tokens of one sample a rank holds (Megatron-Core's
+            ``max_seqlen_per_dp_cp_rank``), a multiple of 2.
+
+    Returns:
+        The rows: every sample in exactly one row, every row on an aligned block of ranks whose size is its
+        samples' CP size, no row longer than ``cp_size * max_tokens_per_rank`` slots.
+
+    Raises:
+        TooLongForTheWorld: a sample longer than ``world * max_tokens_per_rank`` slots (naming it and the fix).
+        ValueError: a bad argument.
+    """
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    check_int("world", world)
+    check_int("max_tokens_per_rank", max_tokens_per_rank, 2)
+    if world & (world - 1):
+        raise ValueError(f"world: {world} is not a power of two; Megatron-Core's hybrid groups are 2, 4, ... ranks")
+    lengths = [check_int(f"lengths[{i}]", int(n)) for i, n in enumerate(lengths)]
+    slots = [cp_slots(n, world) for n in lengths]
+    limit = world * max_tokens_per_rank
+    over = [i for i, s in enumerate(slots) if s > limit]
+    if over:
+        worst = max(over, key=lambda i: slots[i])
+        raise TooLongForTheWorld(
+            f"max_tokens_per_rank: sample {worst} has {lengths[worst]} tokens ({slots[worst]} slots aligned to "
+            f"2 x {world}), more than the {world} ranks hold at {max_tokens_per_rank} tokens per rank ({limit}); "
+            f"{len(over)} sample(s) do not fit. Raise max_tokens_per_rank to at least "
+            f"{math.ceil(max(slots[i] for i in over) / world)}, use more ranks, or filter these samples")
+    scheduler = BalancedCPScheduler(max_tokens_per_rank, _Group(world))
+    _, sample_id_groups = scheduler.get_groups_and_subsamples(list(enumerate(slots)), None)
+    rows = []
+    for group, rank_samples in enumerate(sample_id_groups):
+        for block, samples in _blocks(rank_samples, group):
+            rows += _rows_of_block(group, block, samples, lengths, len(block) * max_tokens_per_rank)
+    placed = sorted(sample for row in rows for sample in row.samples)
+    if placed != list(range(len(lengths))):
+        raise RuntimeError(f"BalancedCPScheduler placed samples {placed}, not each of the {len(lengths)} once")
+    return DynamicCPPlacement(tuple(rows), world, max_tokens_per_rank)
