@@ -392,14 +392,37 @@ def test_many_small_samples_split_per_block_and_group():
     assert split > 0  # some block did need several rows
 
 
-# --- a known failure ------------------------------------------------------------------------------------------------
+# --- upstream's misaligned blocks, moved to aligned ranks -----------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "BalancedCPScheduler's answer is used as is: here its group 2 puts sample 5 (cp_slots 288, CP 4; trimmed from "
-    "an earlier group and re-queued last) on ranks (2, 3, 4, 5) after sample 4 took (0, 1), so the module raises "
-    "RuntimeError on a valid step instead of returning aligned blocks (its docstring lists only TooLongForTheWorld "
-    "and ValueError); about 1 in 120 steps whose lengths sit between CP-size boundaries on worlds 4..32"))
-def test_valid_step_where_upstream_places_a_misaligned_block():
+def test_a_block_the_scheduler_leaves_misaligned_is_moved_to_aligned_ranks():
+    """Here Megatron-Core's scheduler puts sample 5 (cp_slots 288, CP 4; trimmed from an earlier group and re-queued
+    last) on ranks (2, 3, 4, 5) of group 2, after sample 4 took (0, 1): not one of its hybrid groups (aligned
+    blocks), so its schedule would run it with the wrong partners. The placement keeps the scheduler's choice (which
+    samples run together, their CP sizes, the group) and moves the blocks to aligned ranks, largest first."""
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
     lengths = [134, 310, 146, 332, 31, 278, 139, 126, 164]  # cp_slots (align 16): 144 320 160 336 32 288 144 128 176
+    slots = [cp_slots(n, 8) for n in lengths]
+
+    class Group:
+        def size(self):
+            return 8
+
+    _, upstream = BalancedCPScheduler(100, Group()).get_groups_and_subsamples(list(enumerate(slots)), None)
+    holders = {}
+    for rank, samples in enumerate(upstream[2]):
+        for sample in samples:
+            holders.setdefault(sample, []).append(rank)
+    assert holders[5] == [2, 3, 4, 5]  # the scheduler's misaligned block (this test's premise)
     placement = place_with_cp_per_sample(lengths, world=8, max_tokens_per_rank=100)
     _check_invariants(placement, lengths, 8, 100)
+    # The scheduler's decisions are kept: per group, which samples and with how many ranks.
+    for group, rank_samples in enumerate(upstream):
+        expected = {}
+        for samples in rank_samples:
+            for sample in samples:
+                expected[sample] = expected.get(sample, 0) + 1
+        placed = {s: row.cp_size for row in placement.rows if row.group == group for s in row.samples}
+        assert placed == expected
+    (row,) = [row for row in placement.rows if 5 in row.samples]
+    assert row.group == 2 and row.ranks == (0, 1, 2, 3)  # the largest block first, at offset 0

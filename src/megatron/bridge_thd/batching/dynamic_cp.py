@@ -104,20 +104,30 @@ class _Group:
 
 
 def _blocks(rank_samples: Sequence[Sequence[int]], group: int) -> list[tuple[tuple[int, ...], list[int]]]:
-    """The blocks of one scheduler group: ranks holding the same samples, with those samples (scheduler order)."""
+    """The blocks of one scheduler group, each on aligned ranks, with their samples (scheduler order).
+
+    A block is the set of ranks the scheduler gave some samples (ranks holding the same samples). The scheduler can
+    leave a block on ranks that are not one of Megatron-Core's hybrid groups (e.g. ranks 2-5 of 8, after a trimmed
+    sample is re-queued behind a smaller one), which its schedule would then run with the wrong partners. The
+    blocks are moved, keeping the scheduler's choice of samples and CP sizes, to aligned ranks: largest first, each
+    at the next free offset (an offset that every smaller power of two divides).
+    """
     holders: dict[int, list[int]] = {}
     for rank, samples in enumerate(rank_samples):
         for sample in samples:
             holders.setdefault(sample, []).append(rank)
     blocks: dict[tuple[int, ...], list[int]] = {}
     for sample, ranks in holders.items():
-        block = tuple(ranks)
-        k = len(block)
-        if k & (k - 1) or block[0] % k or block != tuple(range(block[0], block[0] + k)):
-            raise RuntimeError(f"BalancedCPScheduler placed sample {sample} of group {group} on ranks {block}, not an "
-                               "aligned power-of-two block; Megatron-Core's hybrid groups cannot run it")
-        blocks.setdefault(block, []).append(sample)
-    return sorted(blocks.items())
+        blocks.setdefault(tuple(ranks), []).append(sample)
+    used = [rank for block in blocks for rank in block]
+    if len(used) != len(set(used)) or any(len(block) & (len(block) - 1) for block in blocks):
+        raise RuntimeError(f"BalancedCPScheduler's group {group} gives a rank two blocks or a block that is not a power "
+                           f"of two ({sorted(blocks)}); Megatron-Core's hybrid groups cannot run it")
+    aligned, offset = [], 0
+    for block in sorted(blocks, key=lambda b: (-len(b), b)):
+        aligned.append((tuple(range(offset, offset + len(block))), blocks[block]))
+        offset += len(block)
+    return sorted(aligned)
 
 
 def _rows_of_block(group: int, block: tuple[int, ...], samples: list[int], lengths: Sequence[int],
