@@ -92,13 +92,13 @@ def test_benchmark_harness_smoke(tmp_path):
         import cord_v2_sft
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    # Three of the five rows (every row's run is one finetune() through the same harness function; thd_static and
-    # thd with global-batch packing run inside finetune() in tests/bridge/test_training.py): the suite's time.
+    # Two of the five rows (every row's run is one finetune() through the same harness function; thd, thd_static
+    # and thd with global-batch packing run inside finetune() in tests/bridge/test_training.py): the suite's time.
     results = cord_v2_sft.main(["--cpu-tiny", "--iterations", "2", "--warmup", "1", "--micro-batch-sizes", "2",
-                                "--global-batch-size", "8", "--steps", "megatron_bridge", "thd", "thd_static_global",
+                                "--global-batch-size", "8", "--steps", "megatron_bridge", "thd_static_global",
                                 "--out", str(tmp_path), "--workdir", str(tmp_path / "run")])
     rows = results["rows"]
-    assert set(rows) == {"megatron_bridge-mbs2", "thd-mbs2", "thd_static_global-mbs2"}
+    assert set(rows) == {"megatron_bridge-mbs2", "thd_static_global-mbs2"}
     for row in rows.values():
         assert not row["oom"] and row["iterations_measured"] == 1
         assert row["ms_per_iter"] > 0 and row["tflops_per_gpu"] > 0 and row["peak_memory_gib"] > 0
@@ -106,17 +106,16 @@ def test_benchmark_harness_smoke(tmp_path):
     # ranks and micro-batches), and Megatron-Bridge's step counts the padded work in its FLOPs, ours the real work
     # (fewer FLOPs per token processed).
     tokens = {key: row["real_tokens_per_s"] * row["ms_per_iter"] / 1000 for key, row in rows.items()}
-    for key in ("thd-mbs2", "thd_static_global-mbs2"):
-        assert tokens[key] == pytest.approx(tokens["megatron_bridge-mbs2"], rel=1e-9)
+    assert tokens["thd_static_global-mbs2"] == pytest.approx(tokens["megatron_bridge-mbs2"], rel=1e-9)
     # The global-batch row placed both training steps (rank 0's log); its rows end at most at the in-batch row,
     # micro_batch_size * seq_length.
     placed = rows["thd_static_global-mbs2"]["placement"]
     assert placed["steps"] == 2 and placed["slots"] >= placed["real_tokens"] > 0
     static_rows = placed["row_lengths"]
     assert static_rows == sorted(static_rows) and static_rows[-1] <= 2 * 512 and len(static_rows) <= 4
-    assert "placement" not in rows["thd-mbs2"]
+    assert "placement" not in rows["megatron_bridge-mbs2"]
     table = (tmp_path / "cord_v2_sft.md").read_text()
-    assert "| 2 | ours, thd |" in table and "Megatron-Bridge qwen3_vl_step (padded)" in table
+    assert "Megatron-Bridge qwen3_vl_step (padded)" in table
     assert "| 2 | ours, thd_static + global-batch packing |" in table
     assert "* MBS 2, ours, thd_static + global-batch" in table
     assert (tmp_path / "cord_v2_sft.png").stat().st_size > 1000

@@ -116,7 +116,7 @@ def test_the_planner_marks_a_layout_the_step_would_refuse():
     from megatron.bridge_thd.plan.plan_command import build_parser, run
 
     text = run(build_parser().parse_args(["--pp", "2", "--micro-batch-size", "1", "--global-batch-size", "8",
-                                          "--row-buckets", "3", "--num-samples", "64"]))
+                                          "--row-buckets", "3", "--num-samples", "16"]))
     setup = Setup(layout="thd_static", settings=PackingSettings("thd_static", global_batch_packing=GlobalBatchPacking(
         row_buckets=3)), pp=2, micro_batch_size=1)
     (expected,) = RULES["global_batch_row_buckets"].check(setup)
