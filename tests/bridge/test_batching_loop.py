@@ -400,10 +400,13 @@ def test_a_lengths_file_gives_the_training_sets_sizes_and_one_of_another_dataset
     with pytest.raises(ValueError, match=r"lengths_file: .* holds 12 samples, but the dataset has 13 distinct samples"):
         plan_loader(_loader("single", _Indices(13), 0), label="train", cfg=_cfg(), settings=settings, dp_rank=0,
                     dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=1)
-    from megatron.bridge_thd.rules import read_setup
+    from megatron.bridge_thd.configure import configure
 
-    # A lengths file that does not exist: the settings record refuses it when made (docs/settings.md).
-    missing = SimpleNamespace(dataset=SimpleNamespace(dataloader_type="cyclic"), model=SimpleNamespace(seq_length=128))
-    with pytest.raises(ValueError, match=r"^dataset.bridge_thd \(megatron.bridge_thd's settings\):\n"
-                       r"- global_batch_packing.lengths_file: '.*no.json' is not a file; write it with bridge-thd scan"):
-        read_setup(missing, "thd_static", global_batch=GlobalBatchPacking(lengths_file=str(tmp_path / "no.json")))
+    # A lengths file that does not exist: configure refuses it when it makes the settings record (docs/settings.md),
+    # before anything is written; the record itself, read on every rank, checks values only.
+    missing = SimpleNamespace(dataset=SimpleNamespace(dataloader_type="cyclic", seq_length=128),
+                              model=SimpleNamespace(seq_length=128), train=SimpleNamespace(micro_batch_size=2))
+    with pytest.raises(ValueError, match=r"\n- global_batch_packing.lengths_file: '.*no.json' is not a file; write it "
+                       r"with bridge-thd scan"):
+        configure(missing, "thd_static", global_batch_packing=GlobalBatchPacking(lengths_file=str(tmp_path / "no.json")))
+    assert getattr(missing.dataset, "bridge_thd", None) is None

@@ -1711,8 +1711,9 @@ def test_row_buckets_that_are_not_a_positive_int_are_refused(buckets):
     assert snapshot(cfg) == before
 
 
-# PP>1 keeps fixed p2p shapes at micro-batch size 1 only: above it Megatron-Bridge's in-batch packing flag makes its
-# finalize() turn variable_seq_lengths on (rules.Setup.variable_lengths_on_build), and several rows can run.
+# PP>1 keeps fixed p2p shapes at micro-batch size 1, and for a model config without finalize(): above it, Megatron-
+# Bridge's in-batch packing flag makes its finalize() turn variable_seq_lengths on (rules.Setup.variable_lengths_when_run),
+# and several rows can run.
 @pytest.mark.parametrize("model, train, why", [
     ({"pipeline_model_parallel_size": 2}, {"micro_batch_size": 1}, "fixed-shape buffers"),
     ({"cuda_graph_impl": "local"}, None, "CUDA graphs"),
@@ -1730,13 +1731,23 @@ def test_several_rows_where_one_row_shape_can_run_are_refused_and_unset_means_on
 
 
 def test_several_rows_with_pp_are_accepted_where_bridge_makes_the_lengths_variable():
-    """Control for the PP case above: at micro-batch size 4 the model is built with variable_seq_lengths."""
+    """Control for the PP case above: at micro-batch size 4, a Megatron-Bridge model config (it has ``finalize()``)
+    is built with variable_seq_lengths (its validate() sets the in-batch hook, finalize() turns it on), so several
+    rows can run; a config without ``finalize()`` keeps fixed pipeline shapes, so one row."""
     from megatron.bridge_thd.rules import configure_problems, row_buckets
 
-    setup = _row_bucket_setup(4, {"micro_batch_size": 4}, pipeline_model_parallel_size=2)
+    def finalize():
+        return None
+
+    setup = _row_bucket_setup(4, {"micro_batch_size": 4}, pipeline_model_parallel_size=2, finalize=finalize)
     assert setup.variable_lengths_on_build and not setup.fixed_p2p_shapes
     assert not [p for p in configure_problems(setup) if "row_buckets" in p]
-    assert row_buckets(_row_bucket_setup(None, {"micro_batch_size": 4}, pipeline_model_parallel_size=2)) == 4
+    assert row_buckets(_row_bucket_setup(None, {"micro_batch_size": 4}, pipeline_model_parallel_size=2,
+                                         finalize=finalize)) == 4
+    plain = _row_bucket_setup(4, {"micro_batch_size": 4}, pipeline_model_parallel_size=2)
+    assert plain.fixed_p2p_shapes
+    assert [p for p in configure_problems(plain) if p.startswith("global_batch_packing.row_buckets: 4 rows")
+            and "fixed-shape buffers" in p]
 
 
 def test_row_buckets_default_to_four_where_several_row_shapes_can_run():

@@ -246,3 +246,60 @@ def test_the_records_the_rules_and_the_step_read_are_typed_without_any():
         hints = typing.get_type_hints(record, globalns=namespace)
         assert set(hints) == {f.name for f in record.__dataclass_fields__.values()}
         assert not [name for name, hint in hints.items() if "Any" in str(hint)], record.__name__
+
+
+def test_a_stray_hand_set_attribute_is_an_explicit_setting_force_lifts():
+    """After configure, a hand-set attribute that says something else: settings_of refuses the contradiction, and
+    calling configure again settles it (refused as an explicit setting without force, moved into the record with)."""
+    cfg = _cfg(_model(num_moe_experts=None))
+    configure(cfg, "thd")
+    cfg.dataset.packing_layout = "thd_static"
+    with pytest.raises(ValueError, match="contradicts dataset.bridge_thd"):
+        settings_of(cfg.dataset)
+    with pytest.raises(ValueError, match=r"dataset.bridge_thd.layout='thd' was set explicitly"):
+        configure(cfg, "thd_static")
+    configure(cfg, "thd_static", force=True)
+    assert settings_of(cfg.dataset).layout == "thd_static" and cfg.dataset.packing_layout is None
+    # A bad hand-set value the argument replaces: an explicit setting, not a dead end.
+    cfg = _cfg(_model(num_moe_experts=None))
+    cfg.dataset.overlong_samples = "cut"
+    with pytest.raises(ValueError, match=r"dataset.overlong_samples='cut' was set explicitly, but configure stores "
+                       r"overlong_samples='drop' in dataset.bridge_thd"):
+        configure(cfg, "thd", overlong_samples="drop")
+    configure(cfg, "thd", overlong_samples="drop", force=True)
+    assert settings_of(cfg.dataset).overlong_samples == "drop"
+    # Not replaced: the record refuses it, naming the attribute it came from.
+    cfg = _cfg(_model(num_moe_experts=None))
+    cfg.dataset.overlong_samples = "cut"
+    with pytest.raises(ValueError, match=r"(?s)dataset.overlong_samples='cut' from the hand-set settings: .*"
+                       r"overlong_samples: 'cut'; expected one of"):
+        configure(cfg, "thd")
+
+
+def test_files_are_checked_by_configure_not_wherever_the_record_is_read(tmp_path):
+    """A lengths_file must exist when configure makes the record; the record itself (read by the step and the
+    loaders on every rank) checks values only."""
+    missing = str(tmp_path / "lengths.json")
+    record = PackingSettings("thd_static", global_batch_packing=GlobalBatchPacking(lengths_file=missing))
+    assert record.global_batch_packing.resource_problems()  # it is missing
+    cfg = _cfg(_model(num_moe_experts=None))
+    with pytest.raises(ValueError, match=r"global_batch_packing.lengths_file: .* is not a file; write it with "
+                       r"bridge-thd scan"):
+        configure(cfg, "thd_static", global_batch_packing=GlobalBatchPacking(lengths_file=missing))
+    assert getattr(cfg.dataset, "bridge_thd", None) is None  # refused: nothing written
+
+
+def test_the_loaders_read_the_final_model_config_not_a_forecast():
+    """Megatron-Bridge builds the loaders after its finalize(): there the model config's variable_seq_lengths is read
+    as it is. A hand-made config (no finalize) at PP 2 and micro-batch size 4 keeps fixed pipeline shapes, so the
+    loaders choose one thd_static row, as the step's plan then requires."""
+    from megatron.bridge_thd.rules import read_setup, row_buckets
+
+    model = _model(num_moe_experts=None, pipeline_model_parallel_size=2, variable_seq_lengths=False)
+    cfg = _cfg(model)
+    cfg.train.micro_batch_size = 4
+    cfg.dataset.bridge_thd = PackingSettings("thd_static", global_batch_packing=GlobalBatchPacking())
+    loaders = read_setup(cfg, "thd_static", final=True)
+    assert loaders.fixed_p2p_shapes and row_buckets(loaders) == 1
+    model.variable_seq_lengths = True  # what Megatron-Bridge's finalize() leaves for in-batch packing under PP
+    assert row_buckets(read_setup(cfg, "thd_static", final=True)) == 4

@@ -47,7 +47,8 @@ from megatron.bridge_thd.settings import (
     SETTINGS_ATTRIBUTE,
     GlobalBatchPacking,
     PackingSettings,
-    settings_of,
+    field_names,
+    hand_set_values,
 )
 
 __all__ = [
@@ -192,9 +193,10 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
     record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples, length_fallback)
     setup = read_setup(cfg, layout, cuda_graphs, settings=record)
 
-    problems = configure_problems(setup) + _record_problems(sections.dataset)
+    problems = configure_problems(setup) + _record_problems(sections.dataset) + (
+        record.global_batch_packing.resource_problems() if record.global_batch_packing is not None else [])
     changes, notes = _plan_changes(setup, sections, record)
-    overrides = _explicit_overrides(changes) + _layout_overrides(sections.dataset, layout)
+    overrides = _explicit_overrides(changes) + _settings_overrides(sections.dataset, record)
     if not force:
         problems += [override.refusal() for override in overrides]
     if problems:
@@ -226,19 +228,53 @@ def _sections(cfg: Any) -> _Sections:
 
 def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_samples: str | None,
               length_fallback: str | None) -> PackingSettings:
-    """The record ``configure`` stores: ``layout``, and each argument given; what is not given keeps the value the
-    dataset holds (its record, or the hand-set attributes), else the default. Validated when made."""
-    current = settings_of(dataset)
-    if global_batch_packing is None:
-        global_batch = current.global_batch_packing
-    else:
-        global_batch = GlobalBatchPacking() if global_batch_packing is True else global_batch_packing or None
-    return PackingSettings(
-        layout=layout,
-        overlong_samples=current.overlong_samples if overlong_samples is None else overlong_samples,
-        global_batch_packing=global_batch,
-        length_fallback=current.length_fallback if length_fallback is None else length_fallback,
-    )
+    """The record ``configure`` stores, validated when made: ``layout`` and each argument given; a field not given
+    keeps the stored record's value, else a hand-set attribute's (docs/settings.md), else the default. A hand-set
+    value that differs from the result is an explicit setting :func:`_settings_overrides` refuses (``force`` lifts)."""
+    stored = getattr(dataset, SETTINGS_ATTRIBUTE, None)
+    held = {name: getattr(stored, name) for name in field_names()} if isinstance(stored, PackingSettings) else {}
+    hand_set = hand_set_values(dataset)
+    given: dict[str, Any] = {"layout": layout}
+    if overlong_samples is not None:
+        given["overlong_samples"] = overlong_samples
+    if length_fallback is not None:
+        given["length_fallback"] = length_fallback
+    if global_batch_packing is not None:
+        given["global_batch_packing"] = GlobalBatchPacking() if global_batch_packing is True else (
+            global_batch_packing or None)
+    try:
+        return PackingSettings(**{**hand_set, **held, **given})
+    except ValueError as error:
+        kept = {name: value for name, value in hand_set.items() if name not in held and name not in given}
+        if not kept:
+            raise
+        named = ", ".join(f"dataset.{HAND_SET_ATTRIBUTES[name]}={value!r}" for name, value in kept.items())
+        raise ValueError(f"configure: the record takes {named} from the hand-set settings: {error}") from None
+
+
+def _settings_overrides(dataset: Any, record: PackingSettings) -> list[_Override]:
+    """The values the record replaces that the user set explicitly: a stored record's other layout, and each hand-set
+    attribute (a class default counts as not set, :func:`is_explicit`) that says something else than the record."""
+    overrides = []
+    stored = getattr(dataset, SETTINGS_ATTRIBUTE, None)
+    if isinstance(stored, PackingSettings) and stored.layout != record.layout:
+        overrides.append(_Override(_layout_change(dataset, f"{SETTINGS_ATTRIBUTE}.layout", record.layout), stored.layout))
+    for name, attribute in HAND_SET_ATTRIBUTES.items():
+        value, wanted = getattr(dataset, attribute, None), getattr(record, name)
+        if value is None or value == wanted or not is_explicit(dataset, attribute):
+            continue
+        change = _layout_change(dataset, attribute, wanted) if name == "layout" else _Change(
+            dataset, "dataset", attribute, wanted,
+            why=f"configure stores {name}={wanted!r} in dataset.{SETTINGS_ATTRIBUTE}, the one place it is read from",
+            alternative=f", or call configure with {name}={value!r}")
+        overrides.append(_Override(change, value))
+    return overrides
+
+
+def _layout_change(dataset: Any, name: str, layout: str) -> _Change:
+    return _Change(dataset, "dataset", name, layout,
+                   why=f"configure was called with layout={layout!r}, and the step reads its layout from here",
+                   alternative=", or call configure with that layout")
 
 
 def _record_problems(dataset: Any) -> list[str]:
@@ -254,22 +290,6 @@ def _record_problems(dataset: Any) -> list[str]:
 
 def _slots(cls: type) -> set[str]:
     return {name for klass in cls.__mro__ for name in getattr(klass, "__slots__", ())}
-
-
-def _layout_overrides(dataset: Any, layout: str) -> list[_Override]:
-    """A layout the dataset already holds (its record, or a hand-set ``packing_layout``) other than ``layout``."""
-    record = getattr(dataset, SETTINGS_ATTRIBUTE, None)
-    if isinstance(record, PackingSettings):
-        held = record.layout
-    else:  # a hand-set attribute; a class default counts as not set (is_explicit), as for every other setting
-        held = getattr(dataset, "packing_layout", None) if is_explicit(dataset, "packing_layout") else None
-    if held is None or held == layout:
-        return []
-    name = f"{SETTINGS_ATTRIBUTE}.layout" if isinstance(record, PackingSettings) else "packing_layout"
-    change = _Change(dataset, "dataset", name, layout,
-                     why=f"configure was called with layout={layout!r}, and the step reads its layout from here",
-                     alternative=", or call configure with that layout")
-    return [_Override(change, held)]
 
 
 def _wrap_loader_builder() -> None:

@@ -22,7 +22,8 @@ from typing import Any
 from megatron.bridge_thd.checks import is_int_at_least
 from megatron.bridge_thd.layouts import LAYOUT_NAMES
 
-__all__ = ["PackingSettings", "GlobalBatchPacking", "settings_of", "SETTINGS_ATTRIBUTE", "OVERLONG_POLICIES",
+__all__ = ["PackingSettings", "GlobalBatchPacking", "settings_of", "hand_set_values", "field_names",
+           "SETTINGS_ATTRIBUTE", "OVERLONG_POLICIES",
            "LENGTH_FALLBACKS", "DEFAULT_ROW_BUCKETS", "HAND_SET_ATTRIBUTES"]
 
 # Where configure stores the record: an attribute of cfg.dataset.
@@ -73,7 +74,7 @@ class GlobalBatchPacking:
 
     def problems(self) -> list[str]:
         """What is wrong with the values themselves (each naming the setting and what to set); empty when
-        nothing is."""
+        nothing is. Pure: the files the setting names are checked by :meth:`resource_problems`."""
         problems = []
         if self.row_length is not None and not is_int_at_least(self.row_length, 1):
             problems.append(f"global_batch_packing.row_length: {self.row_length!r}; expected None (chosen from the "
@@ -81,11 +82,18 @@ class GlobalBatchPacking:
         if self.row_buckets is not None and not is_int_at_least(self.row_buckets, 1):
             problems.append(f"global_batch_packing.row_buckets: {self.row_buckets!r}; expected None (the default: "
                             f"{DEFAULT_ROW_BUCKETS}, or 1 where only one row shape can run) or an int >= 1")
+        if not is_int_at_least(self.seed, 0):
+            problems.append(f"global_batch_packing.seed: {self.seed!r}; expected an int >= 0")
+        return problems
+
+    def resource_problems(self) -> list[str]:
+        """What the files and presets the setting names lack, checked once where the setting is made (``configure``)
+        rather than wherever the record is read: a ``lengths_file`` that is not a file, a ``cost_model`` the cost
+        module cannot read."""
+        problems = []
         if self.lengths_file is not None and not os.path.isfile(str(self.lengths_file)):
             problems.append(f"global_batch_packing.lengths_file: {self.lengths_file!r} is not a file; write it with "
                             "bridge-thd scan (docs/scan.md), or unset it to scan the data when the loaders are built")
-        if not is_int_at_least(self.seed, 0):
-            problems.append(f"global_batch_packing.seed: {self.seed!r}; expected an int >= 0")
         if self.cost_model is not None:
             from megatron.bridge_thd.batching.cost import sample_cost
 
@@ -130,7 +138,8 @@ class PackingSettings:
                             "mask is refused) or 'pad_token'")
         batching = self.global_batch_packing
         if batching is not None and not isinstance(batching, GlobalBatchPacking):
-            problems.append(f"global_batch_packing: {batching!r}; pass None, True or a GlobalBatchPacking")
+            problems.append(f"global_batch_packing: {batching!r}; expected None or a GlobalBatchPacking (configure's "
+                            "argument also takes True)")
         elif batching is not None:
             problems += batching.problems()
         if problems:
@@ -146,7 +155,7 @@ HAND_SET_ATTRIBUTES = {
 }
 
 
-def _hand_set(dataset: Any) -> dict[str, Any]:
+def hand_set_values(dataset: Any) -> dict[str, Any]:
     """The hand-set attributes of ``dataset`` that hold a value, by :class:`PackingSettings` field."""
     values = {name: getattr(dataset, attribute, None) for name, attribute in HAND_SET_ATTRIBUTES.items()}
     return {name: value for name, value in values.items() if value is not None}
@@ -160,7 +169,7 @@ def settings_of(dataset: Any) -> PackingSettings:
         ValueError: a hand-set value the record does not take, or one that contradicts the stored record.
     """
     record = getattr(dataset, SETTINGS_ATTRIBUTE, None)
-    hand_set = _hand_set(dataset)
+    hand_set = hand_set_values(dataset)
     if record is None:
         try:
             return PackingSettings(**hand_set)

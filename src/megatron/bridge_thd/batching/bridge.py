@@ -376,8 +376,8 @@ def _wrap(original):
         eval_gbs = getattr(cfg.validation, "eval_global_batch_size", None) or gbs
         groups = {"train": (dp_group, gbs, mbs), "valid": (eval_group, eval_gbs, eval_mbs),
                   "test": (eval_group, eval_gbs, eval_mbs)}
-        refuse(read_setup(cfg, run_settings.layout, dp=torch.distributed.get_world_size(group=dp_group)), LOADERS,
-               "global_batch_packing: the loaders cannot be built")
+        refuse(read_setup(cfg, run_settings.layout, dp=torch.distributed.get_world_size(group=dp_group), final=True),
+               LOADERS, "global_batch_packing: the loaders cannot be built")
         steps = _run_steps(cfg)
         plans = []
         for label, loader in zip(("train", "valid", "test"), loaders):
@@ -402,7 +402,7 @@ def _wrap(original):
 
             from megatron.bridge_thd.rules import row_buckets
 
-            count = row_buckets(read_setup(cfg, "thd_static"))
+            count = row_buckets(read_setup(cfg, "thd_static", final=True))
             row_lengths = run_row_buckets(plans, settings=settings, count=count, row_length=row, align=align, cost=cost)
             _log_rows(row_lengths, count)
             # Where the step's plan reads the run's rows: Megatron-Bridge's runtime state, not the user's config.

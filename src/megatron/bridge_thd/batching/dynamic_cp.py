@@ -137,6 +137,10 @@ def _rows_of_block(group: int, block: tuple[int, ...], samples: list[int], lengt
     slots = {sample: round_up(int(lengths[sample]), align) for sample in samples}
     rows: list[list[int]] = []
     used: list[int] = []
+    too_long = [sample for sample in samples if slots[sample] > capacity]
+    if too_long:  # the scheduler's CP size of a sample always holds it; a change upstream would show here
+        raise RuntimeError(f"BalancedCPScheduler gave samples {too_long} of group {group} {len(block)} ranks, which hold "
+                           f"{capacity} slots, fewer than they take")
     for sample in sorted(samples, key=lambda s: (-slots[s], s)):
         for index, total in enumerate(used):
             if total + slots[sample] <= capacity:

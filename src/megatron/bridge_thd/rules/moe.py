@@ -59,7 +59,8 @@ def _moe_overlap(s: Setup) -> list[str]:
             f"{s.moe_overlap}=True with layout={s.layout!r}: Megatron-Core's combined 1F1B schedule asks the "
             "forward step for a schedule plan (return_schedule_plan=True), which the step builds with "
             f"model.build_schedule_plan, and the model this run builds ({s.built_model}"
-            f"{'' if s.built else f', declared by {s.provider}.provide'}) has none, so the first step fails; set "
+            f"{f', declared by {s.provider}.provide' if s.provider and not s.built else ''}) has none, so the first "
+            "step fails; set "
             f"{s.moe_overlap}=False"
         ]
     return []

@@ -266,7 +266,8 @@ class Setup:
         family: the model family (:mod:`megatron.bridge_thd.adapters`), when known.
         routes_real_tokens_only: the MoE routers see real tokens only (the padding-mask hook).
         row_lengths: ``thd_static`` under global-batch packing: the run's rows, ascending (the step).
-        built: the model exists and its config is final (the step).
+        built: the model config is final (the step; the loaders, which Megatron-Bridge builds after its
+            ``finalize()``; the hook): its ``variable_seq_lengths`` is read as it is, not foreseen.
         te_cp_padding_defect: the installed Transformer Engine's CP padding defect, if any (the step).
         length_fallback_pad_id: the pad id the length fallback reads (the step; None: none found).
     """
@@ -315,10 +316,20 @@ class Setup:
     def variable_lengths_on_build(self) -> bool:
         """PP>1 and the model config holds ``variable_seq_lengths=True`` when the model is built: set by the user, by
         Megatron-Bridge's ``finalize()`` through the hook its ``validate()`` sets for in-batch packing, or by
-        ``configure`` for ``"thd"``; in the step, the built config says."""
+        ``configure`` for ``"thd"``; where the config is final (``built``), as it says."""
         if self.built:
             return self.pp > 1 and self.model.variable_seq_lengths
         return self.pp > 1 and (self.model.variable_seq_lengths or self.bridge_packing_flag or self.layout == "thd")
+
+    @property
+    def variable_lengths_when_run(self) -> bool:
+        """Like :attr:`variable_lengths_on_build`, but the in-batch flag counts only where a ``finalize()`` will turn
+        Megatron-Bridge's hook into ``variable_seq_lengths`` (its own model configs): a config without one keeps
+        fixed pipeline shapes whatever the flag."""
+        if self.built:
+            return self.pp > 1 and self.model.variable_seq_lengths
+        return self.pp > 1 and (self.model.variable_seq_lengths or self.layout == "thd"
+                                or (self.bridge_packing_flag and self.model.finalizes))
 
     @property
     def pipeline_graphs(self) -> bool:
@@ -339,7 +350,7 @@ class Setup:
     def fixed_p2p_shapes(self) -> bool:
         """Pipeline stages exchange fixed-shape buffers (PP>1 without ``variable_seq_lengths`` when the model is
         built)."""
-        return self.pp > 1 and not self.variable_lengths_on_build
+        return self.pp > 1 and not self.variable_lengths_when_run
 
     @property
     def align(self) -> int:
@@ -400,14 +411,15 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
                settings: PackingSettings | None = None, model_config: Any = None, sizes: dict[str, int] | None = None,
                routes_real_tokens_only: bool | None = None, adapter: Any = None, row_lengths: tuple[int, ...] = (),
                built_model: type | None = None, te_cp_padding_defect: str | None = None,
-               length_fallback_pad_id: int | None = None, dp: int | None = None) -> Setup:
+               length_fallback_pad_id: int | None = None, dp: int | None = None, final: bool = False) -> Setup:
     """The :class:`Setup` of ``cfg`` for ``layout``.
 
     ``configure`` passes the config and the settings it is about to store (``settings``, or ``global_batch`` alone:
     the others then come from ``cfg.dataset``). The step also passes what only a built model knows: its
     ``model_config`` (read before ``cfg.model``), the process-group ``sizes`` (``tp``, ``cp``, ``pp``, ``ep``),
     whether its MoE routers see real tokens only, its ``adapter``, global-batch packing's rows, the model class it
-    built, the Transformer Engine defect found and the length fallback's pad id.
+    built, the Transformer Engine defect found and the length fallback's pad id. The loaders pass the DP size and
+    ``final`` (Megatron-Bridge builds them after its ``finalize()``: the model config is read as it is).
     """
     dataset = getattr(cfg, "dataset", None)
     model_root = getattr(cfg, "model", None)
@@ -420,8 +432,9 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
         settings = dataclasses.replace(stored, layout=layout, global_batch_packing=global_batch if global_batch
                                        is not None else stored.global_batch_packing)
     # Bridge's validate reads the model's transformer config this way (GPTModelConfig proxies it).
-    built = model_config is not None
-    model = read_model_facts(model_config if built else getattr(model_root, "transformer", model_root), model_root)
+    built = model_config is not None or final
+    model = read_model_facts(model_config if model_config is not None else getattr(model_root, "transformer", model_root),
+                             model_root)
     if routes_real_tokens_only is None:
         # moe_padding.padding_mask_pre_wrap_hook carries this mark.
         hooks = tuple(getattr(model_root, "_pre_wrap_hooks", None) or ())
