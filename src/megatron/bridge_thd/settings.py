@@ -22,7 +22,7 @@ from typing import Any
 from megatron.bridge_thd.checks import is_int_at_least
 from megatron.bridge_thd.layouts import LAYOUT_NAMES
 
-__all__ = ["PackingSettings", "GlobalBatchPacking", "settings_of", "hand_set_values", "field_names",
+__all__ = ["PackingSettings", "GlobalBatchPacking", "settings_of", "holds_settings", "hand_set_values", "field_names",
            "SETTINGS_ATTRIBUTE", "OVERLONG_POLICIES",
            "LENGTH_FALLBACKS", "DEFAULT_ROW_BUCKETS", "HAND_SET_ATTRIBUTES"]
 
@@ -159,6 +159,11 @@ def hand_set_values(dataset: Any) -> dict[str, Any]:
     """The hand-set attributes of ``dataset`` that hold a value, by :class:`PackingSettings` field."""
     values = {name: getattr(dataset, attribute, None) for name, attribute in HAND_SET_ATTRIBUTES.items()}
     return {name: value for name, value in values.items() if value is not None}
+
+
+def holds_settings(dataset: Any) -> bool:
+    """Whether ``dataset`` holds our settings: the record ``configure`` stores, or hand-set attributes."""
+    return getattr(dataset, SETTINGS_ATTRIBUTE, None) is not None or bool(hand_set_values(dataset))
 
 
 def settings_of(dataset: Any) -> PackingSettings:

@@ -25,6 +25,7 @@ from megatron.bridge_thd.rules import (
     ROUTES_REAL_TOKENS_ONLY,
     STEP,
     layout_dependent_moe_settings,
+    read_model_facts,
     read_setup,
     refuse,
     requested_layout,
@@ -251,11 +252,11 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
     cfg = state.cfg
     settings = settings_of(cfg.dataset)
     sizes = _sizes(pg_collection)
-    probe = read_setup(cfg, "bshd", model_config=model_config, sizes=sizes)
-    layout = _resolved_layout(cfg, sizes, probe.model.variable_seq_lengths)
+    layout = _resolved_layout(cfg, sizes, read_model_facts(model_config, cfg.model).variable_seq_lengths)
     recorded = getattr(getattr(state, "train_state", None), ROWS_ATTRIBUTE, None)
     recorded = recorded.rows if isinstance(recorded, GlobalBatchRows) else ()
-    setup = read_setup(cfg, layout, model_config=model_config, sizes=sizes, adapter=adapter, built_model=type(core),
+    setup = read_setup(cfg, layout, settings=settings, model_config=model_config, sizes=sizes, adapter=adapter,
+                       built_model=type(core),
                        routes_real_tokens_only=bool(getattr(core, ROUTES_REAL_TOKENS_ONLY, False)),
                        row_lengths=tuple(row.length for row in recorded),
                        te_cp_padding_defect=_te_cp_padding_defect(layout, sizes["cp"]),

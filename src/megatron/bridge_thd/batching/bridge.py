@@ -24,7 +24,7 @@ from typing import Any
 
 from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.patches import Patch
-from megatron.bridge_thd.settings import SETTINGS_ATTRIBUTE, GlobalBatchPacking, settings_of
+from megatron.bridge_thd.settings import GlobalBatchPacking, holds_settings, settings_of
 
 __all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "plan_loader", "run_row_length",
            "run_row_buckets", "run_static_rows", "check_overlong", "measure_overlong_samples",
@@ -341,14 +341,6 @@ def measure_overlong_samples(loaders, policy: str) -> None:
             loader.collate_fn = OverlongCollate(loader.collate_fn, policy)
 
 
-def _configured(dataset) -> bool:
-    """``configure`` set the config up for our step (its record), or the settings were set by hand."""
-    from megatron.bridge_thd.settings import HAND_SET_ATTRIBUTES
-
-    return getattr(dataset, SETTINGS_ATTRIBUTE, None) is not None or any(
-        getattr(dataset, attribute, None) is not None for attribute in HAND_SET_ATTRIBUTES.values())
-
-
 def _wrap(original):
     """``build_train_valid_test_data_loaders`` whose loaders measure over-long samples when ``configure`` set the
     config up for our step (its settings record) and are rebuilt around the placement when
@@ -356,7 +348,7 @@ def _wrap(original):
 
     def build_train_valid_test_data_loaders(cfg, train_state, *args, **kwargs):
         loaders = original(cfg, train_state, *args, **kwargs)
-        if not _configured(cfg.dataset):
+        if not holds_settings(cfg.dataset):
             return loaders
         run_settings = settings_of(cfg.dataset)
         measure_overlong_samples(loaders, run_settings.overlong_samples)
@@ -376,8 +368,9 @@ def _wrap(original):
         eval_gbs = getattr(cfg.validation, "eval_global_batch_size", None) or gbs
         groups = {"train": (dp_group, gbs, mbs), "valid": (eval_group, eval_gbs, eval_mbs),
                   "test": (eval_group, eval_gbs, eval_mbs)}
-        refuse(read_setup(cfg, run_settings.layout, dp=torch.distributed.get_world_size(group=dp_group), final=True),
-               LOADERS, "global_batch_packing: the loaders cannot be built")
+        setup = read_setup(cfg, run_settings.layout, settings=run_settings,
+                           dp=torch.distributed.get_world_size(group=dp_group), final=True)
+        refuse(setup, LOADERS, "global_batch_packing: the loaders cannot be built")
         steps = _run_steps(cfg)
         plans = []
         for label, loader in zip(("train", "valid", "test"), loaders):
@@ -402,7 +395,7 @@ def _wrap(original):
 
             from megatron.bridge_thd.rules import row_buckets
 
-            count = row_buckets(read_setup(cfg, "thd_static", final=True))
+            count = row_buckets(setup)  # the setup judged above: layout "thd_static" here
             row_lengths = run_row_buckets(plans, settings=settings, count=count, row_length=row, align=align, cost=cost)
             _log_rows(row_lengths, count)
             # Where the step's plan reads the run's rows: Megatron-Bridge's runtime state, not the user's config.

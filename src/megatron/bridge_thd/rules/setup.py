@@ -251,7 +251,8 @@ class Setup:
 
     Attributes:
         layout: the layout judged.
-        settings: the run's :class:`~megatron.bridge_thd.settings.PackingSettings`.
+        settings: the run's :class:`~megatron.bridge_thd.settings.PackingSettings` (its ``layout`` is the one asked
+            for; the rules judge ``layout``).
         model: the transformer config's facts.
         tp, cp, pp, ep, dp: the parallel sizes (``dp`` None where unknown: ``configure``).
         cuda_graphs: ``configure``'s ``cuda_graphs`` argument as passed (None elsewhere).
@@ -427,10 +428,10 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
         raise ValueError("cfg: needs cfg.dataset and cfg.model (a Megatron-Bridge ConfigContainer or alike)")
     if layout not in LAYOUT_NAMES:
         raise ValueError(f"layout: {layout!r} is not one of {LAYOUT_NAMES}")
-    if settings is None:
-        stored = settings_of(dataset)
-        settings = dataclasses.replace(stored, layout=layout, global_batch_packing=global_batch if global_batch
-                                       is not None else stored.global_batch_packing)
+    if settings is None:  # the stored record (its layout is the one asked for; ``layout`` is the one judged)
+        settings = settings_of(dataset)
+        if global_batch is not None:
+            settings = dataclasses.replace(settings, global_batch_packing=global_batch)
     # Bridge's validate reads the model's transformer config this way (GPTModelConfig proxies it).
     built = model_config is not None or final
     model = read_model_facts(model_config if model_config is not None else getattr(model_root, "transformer", model_root),
