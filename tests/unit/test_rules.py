@@ -197,6 +197,7 @@ ALLOWED = {
     ("plan/presets.py", ": field"): "a config.json file's content",
     ("plan/presets.py", ": no such config.json"): "a missing file",
     ("step/capture.py", "attention_mask:"): "a batch without a mask (the data)",
+    ("cp_per_sample.py", "batch: no 'local_cp_size'"): "an iterator that is not Megatron-Core's hybrid-CP schedule's",
     ("step/rows.py", "batch:  samples for train.micro_batch_size"): "a batch of another size than the loaders'",
     ("step/rows.py", "batch:  samples, but the run's static row"): "a batch the static row cannot hold",
 }
@@ -303,3 +304,52 @@ def test_the_loaders_read_the_final_model_config_not_a_forecast():
     assert loaders.fixed_p2p_shapes and row_buckets(loaders) == 1
     model.variable_seq_lengths = True  # what Megatron-Bridge's finalize() leaves for in-batch packing under PP
     assert row_buckets(read_setup(cfg, "thd_static", final=True)) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# a CP size per sample (Megatron-Core's hybrid_context_parallel)
+
+
+def _hybrid(**facts) -> dict:
+    return dict(hybrid_cp=True, max_tokens_per_rank=4096, per_token_loss=True, **facts)
+
+
+def test_cp_per_sample_runs_in_the_step_with_what_the_hybrid_schedule_needs():
+    from megatron.bridge_thd.rules import ModelFacts
+
+    accepted = Setup(layout="thd", model=ModelFacts(**_hybrid()), seq_lengths=(8192, 8192))
+    assert rules.problems(accepted, STEP) == []
+    off = Setup(layout="bshd", pp=2, cp=2, model=ModelFacts(experts=8))  # none of these rules without the flag
+    assert not [p for p in rules.problems(off, STEP) if "hybrid_context_parallel" in p]
+
+
+@pytest.mark.parametrize("setup, expected", [
+    (dict(pp=2), "pipeline_model_parallel_size=2.*set pipeline_model_parallel_size=1"),
+    (dict(cp=2), "context_parallel_size=2.*set context_parallel_size=1"),
+    (dict(facts=dict(per_token_loss=False)), "calculate_per_token_loss=False.*set calculate_per_token_loss=True"),
+    (dict(facts=dict(max_tokens_per_rank=None)), "max_seqlen_per_dp_cp_rank is not set"),
+    (dict(facts=dict(graphs=True, graph_setting="model.cuda_graph_impl='local'")), "CUDA graphs are on"),
+    (dict(moe_overlap="model.overlap_moe_expert_parallel_comm"), "overlap_moe_expert_parallel_comm=True"),
+    (dict(layout="thd_static"), "layout='thd_static'.*set layout='thd'"),
+    (dict(layout="bshd"), "layout='bshd'.*set layout='thd'"),
+    (dict(facts=dict(experts=4)), "num_moe_experts=4.*static context_parallel_size"),
+    (dict(facts=dict(linear_attention="gated_delta_net")), "'gated_delta_net'.*Gated DeltaNet"),
+    (dict(facts=dict(mtp_layers=1)), "mtp_num_layers=1"),
+])
+def test_cp_per_sample_refusals_name_the_setting(setup, expected):
+    from megatron.bridge_thd.rules import ModelFacts
+
+    setup = dict(setup)
+    facts = _hybrid()
+    facts.update(setup.pop("facts", {}))
+    s = Setup(layout=setup.pop("layout", "thd"), model=ModelFacts(**facts), seq_lengths=(8192, 8192), **setup)
+    found = [p for p in rules.problems(s, STEP) if p.startswith("model.hybrid_context_parallel")]
+    assert len(found) == 1 and re.search(expected, found[0]), found
+
+
+def test_configure_refuses_cp_per_sample_until_its_loaders_exist():
+    """The schedule reads one item of every row per step, which Megatron-Bridge's loaders do not yield."""
+    from megatron.bridge_thd.rules import ModelFacts
+
+    found = rules.problems(Setup(layout="thd", model=ModelFacts(**_hybrid()), seq_lengths=(8192, 8192)), CONFIGURE)
+    assert len(found) == 1 and "loaders" in found[0] and "set hybrid_context_parallel=False" in found[0]

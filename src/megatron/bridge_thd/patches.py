@@ -13,8 +13,9 @@ The patches (targets, where they are built and applied, why; one line each in do
   ``torch.cuda.current_device`` (the ropes place ``inv_freq`` on it); the TE names
   ``modelling_qwen3_vl/model.py`` binds at import, ``get_vit_layer_with_transformer_engine_spec``,
   ``TENorm``, ``TEColumnParallelLinear``, ``TERowParallelLinear``; ``megatron.core.utils.tex`` (the
-  THD CP split); ``torch`` as ``schedules``, ``p2p_communication`` and ``token_dispatcher`` see it,
-  and ``token_dispatcher.maybe_move_tensor_to_cpu`` (CUDA tensors, syncs, streams, split sizes);
+  THD CP split); ``torch`` as ``schedules``, ``p2p_communication``, ``hybrid_cp_schedule`` and
+  ``token_dispatcher`` see it, and ``token_dispatcher.maybe_move_tensor_to_cpu`` (CUDA tensors, syncs, streams,
+  split sizes); ``torch`` as ``modelling_qwen3_vl/utils.py`` sees it (an uneven ``all_gather`` on gloo);
   Gated DeltaNet without fla: ``gated_delta_net.common`` ``HAVE_FLA``, ``causal_conv1d``,
   ``l2norm``, ``chunk_gated_delta_rule``, ``get_cuda_rng_tracker``, ``gated_delta_net.gdn``
   ``causal_conv1d``, ``chunk_gated_delta_rule``, and the ``torch.compile`` methods of ``_GDNBase``

@@ -13,13 +13,14 @@ config) by :mod:`megatron.bridge_thd.batching.bridge`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass
 import torch
 
 from megatron.bridge_thd.adapters import ModelAdapter, VisionTokens
-from megatron.bridge_thd.layouts import layout_for, static_row_length
+from megatron.bridge_thd.layouts import layout_for, static_row_length, thd_alignment
 from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.rules import (
     ROUTES_REAL_TOKENS_ONLY,
@@ -31,6 +32,7 @@ from megatron.bridge_thd.rules import (
     requested_layout,
 )
 from megatron.bridge_thd.settings import settings_of
+from megatron.bridge_thd.cp_per_sample import CPPerSample, find_cp_group_holders
 from megatron.bridge_thd.upstream import load_bridge_module
 from megatron.bridge_thd.upstream_line import upstream_line
 
@@ -117,6 +119,9 @@ class StepPlan:
         check_nan, check_spiky: Megatron-Bridge's loss checks (``rerun_state_machine``).
         device: where the model's parameters are.
         model_name: the model's class name (logs).
+        cp_per_sample: Megatron-Core's ``hybrid_context_parallel``: a CP size per row, the alignment of each and where
+            the model keeps its CP group (:class:`~megatron.bridge_thd.cp_per_sample.CPPerSample`); None
+            otherwise.
     """
 
     layout: str
@@ -141,6 +146,7 @@ class StepPlan:
     check_spiky: bool
     device: torch.device
     model_name: str
+    cp_per_sample: CPPerSample | None = None
 
     @property
     def packed(self) -> bool:
@@ -150,6 +156,12 @@ class StepPlan:
     def static_row(self) -> StaticRow | None:
         """The longest of :attr:`static_rows` (the one every micro-batch fits), or None."""
         return self.static_rows[-1] if self.static_rows else None
+
+    def for_row_cp(self, cp_size: int) -> StepPlan:
+        """The plan for a row on ``cp_size`` ranks under a CP size per row: that CP size and its alignment."""
+        if self.cp_per_sample is None:
+            raise ValueError("for_row_cp: this plan has one CP size for every row")
+        return dataclasses.replace(self, cp=cp_size, align=self.cp_per_sample.alignment(cp_size))
 
     @property
     def static_row_lengths(self) -> tuple[int, ...]:
@@ -279,9 +291,24 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
         check_nan=bool(getattr(rerun, "check_for_nan_in_loss", True)),
         check_spiky=bool(getattr(rerun, "check_for_spiky_loss", False)),
         device=next(core.parameters()).device, model_name=type(core).__name__,
+        cp_per_sample=_cp_per_sample(setup, core, pg_collection),
     )
     _log_plan(plan)
     return plan
+
+
+def _cp_per_sample(setup, core, pg_collection) -> CPPerSample | None:
+    """Under ``hybrid_context_parallel``: the CP sizes a row may run with (1, 2, 4, ... the DP x CP world, Megatron-
+    Core's hybrid groups), each one's alignment, and where the model keeps its CP group. None otherwise."""
+    if not setup.model.hybrid_cp:
+        return None
+    world = pg_collection.dp_cp.size()
+    sizes = [1]
+    while sizes[-1] < world:
+        sizes.append(2 * sizes[-1])
+    alignments = tuple((k, thd_alignment(setup.tp, k, sequence_parallel=setup.model.sequence_parallel,
+                                         fp8=setup.model.fp8)) for k in sizes)
+    return CPPerSample(world=world, alignments=alignments, holders=find_cp_group_holders(core))
 
 
 def _takes_a_cp_local_padding_mask(core) -> bool:

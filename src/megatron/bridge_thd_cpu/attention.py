@@ -154,6 +154,8 @@ class THDCoreAttention(torch.nn.Module):
 
     * THD (``packed_seq_params`` given): q ``(N / cp, H, D)``, k, v ``(N / cp, Hkv, D)``;
       returns ``(N / cp, H * D)``.
+    * A CP group per sample (Megatron-Core's hybrid context parallelism): ``packed_seq_params.cp_group`` /
+      ``local_cp_size`` replace the group for this and later calls, as in Transformer Engine.
     * BSHD: q ``(S / cp, B, H, D)``; each batch row is one causal sequence (right padding is
       harmless under a causal mask); an explicit Megatron mask ``(B|1, 1, S, S)`` (True =
       masked) is honoured on one CP rank. Returns ``(S / cp, B, H * D)``.
@@ -191,6 +193,7 @@ class THDCoreAttention(torch.nn.Module):
             raise ValueError("attention_bias: not supported by the CPU THD attention")
         dropout_p = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None:
+            self._take_runtime_cp_group(packed_seq_params)
             cu = packed_seq_params.cu_seqlens_q
             cu_padded = packed_seq_params.cu_seqlens_q_padded
             out = thd_cp_attention(
@@ -199,6 +202,21 @@ class THDCoreAttention(torch.nn.Module):
             )
             return out.reshape(out.shape[0], -1)
         return self._bshd(query, key, value, attention_mask, dropout_p)
+
+    def _take_runtime_cp_group(self, packed_seq_params) -> None:
+        """A CP group per sample, as Transformer Engine's ``TEDotProductAttention.forward`` takes it (Megatron-Core
+        ``extensions/transformer_engine.py``): ``packed_seq_params.cp_group`` replaces the module's group, and
+        ``local_cp_size`` without a group (it must be 1) turns CP off; either persists on the module for later calls
+        that carry neither, as it does there."""
+        group = getattr(packed_seq_params, "cp_group", None)
+        local_cp_size = getattr(packed_seq_params, "local_cp_size", None)
+        if group is not None:
+            self.cp_group = group if group.size() > 1 else None
+        elif local_cp_size is not None:
+            if int(local_cp_size) != 1:
+                raise ValueError(f"packed_seq_params.local_cp_size: {int(local_cp_size)} without a cp_group; a CP size "
+                                 "above 1 comes with its group (Megatron-Core's hybrid CP groups), 1 turns CP off")
+            self.cp_group = None
 
     def _bshd(self, query, key, value, attention_mask, dropout_p):
         local_len, batch, heads, head_dim = query.shape

@@ -23,6 +23,7 @@ from megatron.bridge_thd.upstream_line import upstream_line
 __all__ = ["cpu_stack", "cpu_patches", "local_vit_layer_spec", "QWEN3_VL_MODEL_MODULE"]
 
 QWEN3_VL_MODEL_MODULE = "models.qwen_vl.modelling_qwen3_vl.model"
+QWEN3_VL_UTILS_MODULE = "models.qwen_vl.modelling_qwen3_vl.utils"
 QWEN3_VL_ATTENTION_MODULE = "models.qwen_vl.modelling_qwen3_vl.attention"
 
 
@@ -212,6 +213,35 @@ def _te_isinstance_patches() -> list[Patch]:
     return patches
 
 
+def _uneven_all_gather(outputs, tensor, group=None, async_op=False):
+    """``torch.distributed.all_gather`` into outputs whose first dimensions differ, as ProcessGroupNCCL runs it
+    (gloo gathers equal shapes only): every rank's tensor padded to the longest, gathered, and cut back."""
+    import torch.distributed as dist
+
+    if async_op:
+        raise ValueError("async_op: the CPU stack's uneven all_gather is synchronous")
+    longest = max(out.shape[0] for out in outputs)
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in outputs]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    for out, part in zip(outputs, parts):
+        out.copy_(part[: out.shape[0]])
+
+
+class _TorchWithUnevenAllGather:
+    """``torch`` as Megatron-Bridge's ``modelling_qwen3_vl/utils.py`` sees it: ``torch.distributed.all_gather`` takes
+    outputs of different lengths (its ``AllGatherVisionEmbeddings`` gathers each CP rank's share of the vision
+    tower's frames, dealt by count)."""
+
+    class _Distributed:
+        def __getattr__(self, name):
+            return _uneven_all_gather if name == "all_gather" else getattr(torch.distributed, name)
+
+    def __getattr__(self, name):
+        return self._Distributed() if name == "distributed" else getattr(torch, name)
+
+
 def cpu_patches() -> list[Patch]:
     """Every patch this machine needs to build and run Megatron-Bridge's real models
     (model-spec names always; the rest only where CUDA, Transformer Engine or fla is absent)."""
@@ -228,6 +258,7 @@ def cpu_patches() -> list[Patch]:
         Patch(model_module, "TERowParallelLinear", RowParallelLinear, te_name + "Megatron-Core's local linear"),
     ]
     if not torch.cuda.is_available():
+        import megatron.core.pipeline_parallel.hybrid_cp_schedule as hybrid_cp_schedule
         import megatron.core.pipeline_parallel.p2p_communication as p2p
         import megatron.core.pipeline_parallel.schedules as schedules
         import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
@@ -237,6 +268,12 @@ def cpu_patches() -> list[Patch]:
                   "MultimodalRotaryEmbedding and Megatron-Bridge's Qwen3-VL rope place inv_freq on it unconditionally"),
             Patch(schedules, "torch", _TorchOnCpu(), "the schedules allocate total_num_tokens with device='cuda'"),
             Patch(p2p, "torch", _TorchOnCpu(), "p2p_communication calls torch.cuda.synchronize()"),
+            Patch(load_bridge_module(QWEN3_VL_UTILS_MODULE), "torch", _TorchWithUnevenAllGather(),
+                  "vision_dp_when_cp: AllGatherVisionEmbeddings gathers CP ranks' unequal frame shares, which NCCL "
+                  "takes and gloo does not"),
+            Patch(hybrid_cp_schedule, "torch", _TorchOnCpu(),
+                  "the hybrid-CP schedule makes its per-group sample counts with device='cuda' (as Megatron-LM's own "
+                  "test_schedules.py patches it)"),
             Patch(token_dispatcher, "torch", _TorchOnCpu(),
                   "the all-to-all dispatcher copies split sizes on a torch.cuda.Stream: an in-order no-op stream"),
             Patch(token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_on_host,

@@ -55,7 +55,8 @@ def _context():
     return context
 
 
-def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize, environment, path_entries):
+def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize, environment, path_entries,
+            hybrid_cp=False):
     path = os.path.join(folder, f"rank{rank}.pt")
     try:
         # The caller's environment and import path as they are now (a forked rank would otherwise see the
@@ -87,6 +88,7 @@ def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initia
                     pipeline_model_parallel_size=sizes["pp"],
                     context_parallel_size=sizes["cp"],
                     expert_model_parallel_size=sizes["ep"],
+                    **({"hybrid_context_parallel": True} if hybrid_cp else {}),
                 )
             from megatron.bridge_thd_cpu.stack import cpu_stack
 
@@ -101,7 +103,8 @@ def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initia
 
 
 def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1,
-                timeout: float = 300.0, whole_bridge: bool = False, initialize: bool = True) -> list:
+                timeout: float = 300.0, whole_bridge: bool = False, initialize: bool = True,
+                hybrid_cp: bool = False) -> list:
     """Call ``fn(*args)`` on ``tp * cp * pp * dp`` gloo processes and return every rank's result.
 
     Args:
@@ -118,6 +121,8 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
         initialize: create the gloo process group and Megatron-Core's groups; False leaves that to
             ``fn`` (Megatron-Bridge's own ``initialize_megatron``), with torchrun's ``RANK`` /
             ``WORLD_SIZE`` / ``MASTER_*`` / ``LOCAL_RANK`` set.
+        hybrid_cp: build Megatron-Core's hybrid context-parallel groups too
+            (``initialize_model_parallel(hybrid_context_parallel=True)``: aligned groups of 2, 4, ... DP x CP ranks).
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]`` (global ranks).
@@ -139,7 +144,7 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
         processes = [
             context.Process(target=_worker, daemon=False,
                             args=(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize,
-                                  dict(os.environ), list(sys.path)))
+                                  dict(os.environ), list(sys.path), hybrid_cp))
             for rank in range(world_size)
         ]
         # One deadline for the whole world, its start included: a hang anywhere (a stage waiting on a

@@ -81,6 +81,39 @@ class DynamicCPPlacement:
         """Each sample's CP size, by position."""
         return {sample: row.cp_size for row in self.rows for sample in row.samples}
 
+    def row_id_groups(self) -> list[list[list[int]]]:
+        """The rows as Megatron-Core's hybrid-CP schedule reads its ``sample_id_groups``: ``[group][rank]`` -> the
+        ids (positions in :attr:`rows`) of the rows that rank runs in that group, in order. The schedule gives a row
+        as many ranks as lists hold its id (its CP size) and runs one forward per row.
+
+        Raises:
+            RuntimeError: a rank has no row in some group (the schedule runs every rank's last row of the last group
+                outside its loop, and every group behind a barrier of all ranks; the scheduler fills every rank).
+        """
+        groups: list[list[list[int]]] = [[[] for _ in range(self.world)] for _ in range(self.groups)]
+        for row_id, row in enumerate(self.rows):
+            for rank in row.ranks:
+                groups[row.group][rank].append(row_id)
+        idle = [(group, rank) for group, ranks in enumerate(groups) for rank, ids in enumerate(ranks) if not ids]
+        if idle:
+            raise RuntimeError(f"place_with_cp_per_sample: ranks without a row in a group (group, rank) {idle}; "
+                               "Megatron-Core's hybrid-CP schedule needs a row on every rank in every group")
+        return groups
+
+    def schedule_item(self, rank: int, row_batch) -> tuple[dict[int, dict], list[list[list[int]]]]:
+        """One step's item for Megatron-Core's hybrid-CP schedule on ``rank``: ``({row id: row batch}, row id
+        groups)``, what ``hybrid_context_parallel_forward_backward`` reads with one ``next`` per step. Only the rank's
+        own rows are built (the schedule reads no other).
+
+        Args:
+            rank: this rank's DP x CP index.
+            row_batch: ``CPRow -> dict``, the row's micro-batch (its samples collated whole: tokens, labels, masks,
+                pixels, grids), which the step packs into one THD row.
+        """
+        groups = self.row_id_groups()
+        mine = {row_id for group in groups for row_id in group[rank]}
+        return {row_id: row_batch(self.rows[row_id]) for row_id in sorted(mine)}, groups
+
 
 def cp_slots(length: int, world: int) -> int:
     """A sample's slots as the scheduler sees them: ``length`` aligned to ``2 * world``, which every CP size up to

@@ -7,13 +7,13 @@ global-batch loaders read the same :class:`Setup` record and run the rules regis
 
 * :mod:`.setup`: the facts (:class:`Setup`, :class:`ModelFacts`), read once from the configuration;
 * :mod:`.registry`: the registry (:func:`~.registry.rule`, :func:`~.registry.problems`, :func:`~.registry.refuse`);
-* :mod:`.data`, :mod:`.graphs`, :mod:`.moe`, :mod:`.rows`: the rules, by subject.
+* :mod:`.data`, :mod:`.graphs`, :mod:`.moe`, :mod:`.rows`, :mod:`.cp_per_sample`: the rules, by subject.
 """
 
 from __future__ import annotations
 
 # The rule modules register their rules on import, in this order (the order configure lists problems in).
-from megatron.bridge_thd.rules import data, graphs, moe, rows  # noqa: F401
+from megatron.bridge_thd.rules import cp_per_sample, data, graphs, moe, rows  # noqa: F401
 from megatron.bridge_thd.rules.graphs import variable_lengths_set_by_bridge
 from megatron.bridge_thd.rules.moe import layout_dependent_moe_settings
 from megatron.bridge_thd.rules.registry import (

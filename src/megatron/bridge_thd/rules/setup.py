@@ -154,6 +154,12 @@ class ModelFacts:
         moe_overlap: ``overlap_moe_expert_parallel_comm``.
         sizes: ``(tp, cp, pp, ep)`` from the ``*_parallel_size`` settings.
         class_name: the config's class (messages).
+        hybrid_cp: ``hybrid_context_parallel`` (Megatron-Core's CP size per sample).
+        max_tokens_per_rank: ``max_seqlen_per_dp_cp_rank`` (its per-rank token limit).
+        per_token_loss: ``calculate_per_token_loss``.
+        vision_dp_when_cp: ``vision_dp_when_cp`` (Megatron-Bridge's Qwen3-VL splits the vision tower over CP).
+        mtp_layers: ``mtp_num_layers`` (0: none).
+        linear_attention: ``experimental_attention_variant`` (e.g. ``"gated_delta_net"``; None: none).
     """
 
     seq_length: int | None = None
@@ -179,6 +185,12 @@ class ModelFacts:
     moe_overlap: bool = False
     sizes: tuple[int, int, int, int] = (1, 1, 1, 1)
     class_name: str = ""
+    hybrid_cp: bool = False
+    max_tokens_per_rank: int | None = None
+    per_token_loss: bool = False
+    vision_dp_when_cp: bool = False
+    mtp_layers: int = 0
+    linear_attention: str | None = None
 
     @property
     def seq_aux_loss(self) -> bool:
@@ -214,6 +226,12 @@ def read_model_facts(model: Any, model_root: Any = None) -> ModelFacts:
         sizes=tuple(_size(model, f"{name}_parallel_size") for name in  # type: ignore[arg-type]
                     ("tensor_model", "context", "pipeline_model", "expert_model")),
         class_name=type(model).__name__,
+        hybrid_cp=bool(_setting(model, model_root, "hybrid_context_parallel", False)),
+        max_tokens_per_rank=_setting(model, model_root, "max_seqlen_per_dp_cp_rank"),
+        per_token_loss=bool(_setting(model, model_root, "calculate_per_token_loss", False)),
+        vision_dp_when_cp=bool(_setting(model, model_root, "vision_dp_when_cp", False)),
+        mtp_layers=int(_setting(model, model_root, "mtp_num_layers", 0) or 0),
+        linear_attention=_setting(model, model_root, "experimental_attention_variant"),
     )
 
 

@@ -5,6 +5,7 @@ masked loss."""
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Iterable
 
@@ -12,6 +13,7 @@ import torch
 
 from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
 from megatron.bridge_thd.context_parallel import cut_for_context_parallel
+from megatron.bridge_thd.cp_per_sample import RowCP, bind_row_to_params, bound_cp_group, row_cp_of
 from megatron.bridge_thd.step.flops import accumulate_flops
 from megatron.bridge_thd.step.pipeline import shape_for_next_stage, view_received_row_as_thd
 from megatron.bridge_thd.step.prepare import PreparedMicroBatch, plan_for, prepare_with_plan
@@ -68,8 +70,8 @@ def _forward_step(
     pg_collection = pg_utils.get_pg_collection(model)
     is_last_stage = is_pp_last_stage(pg_collection.pp)
     plan = plan_for(state, model, pg_collection, adapter)
-    prepared = _next_micro_batch(state, data_iterator, plan, is_last_stage)
-    _account(state, model, prepared, plan)
+    prepared, row = _next_micro_batch(state, data_iterator, plan, is_last_stage)
+    _account(state, model, prepared, plan, row)
 
     loss_mask = prepared.loss_mask
     args = prepared.forward_args
@@ -80,21 +82,32 @@ def _forward_step(
         schedule_plan = build_schedule_plan(model, args, loss_mask)
         return schedule_plan, losses.create_masked_next_token_loss_function(loss_mask, plan.check_nan,
                                                                             plan.check_spiky)
-    output, loss_mask = _run_model(state, model, prepared, adapter, is_last_stage)
+    with bound_cp_group(plan.cp_per_sample.holders, row.group) if row is not None else contextlib.nullcontext():
+        output, loss_mask = _run_model(state, model, prepared, adapter, is_last_stage)
     return output, losses.create_masked_next_token_loss_function(loss_mask, plan.check_nan, plan.check_spiky)
 
 
-def _next_micro_batch(state, data_iterator: Iterable, plan: StepPlan, is_last_stage: bool) -> PreparedMicroBatch:
-    """The next batch, prepared. As Megatron-Bridge's step: "batch-generator" and the straggler timer's data phase
-    cover fetching the batch and its (non-blocking) device copies, here with the packing that follows them."""
+def _next_micro_batch(state, data_iterator: Iterable, plan: StepPlan,
+                      is_last_stage: bool) -> tuple[PreparedMicroBatch, RowCP | None]:
+    """The next batch, prepared, and under a CP size per row (``plan.cp_per_sample``) the row's CP size and group,
+    read from the batch (:mod:`megatron.bridge_thd.cp_per_sample`): the row is packed with that size's alignment and
+    its ``PackedSeqParams`` name the group. As Megatron-Bridge's step: "batch-generator" and the straggler timer's
+    data phase cover fetching the batch and its (non-blocking) device copies, here with the packing that follows."""
     with timer(state, "batch-generator"), straggler_timer(state, bdata=True):
         batch = next(data_iterator)
-        return prepare_with_plan(batch, plan, is_last_stage=is_last_stage)
+        if plan.cp_per_sample is None:
+            return prepare_with_plan(batch, plan, is_last_stage=is_last_stage), None
+        row = row_cp_of(batch, plan.cp_per_sample)
+        prepared = prepare_with_plan(batch, plan.for_row_cp(row.size), is_last_stage=is_last_stage)
+        bind_row_to_params(prepared.forward_args.get("packed_seq_params"), row)
+        return prepared, row
 
 
-def _account(state, model, prepared: PreparedMicroBatch, plan: StepPlan) -> None:
-    """The FLOPs feed, and the micro-batch's stats on ``state.bridge_thd_stats`` where that list exists."""
-    accumulate_flops(state, model, prepared.forward_args, plan.tokens.spatial_merge_size)
+def _account(state, model, prepared: PreparedMicroBatch, plan: StepPlan, row: RowCP | None) -> None:
+    """The FLOPs feed (under a CP size per row by the row group's first rank only: the trainer sums the feed over
+    every DP x CP rank), and the micro-batch's stats on ``state.bridge_thd_stats`` where that list exists."""
+    if row is None or row.leads:
+        accumulate_flops(state, model, prepared.forward_args, plan.tokens.spatial_merge_size)
     stats_log = getattr(state, "bridge_thd_stats", None)
     if isinstance(stats_log, list):
         stats_log.append(prepared.stats)

@@ -1,0 +1,163 @@
+"""A context-parallel group per row: Megatron-Core's hybrid context parallelism in the step (docs/dynamic-cp.md).
+
+Under ``hybrid_context_parallel`` Megatron-Core's schedule (``pipeline_parallel/hybrid_cp_schedule.py``) runs each
+row on an aligned block of DP x CP ranks and tells the step how many: it stores ``local_cp_size`` into the row's
+batch dict before the step reads it. The row's group is Megatron-Core's own
+(``parallel_state.get_hybrid_data_context_parallel_groups(group_size=k)``; at ``k = 1`` the model's static CP group,
+of size 1). The step then
+
+* packs the row with the alignment of ``k`` ranks (:attr:`CPPerSample.alignments`),
+* hands attention the group the way Transformer Engine takes it: ``PackedSeqParams.cp_group`` and
+  ``local_cp_size`` (``TEDotProductAttention.forward``), and
+* runs the model with the group bound where the built model keeps its CP group (:func:`bound_cp_group`): Megatron-
+  Bridge's ``Qwen3VLModel`` reads ``self.pg_collection.cp`` to shard the row, split the vision tower's frames
+  (``vision_dp_when_cp``) and gather their embeddings, and its modules keep the group they were built with. The
+  model's own CP path then runs for the row's ``k`` ranks exactly as it runs under a static CP group of ``k``.
+
+Everything that can be found once (where the model keeps its group, the alignment for every ``k``) is found when
+the step's plan is built; per row the step reads the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+__all__ = ["LOCAL_CP_SIZE_KEY", "CPGroupHolders", "CPPerSample", "RowCP", "find_cp_group_holders", "bound_cp_group",
+           "row_cp_of", "bind_row_to_params"]
+
+# Where Megatron-Core's hybrid-CP schedule puts a row's CP size in its batch dict (``hybrid_cp_schedule.py``,
+# ``sample["local_cp_size"]``, an int32 host tensor).
+LOCAL_CP_SIZE_KEY = "local_cp_size"
+
+
+@dataclass(frozen=True)
+class CPGroupHolders:
+    """Where a built model keeps its context-parallel group: every ``(object, attribute)`` whose value is the
+    model's static CP group (module attributes such as ``cp_group``, and the ``cp`` of every
+    ``ProcessGroupCollection`` a module holds), found once (:func:`find_cp_group_holders`).
+
+    Attributes:
+        places: ``(holder, attribute name)`` pairs.
+        static_group: the group they hold when no row is bound.
+    """
+
+    places: tuple[tuple[object, str], ...]
+    static_group: torch.distributed.ProcessGroup
+
+
+@dataclass(frozen=True)
+class CPPerSample:
+    """The step's plan for a CP size per row (Megatron-Core's ``hybrid_context_parallel``), decided once.
+
+    Attributes:
+        world: the DP x CP ranks (the largest group a row may run on).
+        alignments: ``(k, alignment)`` for every CP size a row may have (1, 2, 4, ... ``world``): each slot of a row
+            on ``k`` ranks is aligned to it (``2k`` under CP, times TP with sequence parallelism).
+        holders: where the model keeps its CP group (:class:`CPGroupHolders`).
+    """
+
+    world: int
+    alignments: tuple[tuple[int, int], ...]
+    holders: CPGroupHolders
+
+    def alignment(self, cp_size: int) -> int:
+        for size, align in self.alignments:
+            if size == cp_size:
+                return align
+        raise ValueError(f"local_cp_size: {cp_size} is not a CP size of this world ({[k for k, _ in self.alignments]}); "
+                         "Megatron-Core's hybrid-CP schedule gives a row 1, 2, 4, ... DP x CP ranks")
+
+
+@dataclass(frozen=True)
+class RowCP:
+    """One row's context parallelism: its CP size and group (None at size 1: the model's own static group)."""
+
+    size: int
+    group: torch.distributed.ProcessGroup | None
+
+    @property
+    def leads(self) -> bool:
+        """This rank is the group's first (the one that feeds the row's FLOPs: the trainer sums them over every
+        DP x CP rank, which would count a row once per rank of its group)."""
+        return self.group is None or self.group.rank() == 0
+
+
+def find_cp_group_holders(core: torch.nn.Module) -> CPGroupHolders:
+    """Where the built model ``core`` (unwrapped) keeps its CP group: the ``ProcessGroupCollection``'s ``cp`` of every
+    module that holds one (shared objects once) and every module attribute that is that group.
+
+    Raises:
+        ValueError: the model holds no ``pg_collection`` (not a Megatron-Core model built with process groups).
+    """
+    static = getattr(getattr(core, "pg_collection", None), "cp", None)
+    if static is None:
+        raise ValueError(f"model: {type(core).__name__} holds no pg_collection.cp; CP per sample rebinds the CP group "
+                         "of a Megatron-Core model built with its process groups")
+    places: list[tuple[object, str]] = []
+    seen: set[int] = set()
+    for module in core.modules():
+        for name, value in vars(module).items():
+            if value is static:
+                places.append((module, name))
+            elif name == "pg_collection" and id(value) not in seen:
+                seen.add(id(value))
+                if getattr(value, "cp", None) is static:
+                    places.append((value, "cp"))
+    return CPGroupHolders(places=tuple(places), static_group=static)
+
+
+@contextlib.contextmanager
+def bound_cp_group(holders: CPGroupHolders, group: torch.distributed.ProcessGroup | None) -> Iterator[None]:
+    """The row's group in every place the model keeps its CP group, for the forward; restored afterwards.
+
+    Safe for the backward that follows: every collective of the model's CP path keeps the group it ran with in its
+    autograd context (Megatron-Bridge's ``AllGatherVisionEmbeddings``, the CPU attention's gather, Transformer
+    Engine's CP attention), so gradients flow over the forward's group after the binding is undone.
+    """
+    if group is None or group is holders.static_group:
+        yield
+        return
+    for holder, name in holders.places:
+        setattr(holder, name, group)
+    try:
+        yield
+    finally:
+        for holder, name in holders.places:
+            setattr(holder, name, holders.static_group)
+
+
+def row_cp_of(batch: dict, plan: CPPerSample) -> RowCP:
+    """The row's CP size and group, from the ``local_cp_size`` Megatron-Core's hybrid-CP schedule put in ``batch``
+    (removed from it: it is not a model input). One host read of a host tensor.
+
+    Raises:
+        ValueError: the batch has no ``local_cp_size`` (an iterator that is not driven by Megatron-Core's hybrid-CP
+            schedule) or one this world has no group for.
+    """
+    value = batch.pop(LOCAL_CP_SIZE_KEY, None)
+    if value is None:
+        raise ValueError(
+            "batch: no 'local_cp_size'; with model.hybrid_context_parallel=True the rows come through Megatron-Core's "
+            "hybrid-CP schedule (forward_backward_no_pipelining), which sets it per row; turn "
+            "hybrid_context_parallel off to run rows without it")
+    size = int(value)
+    plan.alignment(size)  # refuses a size this world has no group for
+    if size == 1:
+        return RowCP(1, None)
+    from megatron.core import parallel_state
+
+    return RowCP(size, parallel_state.get_hybrid_data_context_parallel_groups(group_size=size))
+
+
+def bind_row_to_params(packed_seq_params, row: RowCP) -> None:
+    """Tell attention the row's group as Transformer Engine reads it (``TEDotProductAttention.forward``): the group
+    at ``k > 1``; ``local_cp_size = 1`` and no group at ``k = 1``, which turns CP off (TE keeps the last group it was
+    given, so every row says which it runs with)."""
+    if packed_seq_params is None:
+        return
+    packed_seq_params.local_cp_size = row.size
+    packed_seq_params.cp_group = row.group

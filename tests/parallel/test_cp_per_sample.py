@@ -1,0 +1,238 @@
+"""A CP size per sample over real processes: 4 gloo ranks, Megatron-Core's hybrid context-parallel groups
+(``initialize_model_parallel(hybrid_context_parallel=True)``), its ``BalancedCPScheduler`` (through
+``place_with_cp_per_sample``) and its schedule (``forward_backward_no_pipelining`` dispatching to
+``hybrid_context_parallel_forward_backward``), Megatron-Bridge's real ``Qwen3VLModel`` with ``vision_dp_when_cp``.
+
+One step: a long video sample that needs CP 4 at the chosen limit, two that need CP 2 and five short ones (two of
+them share a row on one rank). The loss sum, the token count and every parameter gradient, summed over the 4 ranks
+(what Megatron-Core's per-token loss and DDP sum), must equal the same samples at CP = 1 on one process.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from _vlm_samples import collate, sample_from_layout
+
+from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
+from megatron.bridge_thd.cp_per_sample import (
+    LOCAL_CP_SIZE_KEY, CPPerSample, RowCP, bound_cp_group, find_cp_group_holders, row_cp_of,
+)
+from megatron.bridge_thd.qwen3_vl_step import forward_step
+from megatron.bridge_thd_cpu.data import VisualInputs
+from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
+from megatron.bridge_thd_cpu.parity import gradients, step_run, worst_relative_gradient_error
+from megatron.bridge_thd_cpu.stack import cpu_stack
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups, minimal_state
+from megatron.bridge_thd_testbed.launcher import run_on_gloo
+
+GRAD_TOLERANCE = 1e-5
+WORLD = 4
+MAX_TOKENS_PER_RANK = 64
+SEQ_LENGTH = 512
+
+# Text runs, images ("image", h, w patches) and videos ("video", frames, h, w): 166, 88, 95 tokens and five
+# of 21-39. At 64 tokens per rank the first needs 4 ranks, the next two 2 (Megatron-Core's gpus_needed).
+LAYOUTS = [
+    [10, ("video", 6, 8, 8), 30],
+    [8, ("image", 8, 12), 20, ("video", 2, 4, 8), 8],
+    [6, ("video", 3, 8, 4), 30, ("image", 4, 8), 10],
+    [5, ("image", 4, 4), 12],
+    [20, ("image", 8, 4), 6],
+    [30],
+    [4, ("image", 4, 8), 25],
+    [12, ("image", 4, 4), 3],
+]
+
+
+def _samples():
+    return [sample_from_layout(layout, seed=i) for i, layout in enumerate(LAYOUTS)]
+
+
+def _bridge_batch(samples) -> dict:
+    """Samples collated whole, as Megatron-Bridge's VLM collate hands them to the step (right padding)."""
+    batch = collate(samples)
+    width = batch.input_ids.shape[1]
+    return {
+        "tokens": batch.input_ids,
+        "labels": batch.labels,
+        "loss_mask": batch.loss_mask,
+        "attention_mask": batch.attention_mask.bool(),
+        "position_ids": torch.arange(width).expand(len(samples), -1).clone(),
+        "visual_inputs": VisualInputs(pixel_values=batch.pixel_values, image_grid_thw=batch.image_grid_thw,
+                                      pixel_values_videos=batch.pixel_values_videos,
+                                      video_grid_thw=batch.video_grid_thw),
+    }
+
+
+def _config(**overrides):
+    return tiny_qwen3_vl_config(seq_length=SEQ_LENGTH, **overrides)
+
+
+def _hybrid_config():
+    return _config(hybrid_context_parallel=True, max_seqlen_per_dp_cp_rank=MAX_TOKENS_PER_RANK, vision_dp_when_cp=True)
+
+
+def _placement():
+    return place_with_cp_per_sample([len(s) for s in _samples()], world=WORLD, max_tokens_per_rank=MAX_TOKENS_PER_RANK)
+
+
+def test_the_step_is_the_one_the_issue_asks_for():
+    """Megatron-Core's scheduler gives the long video 4 ranks, the two middle samples 2 each and the short ones
+    1, two of them in one row (checked first: its fill step may raise a CP size)."""
+    placement = _placement()
+    assert [len(s) for s in _samples()] == [166, 88, 95, 23, 36, 30, 39, 21]
+    assert placement.cp_size_of() == {0: 4, 1: 2, 2: 2, 3: 1, 4: 1, 5: 1, 6: 1, 7: 1}
+    assert placement.row_id_groups() == [[[0], [0], [0], [0]], [[1], [1], [2], [2]], [[3], [4], [5], [6]]]
+    assert placement.rows[6].samples == (3, 7)
+
+
+def hybrid_worker(state_dict, samples):
+    """Every rank: the step's rows through Megatron-Core's hybrid-CP schedule, then the sums over the world."""
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    rank = torch.distributed.get_rank()
+    model = build_qwen3_vl(_hybrid_config(), seed=0)
+    model.load_state_dict(state_dict)
+    model.model_type = ModelType.encoder_or_decoder  # what Megatron-Bridge's get_model sets, the schedule reads
+    placement = place_with_cp_per_sample([len(s) for s in samples], world=WORLD,
+                                         max_tokens_per_rank=MAX_TOKENS_PER_RANK)
+    item = placement.schedule_item(rank, lambda row: _bridge_batch([samples[i] for i in row.samples]))
+    state = minimal_state(seq_length=SEQ_LENGTH, micro_batch_size=1)
+    calls = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["packed_seq_params"]),
+                                    with_kwargs=True)
+    reports = forward_backward_no_pipelining(
+        forward_step_func=partial(forward_step, state), data_iterator=iter([item]), model=[model],
+        num_microbatches=1, seq_length=SEQ_LENGTH, micro_batch_size=1)
+    totals = torch.stack([sum(r["lm loss"][0] for r in reports), sum(r["lm loss"][1] for r in reports)]).double()
+    grads = gradients(model)
+    torch.distributed.all_reduce(totals)
+    for g in grads.values():
+        torch.distributed.all_reduce(g)
+    return dict(loss=float(totals[0]), num_tokens=int(totals[1]), grads=grads,
+                row_cp_sizes=[int(p.local_cp_size) for p in calls],
+                groups=[None if p.cp_group is None else torch.distributed.get_process_group_ranks(p.cp_group)
+                        for p in calls],
+                row_slots=[int(p.cu_seqlens_q_padded[-1]) for p in calls],
+                holders_restored=all(getattr(h, n) is model.pg_collection.cp
+                                     for h, n in find_cp_group_holders(model).places))
+
+
+@pytest.fixture(scope="module")
+def cp1_reference():
+    """The same samples on one process at CP = 1: one packed THD row, its loss sum, tokens and gradients."""
+    init_single_process_groups()
+    samples = _samples()
+    with cpu_stack():
+        model = build_qwen3_vl(_config(), seed=0)
+        run = step_run(model, _bridge_batch(samples), "thd", seq_length=SEQ_LENGTH)
+        run.loss.backward()
+        return model.state_dict(), dict(loss=float(run.loss), num_tokens=int(run.num_tokens), grads=gradients(model))
+
+
+def test_cp_per_sample_equals_cp1_on_the_real_model(cp1_reference):
+    state_dict, expected = cp1_reference
+    ranks = run_on_gloo(hybrid_worker, state_dict, _samples(), dp=WORLD, hybrid_cp=True, timeout=600)
+    assert expected["num_tokens"] > 0
+    for rank, got in enumerate(ranks):
+        # Each rank ran its rows with their CP sizes and Megatron-Core's groups, one forward per row.
+        pair = [0, 1] if rank < 2 else [2, 3]
+        assert got["row_cp_sizes"] == [4, 2, 1], rank
+        assert got["groups"] == [[0, 1, 2, 3], pair, None], rank
+        # Every slot aligned for the row's CP size: 2k (the long video: 166 -> 168).
+        assert got["row_slots"][0] == 168 and all(s % (2 * k) == 0 or k == 1
+                                                  for s, k in zip(got["row_slots"], got["row_cp_sizes"])), rank
+        assert got["holders_restored"], rank
+        assert got["num_tokens"] == expected["num_tokens"], rank
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6), rank
+        error, where = worst_relative_gradient_error(got["grads"], expected["grads"])
+        assert error <= GRAD_TOLERANCE, f"rank {rank}: {where} relative gradient error {error:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the pieces on one process
+
+
+class _Group:
+    def __init__(self, size, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_row_cp_of_reads_and_removes_the_schedules_size():
+    plan = CPPerSample(world=4, alignments=((1, 1), (2, 4), (4, 8)), holders=None)
+    batch = {LOCAL_CP_SIZE_KEY: torch.tensor(1, dtype=torch.int32), "tokens": None}
+    assert row_cp_of(batch, plan) == RowCP(1, None) and LOCAL_CP_SIZE_KEY not in batch
+    with pytest.raises(ValueError, match="local_cp_size.*hybrid-CP schedule"):
+        row_cp_of({"tokens": None}, plan)
+    with pytest.raises(ValueError, match="local_cp_size: 8 is not a CP size"):
+        row_cp_of({LOCAL_CP_SIZE_KEY: torch.tensor(8)}, plan)
+    assert plan.alignment(4) == 8
+
+
+def test_bound_cp_group_binds_every_holder_and_restores_them():
+    init_single_process_groups()
+    with cpu_stack():
+        model = build_qwen3_vl(_config(), seed=0)
+    holders = find_cp_group_holders(model)
+    static = model.pg_collection.cp
+    # The model's own attribute, its language model's, and the shared process-group collection.
+    names = {(type(h).__name__, n) for h, n in holders.places}
+    assert ("Qwen3VLModel", "cp_group") in names and ("ProcessGroupCollection", "cp") in names
+    group = _Group(2)
+    with bound_cp_group(holders, group):
+        assert model.pg_collection.cp is group and model.cp_group is group
+        assert model.language_model.pg_collection.cp is group
+    assert model.pg_collection.cp is static and model.cp_group is static
+    with pytest.raises(RuntimeError), bound_cp_group(holders, group):
+        raise RuntimeError("a forward that fails")
+    assert all(getattr(h, n) is static for h, n in holders.places)
+
+
+def test_the_cpu_attention_takes_the_rows_group_as_transformer_engine_does():
+    """``TEDotProductAttention.forward``: ``packed_seq_params.cp_group`` replaces the module's group and persists;
+    ``local_cp_size`` 1 without a group turns CP off; a larger size without its group is refused."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron.bridge_thd_cpu.attention import THDCoreAttention
+
+    module = THDCoreAttention(_config(), 1, AttnMaskType.causal)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    q = torch.randn(4, 4, 16)
+    kv = torch.randn(4, 2, 16)
+
+    def params(**fields):
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                               cu_seqlens_kv_padded=cu, max_seqlen_q=4, max_seqlen_kv=4, **fields)
+
+    module.cp_group = _Group(2)  # as if a previous row ran on two ranks
+    out = module(q, kv, kv, None, packed_seq_params=params(local_cp_size=1))
+    assert module.cp_group is None and out.shape == (4, 64)
+    module.cp_group = _Group(2)
+    module(q, kv, kv, None, packed_seq_params=params(cp_group=_Group(1), local_cp_size=1))
+    assert module.cp_group is None
+    with pytest.raises(ValueError, match="local_cp_size: 2 without a cp_group"):
+        module(q, kv, kv, None, packed_seq_params=params(local_cp_size=2))
+
+
+def test_a_rank_without_a_row_in_a_group_is_refused():
+    """The schedule runs each rank's last row of the last group outside its loop: every rank needs one."""
+    from megatron.bridge_thd.batching.dynamic_cp import CPRow, DynamicCPPlacement
+
+    placement = DynamicCPPlacement(rows=(CPRow(0, (0, 1), (0,), 8), CPRow(1, (0,), (1,), 4)), world=2,
+                                   max_tokens_per_rank=8)
+    with pytest.raises(RuntimeError, match=r"\(group, rank\) \[\(1, 1\)\]"):
+        placement.row_id_groups()
+    good = DynamicCPPlacement(rows=(CPRow(0, (0, 1), (0,), 8),), world=2, max_tokens_per_rank=8)
+    batches, groups = good.schedule_item(1, lambda row: {"samples": row.samples})
+    assert groups == [[[0], [0]]] and batches == {0: {"samples": (0,)}}
