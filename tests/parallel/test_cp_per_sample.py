@@ -10,61 +10,23 @@ them share a row on one rank). The loss sum, the token count and every parameter
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
-from _vlm_samples import collate, sample_from_layout
+from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, FakeGroup, run_hybrid_step
+from _cp_per_sample import bridge_batch as _bridge_batch
+from _cp_per_sample import samples as _samples
 
 from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
 from megatron.bridge_thd.cp_per_sample import (
     LOCAL_CP_SIZE_KEY, CPPerSample, RowCP, bound_cp_group, find_cp_group_holders, row_cp_of,
 )
-from megatron.bridge_thd.qwen3_vl_step import forward_step
-from megatron.bridge_thd_cpu.data import VisualInputs
 from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd_cpu.parity import gradients, step_run, worst_relative_gradient_error
 from megatron.bridge_thd_cpu.stack import cpu_stack
-from megatron.bridge_thd_cpu.standalone import init_single_process_groups, minimal_state
+from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 from megatron.bridge_thd_testbed.launcher import run_on_gloo
 
 GRAD_TOLERANCE = 1e-5
-WORLD = 4
-MAX_TOKENS_PER_RANK = 64
-SEQ_LENGTH = 512
-
-# Text runs, images ("image", h, w patches) and videos ("video", frames, h, w): 166, 88, 95 tokens and five
-# of 21-39. At 64 tokens per rank the first needs 4 ranks, the next two 2 (Megatron-Core's gpus_needed).
-LAYOUTS = [
-    [10, ("video", 6, 8, 8), 30],
-    [8, ("image", 8, 12), 20, ("video", 2, 4, 8), 8],
-    [6, ("video", 3, 8, 4), 30, ("image", 4, 8), 10],
-    [5, ("image", 4, 4), 12],
-    [20, ("image", 8, 4), 6],
-    [30],
-    [4, ("image", 4, 8), 25],
-    [12, ("image", 4, 4), 3],
-]
-
-
-def _samples():
-    return [sample_from_layout(layout, seed=i) for i, layout in enumerate(LAYOUTS)]
-
-
-def _bridge_batch(samples) -> dict:
-    """Samples collated whole, as Megatron-Bridge's VLM collate hands them to the step (right padding)."""
-    batch = collate(samples)
-    width = batch.input_ids.shape[1]
-    return {
-        "tokens": batch.input_ids,
-        "labels": batch.labels,
-        "loss_mask": batch.loss_mask,
-        "attention_mask": batch.attention_mask.bool(),
-        "position_ids": torch.arange(width).expand(len(samples), -1).clone(),
-        "visual_inputs": VisualInputs(pixel_values=batch.pixel_values, image_grid_thw=batch.image_grid_thw,
-                                      pixel_values_videos=batch.pixel_values_videos,
-                                      video_grid_thw=batch.video_grid_thw),
-    }
 
 
 def _config(**overrides):
@@ -91,30 +53,11 @@ def test_the_step_is_the_one_the_issue_asks_for():
 
 def hybrid_worker(state_dict, samples):
     """Every rank: the step's rows through Megatron-Core's hybrid-CP schedule, then the sums over the world."""
-    from megatron.core.enums import ModelType
-    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-
-    rank = torch.distributed.get_rank()
     model = build_qwen3_vl(_hybrid_config(), seed=0)
     model.load_state_dict(state_dict)
-    model.model_type = ModelType.encoder_or_decoder  # what Megatron-Bridge's get_model sets, the schedule reads
-    placement = place_with_cp_per_sample([len(s) for s in samples], world=WORLD,
-                                         max_tokens_per_rank=MAX_TOKENS_PER_RANK)
-    item = placement.schedule_item(rank, lambda row: _bridge_batch([samples[i] for i in row.samples]))
-    state = minimal_state(seq_length=SEQ_LENGTH, micro_batch_size=1)
-    calls = []
-    model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["packed_seq_params"]),
-                                    with_kwargs=True)
-    reports = forward_backward_no_pipelining(
-        forward_step_func=partial(forward_step, state), data_iterator=iter([item]), model=[model],
-        num_microbatches=1, seq_length=SEQ_LENGTH, micro_batch_size=1)
-    totals = torch.stack([sum(r["lm loss"][0] for r in reports), sum(r["lm loss"][1] for r in reports)]).double()
-    grads = gradients(model)
-    torch.distributed.all_reduce(totals)
-    for g in grads.values():
-        torch.distributed.all_reduce(g)
-    return dict(loss=float(totals[0]), num_tokens=int(totals[1]), grads=grads,
-                row_cp_sizes=[int(p.local_cp_size) for p in calls],
+    result = run_hybrid_step(model, samples)
+    calls = result.pop("calls")
+    return dict(result, row_cp_sizes=[int(p.local_cp_size) for p in calls],
                 groups=[None if p.cp_group is None else torch.distributed.get_process_group_ranks(p.cp_group)
                         for p in calls],
                 row_slots=[int(p.cu_seqlens_q_padded[-1]) for p in calls],
@@ -157,17 +100,6 @@ def test_cp_per_sample_equals_cp1_on_the_real_model(cp1_reference):
 # the pieces on one process
 
 
-class _Group:
-    def __init__(self, size, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
-
-
 def test_row_cp_of_reads_and_removes_the_schedules_size():
     plan = CPPerSample(world=4, alignments=((1, 1), (2, 4), (4, 8)), holders=None)
     batch = {LOCAL_CP_SIZE_KEY: torch.tensor(1, dtype=torch.int32), "tokens": None}
@@ -188,7 +120,7 @@ def test_bound_cp_group_binds_every_holder_and_restores_them():
     # The model's own attribute, its language model's, and the shared process-group collection.
     names = {(type(h).__name__, n) for h, n in holders.places}
     assert ("Qwen3VLModel", "cp_group") in names and ("ProcessGroupCollection", "cp") in names
-    group = _Group(2)
+    group = FakeGroup(2)
     with bound_cp_group(holders, group):
         assert model.pg_collection.cp is group and model.cp_group is group
         assert model.language_model.pg_collection.cp is group
@@ -215,11 +147,11 @@ def test_the_cpu_attention_takes_the_rows_group_as_transformer_engine_does():
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                cu_seqlens_kv_padded=cu, max_seqlen_q=4, max_seqlen_kv=4, **fields)
 
-    module.cp_group = _Group(2)  # as if a previous row ran on two ranks
+    module.cp_group = FakeGroup(2)  # as if a previous row ran on two ranks
     out = module(q, kv, kv, None, packed_seq_params=params(local_cp_size=1))
     assert module.cp_group is None and out.shape == (4, 64)
-    module.cp_group = _Group(2)
-    module(q, kv, kv, None, packed_seq_params=params(cp_group=_Group(1), local_cp_size=1))
+    module.cp_group = FakeGroup(2)
+    module(q, kv, kv, None, packed_seq_params=params(cp_group=FakeGroup(1), local_cp_size=1))
     assert module.cp_group is None
     with pytest.raises(ValueError, match="local_cp_size: 2 without a cp_group"):
         module(q, kv, kv, None, packed_seq_params=params(local_cp_size=2))

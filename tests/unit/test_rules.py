@@ -319,6 +319,9 @@ def test_cp_per_sample_runs_in_the_step_with_what_the_hybrid_schedule_needs():
 
     accepted = Setup(layout="thd", model=ModelFacts(**_hybrid()), seq_lengths=(8192, 8192))
     assert rules.problems(accepted, STEP) == []
+    gdn = Setup(layout="thd", dp=4, model=ModelFacts(**_hybrid(linear_attention="gated_delta_net",
+                                                              linear_heads=(4, 8))), seq_lengths=(8192, 8192))
+    assert rules.problems(gdn, STEP) == []
     off = Setup(layout="bshd", pp=2, cp=2, model=ModelFacts(experts=8))  # none of these rules without the flag
     assert not [p for p in rules.problems(off, STEP) if "hybrid_context_parallel" in p]
 
@@ -333,7 +336,9 @@ def test_cp_per_sample_runs_in_the_step_with_what_the_hybrid_schedule_needs():
     (dict(layout="thd_static"), "layout='thd_static'.*set layout='thd'"),
     (dict(layout="bshd"), "layout='bshd'.*set layout='thd'"),
     (dict(facts=dict(experts=4)), "num_moe_experts=4.*static context_parallel_size"),
-    (dict(facts=dict(linear_attention="gated_delta_net")), "'gated_delta_net'.*Gated DeltaNet"),
+    (dict(facts=dict(recompute_granularity="full")), "recompute_granularity='full'.*set recompute_granularity=None"),
+    (dict(dp=4, tp=2, facts=dict(linear_attention="gdn", linear_heads=(4, 16))),
+     "linear_num_key_heads: 4 heads .2 per TP rank. do not split over the 4"),
     (dict(facts=dict(mtp_layers=1)), "mtp_num_layers=1"),
 ])
 def test_cp_per_sample_refusals_name_the_setting(setup, expected):
@@ -343,13 +348,34 @@ def test_cp_per_sample_refusals_name_the_setting(setup, expected):
     facts = _hybrid()
     facts.update(setup.pop("facts", {}))
     s = Setup(layout=setup.pop("layout", "thd"), model=ModelFacts(**facts), seq_lengths=(8192, 8192), **setup)
-    found = [p for p in rules.problems(s, STEP) if p.startswith("model.hybrid_context_parallel")]
+    found = [p for p in rules.problems(s, STEP) if "hybrid_context_parallel" in p]
     assert len(found) == 1 and re.search(expected, found[0]), found
 
 
-def test_configure_refuses_cp_per_sample_until_its_loaders_exist():
-    """The schedule reads one item of every row per step, which Megatron-Bridge's loaders do not yield."""
+def test_configure_takes_cp_per_sample_through_dynamic_cp_only():
+    """The schedule reads one item of every row per step, which only the loaders dynamic_cp builds yield: the model's
+    flag alone is refused; with dynamic_cp, what configure sets itself is not (it is judged at the step)."""
     from megatron.bridge_thd.rules import ModelFacts
+    from megatron.bridge_thd.settings import DynamicCP
 
     found = rules.problems(Setup(layout="thd", model=ModelFacts(**_hybrid()), seq_lengths=(8192, 8192)), CONFIGURE)
-    assert len(found) == 1 and "loaders" in found[0] and "set hybrid_context_parallel=False" in found[0]
+    assert len(found) == 1 and "without dynamic_cp" in found[0] and "configure with dynamic_cp=" in found[0]
+    asked = PackingSettings(dynamic_cp=DynamicCP(256), global_batch_packing=GlobalBatchPacking())
+    assert rules.problems(Setup(layout="thd", settings=asked, seq_lengths=(8192, 8192), dataloader_type="single"),
+                          CONFIGURE) == []
+    fixed = PackingSettings(dynamic_cp=DynamicCP(256), global_batch_packing=GlobalBatchPacking(row_length=4096))
+    found = rules.problems(Setup(layout="thd", settings=fixed, seq_lengths=(8192, 8192), dataloader_type="single"),
+                           CONFIGURE)
+    assert len(found) == 1 and "global_batch_packing.row_length=4096" in found[0] and "unset them" in found[0]
+    # At the step (the config as configure left it) the flags configure sets are judged.
+    step = Setup(layout="thd", settings=asked, model=ModelFacts(hybrid_cp=True), seq_lengths=(8192, 8192), built=True)
+    assert any("calculate_per_token_loss=False" in p for p in rules.problems(step, STEP))
+
+
+def test_the_record_takes_dynamic_cp_with_global_batch_packing():
+    from megatron.bridge_thd.settings import DynamicCP
+
+    with pytest.raises(ValueError, match="dynamic_cp.max_tokens_per_rank: 255; expected an even int"):
+        PackingSettings(dynamic_cp=DynamicCP(255), global_batch_packing=GlobalBatchPacking())
+    with pytest.raises(ValueError, match="dynamic_cp: places each step .* set global_batch_packing too"):
+        PackingSettings(dynamic_cp=DynamicCP(256))

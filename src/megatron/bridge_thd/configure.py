@@ -45,7 +45,7 @@ from megatron.bridge_thd.rules import (  # noqa: F401 - the predicates users imp
 from megatron.bridge_thd.settings import (
     HAND_SET_ATTRIBUTES,
     SETTINGS_ATTRIBUTE,
-    GlobalBatchPacking,
+    DynamicCP, GlobalBatchPacking,
     PackingSettings,
     field_names,
     hand_set_values,
@@ -101,6 +101,9 @@ FLAG_RULES: tuple[FlagRule, ...] = (
              "`True` with global-batch packing"),
     FlagRule("DDP sums gradients (required with per-token loss)", "`ddp.average_in_collective`", "same",
              "`False` with global-batch packing"),
+    FlagRule("a CP size per sample (Megatron-Core's hybrid context parallelism)",
+             "`model.hybrid_context_parallel`, `model.max_seqlen_per_dp_cp_rank`, `model.vision_dp_when_cp`", "same",
+             "`True`, `dynamic_cp.max_tokens_per_rank`, `True` with `dynamic_cp` (global-batch packing is on with it)"),
 )
 FLAG_RULES_NOTE = (
     "`*` not a field of Megatron-Bridge's dataset config dataclasses: set as a plain attribute, so it is lost "
@@ -151,7 +154,7 @@ def is_explicit(obj: Any, name: str) -> bool:
 
 def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None, force: bool = False,
               global_batch_packing: Any = None, overlong_samples: str | None = None,
-              length_fallback: str | None = None) -> Any:
+              length_fallback: str | None = None, dynamic_cp: Any = None) -> Any:
     """Set ``cfg``'s packing flags for ``megatron.bridge_thd.qwen3_vl_step.forward_step``.
 
     Args:
@@ -174,6 +177,11 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
             collate measures every row before its cut.
         length_fallback: ``"pad_token"``: a batch without an attention mask has right-padded lengths read from the
             pad id (docs/megatron-bridge-step.md); None keeps what the dataset holds (unset: such a batch is refused).
+        dynamic_cp: a CP size per sample (docs/dynamic-cp.md): a :class:`megatron.bridge_thd.settings.DynamicCP`
+            or its ``max_tokens_per_rank`` as an int; Megatron-Core's hybrid context parallelism places and runs each
+            step (``model.hybrid_context_parallel`` and its settings are set), on loaders global-batch packing builds
+            (its default is set when ``global_batch_packing`` is not); ``False``: off; ``None``: keep what the dataset
+            holds (unset: off).
 
     ``layout`` and the three arguments are stored as one record, ``dataset.bridge_thd``
     (:class:`megatron.bridge_thd.settings.PackingSettings`, validated when made; docs/settings.md); hand-set
@@ -190,7 +198,7 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
     """
     _check_arguments(layout, cuda_graphs, force)
     sections = _sections(cfg)
-    record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples, length_fallback)
+    record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples, length_fallback, dynamic_cp)
     setup = read_setup(cfg, layout, cuda_graphs, settings=record)
 
     problems = configure_problems(setup) + _record_problems(sections.dataset) + (
@@ -227,7 +235,7 @@ def _sections(cfg: Any) -> _Sections:
 
 
 def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_samples: str | None,
-              length_fallback: str | None) -> PackingSettings:
+              length_fallback: str | None, dynamic_cp: Any = None) -> PackingSettings:
     """The record ``configure`` stores, validated when made: ``layout`` and each argument given; a field not given
     keeps the stored record's value, else a hand-set attribute's (docs/settings.md), else the default. A hand-set
     value that differs from the result is an explicit setting :func:`_settings_overrides` refuses (``force`` lifts)."""
@@ -242,8 +250,14 @@ def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_sam
     if global_batch_packing is not None:
         given["global_batch_packing"] = GlobalBatchPacking() if global_batch_packing is True else (
             global_batch_packing or None)
+    if dynamic_cp is not None:
+        given["dynamic_cp"] = DynamicCP(dynamic_cp) if isinstance(dynamic_cp, int) and not isinstance(
+            dynamic_cp, bool) else (dynamic_cp or None)
+    merged = {**hand_set, **held, **given}
+    if merged.get("dynamic_cp") is not None and merged.get("global_batch_packing") is None:
+        merged["global_batch_packing"] = GlobalBatchPacking()  # the scan the placement reads its lengths from
     try:
-        return PackingSettings(**{**hand_set, **held, **given})
+        return PackingSettings(**merged)
     except ValueError as error:
         kept = {name: value for name, value in hand_set.items() if name not in held and name not in given}
         if not kept:
@@ -380,7 +394,8 @@ def _plan_changes(s: Setup, sections: _Sections, record: PackingSettings) -> tup
     notes: list[str] = _micro_batch_one_notes(s) + _graph_notes(s)
     changes = [*_dataset_changes(s, sections.dataset), *_settings_changes(sections.dataset, record),
                *_pipeline_changes(s, sections.model, notes), *_dense_dispatcher_changes(s, sections.model),
-               *_hybridep_changes(s, sections.model, notes), *_global_batch_changes(s, sections)]
+               *_hybridep_changes(s, sections.model, notes), *_global_batch_changes(s, sections),
+               *_dynamic_cp_changes(record, sections.model)]
     return changes, notes
 
 
@@ -491,6 +506,26 @@ def _global_batch_changes(s: Setup, sections: _Sections) -> list[_Change]:
             why="Megatron-Core's DistributedDataParallel refuses average_in_collective with calculate_per_token_loss "
                 "(distributed/distributed_data_parallel.py)",
             alternative=", or turn global-batch packing off"))
+    return changes
+
+
+def _dynamic_cp_changes(record: PackingSettings, model: Any) -> list[_Change]:
+    """A CP size per sample: Megatron-Core's hybrid context parallelism on, its per-rank limit, and the vision tower's
+    frames split over a row's ranks rather than repeated on each (docs/dynamic-cp.md)."""
+    if record.dynamic_cp is None:
+        return []
+    limit = record.dynamic_cp.max_tokens_per_rank
+    why = ("dynamic_cp runs each step through Megatron-Core's hybrid-CP schedule, which Megatron-Bridge's "
+           "initialize builds the hybrid groups for from this flag")
+    changes = [
+        _Change(model, "model", "hybrid_context_parallel", True, why=why, alternative=", or turn dynamic_cp off"),
+        _Change(model, "model", "max_seqlen_per_dp_cp_rank", limit,
+                why=f"dynamic_cp places samples at {limit} tokens per rank, the limit this setting names",
+                alternative=f", or call configure with dynamic_cp={getattr(model, 'max_seqlen_per_dp_cp_rank', None)!r}"),
+    ]
+    if hasattr(model, "vision_dp_when_cp"):
+        changes.append(_Change(model, "model", "vision_dp_when_cp", True, required=False,
+                               why="a row's ranks split the vision tower's frames instead of each running all of them"))
     return changes
 
 

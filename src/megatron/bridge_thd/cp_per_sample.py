@@ -11,8 +11,11 @@ of size 1). The step then
   ``local_cp_size`` (``TEDotProductAttention.forward``), and
 * runs the model with the group bound where the built model keeps its CP group (:func:`bound_cp_group`): Megatron-
   Bridge's ``Qwen3VLModel`` reads ``self.pg_collection.cp`` to shard the row, split the vision tower's frames
-  (``vision_dp_when_cp``) and gather their embeddings, and its modules keep the group they were built with. The
-  model's own CP path then runs for the row's ``k`` ranks exactly as it runs under a static CP group of ``k``.
+  (``vision_dp_when_cp``) and gather their embeddings, and its modules keep the group they were built with.
+  Modules that also fixed the group's size at build get the row's size for the forward too: Megatron-Core's Gated
+  DeltaNet (Qwen3.5-VL) keeps ``self.cp_size = pg_collection.cp.size()`` and the head split it derives from it
+  (``feat_dim_split``). The model's own CP path then runs for the row's ``k`` ranks exactly as it runs under a
+  static CP group of ``k``.
 
 Everything that can be found once (where the model keeps its group, the alignment for every ``k``) is found when
 the step's plan is built; per row the step reads the plan.
@@ -26,27 +29,37 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["LOCAL_CP_SIZE_KEY", "CPGroupHolders", "CPPerSample", "RowCP", "find_cp_group_holders", "bound_cp_group",
-           "row_cp_of", "bind_row_to_params"]
+__all__ = ["LOCAL_CP_SIZE_KEY", "CP_SIZE_NAMES", "CPGroupHolders", "CPPerSample", "RowCP", "find_cp_group_holders",
+           "bound_cp_group", "row_cp_of", "bind_row_to_params"]
 
 # Where Megatron-Core's hybrid-CP schedule puts a row's CP size in its batch dict (``hybrid_cp_schedule.py``,
 # ``sample["local_cp_size"]``, an int32 host tensor).
 LOCAL_CP_SIZE_KEY = "local_cp_size"
 
 
+# The attribute names under which a module that holds the CP group keeps the group's size, fixed at build
+# (Megatron-Core's ``_GDNBase.__init__``: ``self.cp_size = self.pg_collection.cp.size()``).
+CP_SIZE_NAMES = ("cp_size",)
+
+
 @dataclass(frozen=True)
 class CPGroupHolders:
     """Where a built model keeps its context-parallel group: every ``(object, attribute)`` whose value is the
     model's static CP group (module attributes such as ``cp_group``, and the ``cp`` of every
-    ``ProcessGroupCollection`` a module holds), found once (:func:`find_cp_group_holders`).
+    ``ProcessGroupCollection`` a module holds), and every place that fixed the group's size at build, found once
+    (:func:`find_cp_group_holders`).
 
     Attributes:
         places: ``(holder, attribute name)`` pairs.
         static_group: the group they hold when no row is bound.
+        sizes: ``(module, attribute name)`` pairs whose value is ``static_group.size()`` (a name of
+            :data:`CP_SIZE_NAMES`), on modules that also hold the group or its ``pg_collection``: Megatron-Core's
+            Gated DeltaNet splits heads and sequences by it rather than by the group it reads.
     """
 
     places: tuple[tuple[object, str], ...]
     static_group: torch.distributed.ProcessGroup
+    sizes: tuple[tuple[torch.nn.Module, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,7 +101,11 @@ class RowCP:
 
 def find_cp_group_holders(core: torch.nn.Module) -> CPGroupHolders:
     """Where the built model ``core`` (unwrapped) keeps its CP group: the ``ProcessGroupCollection``'s ``cp`` of every
-    module that holds one (shared objects once) and every module attribute that is that group.
+    module that holds one (shared objects once), every module attribute that is that group, and the group's size
+    where a module holding it kept it (:attr:`CPGroupHolders.sizes`).
+
+    The sizes are found by name (:data:`CP_SIZE_NAMES`) and only on modules that hold the group, not by value: under
+    hybrid CP the static group has size 1, and any integer 1 of the model (a layer number, a TP size) would match.
 
     Raises:
         ValueError: the model holds no ``pg_collection`` (not a Megatron-Core model built with process groups).
@@ -98,36 +115,83 @@ def find_cp_group_holders(core: torch.nn.Module) -> CPGroupHolders:
         raise ValueError(f"model: {type(core).__name__} holds no pg_collection.cp; CP per sample rebinds the CP group "
                          "of a Megatron-Core model built with its process groups")
     places: list[tuple[object, str]] = []
+    sizes: list[tuple[torch.nn.Module, str]] = []
     seen: set[int] = set()
     for module in core.modules():
+        holds = False
         for name, value in vars(module).items():
             if value is static:
                 places.append((module, name))
-            elif name == "pg_collection" and id(value) not in seen:
-                seen.add(id(value))
-                if getattr(value, "cp", None) is static:
+                holds = True
+            elif name == "pg_collection" and getattr(value, "cp", None) is static:
+                holds = True
+                if id(value) not in seen:
+                    seen.add(id(value))
                     places.append((value, "cp"))
-    return CPGroupHolders(places=tuple(places), static_group=static)
+        if holds:
+            sizes += [(module, name) for name in CP_SIZE_NAMES
+                      if type(vars(module).get(name)) is int and vars(module)[name] == static.size()]
+    return CPGroupHolders(places=tuple(places), static_group=static, sizes=tuple(sizes))
+
+
+_ABSENT = object()
+
+
+def _bind_size(module: torch.nn.Module, name: str, size: int, restore: list[tuple[object, str, object]]) -> None:
+    """``module.<name> = size`` and what the module derived from it at build, re-derived; ``(module, attribute,
+    value before)`` of every attribute changed is appended to ``restore`` (also when the re-derivation fails).
+
+    Megatron-Core's GDN family derives its per-rank head split (``feat_dim_split``) from ``cp_size`` in
+    ``_setup_variant_attrs`` ("called once from ``__init__``"): it is called again with the row's size, and of what it
+    sets only data is kept; the callable it binds (the kernel, ``gated_delta_rule``, read from a module global that
+    may have changed since) stays the one the build bound.
+    """
+    before = dict(vars(module))
+    try:
+        setattr(module, name, size)
+        derive = getattr(module, "_setup_variant_attrs", None)
+        if callable(derive):
+            derive()
+    finally:
+        for key, value in list(vars(module).items()):
+            old = before.get(key, _ABSENT)
+            if value is old:
+                continue
+            if old is not _ABSENT and (callable(old) or callable(value)):
+                setattr(module, key, old)
+            else:
+                restore.append((module, key, old))
 
 
 @contextlib.contextmanager
 def bound_cp_group(holders: CPGroupHolders, group: torch.distributed.ProcessGroup | None) -> Iterator[None]:
-    """The row's group in every place the model keeps its CP group, for the forward; restored afterwards.
+    """The row's group in every place the model keeps its CP group, and its size where the model fixed the static
+    group's size (:attr:`CPGroupHolders.sizes`), for the forward; restored afterwards.
 
     Safe for the backward that follows: every collective of the model's CP path keeps the group it ran with in its
     autograd context (Megatron-Bridge's ``AllGatherVisionEmbeddings``, the CPU attention's gather, Transformer
-    Engine's CP attention), so gradients flow over the forward's group after the binding is undone.
+    Engine's CP attention, Gated DeltaNet's all-to-alls), and what the sizes chose (head split, sequence
+    permutation) is in the graph's index tensors, so gradients flow over the forward's group after the binding is
+    undone. Activation recomputation of those modules in the backward would run at the static size.
     """
     if group is None or group is holders.static_group:
         yield
         return
-    for holder, name in holders.places:
-        setattr(holder, name, group)
+    restore: list[tuple[object, str, object]] = []
     try:
+        for holder, name in holders.places:
+            setattr(holder, name, group)
+        for module, name in holders.sizes:
+            _bind_size(module, name, group.size(), restore)
         yield
     finally:
         for holder, name in holders.places:
             setattr(holder, name, holders.static_group)
+        for holder, name, value in reversed(restore):
+            if value is _ABSENT:
+                delattr(holder, name)
+            else:
+                setattr(holder, name, value)
 
 
 def row_cp_of(batch: dict, plan: CPPerSample) -> RowCP:

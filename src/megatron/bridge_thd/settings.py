@@ -1,7 +1,7 @@
 """Everything ``megatron.bridge_thd`` adds to a run, in one typed, frozen record (docs/settings.md).
 
-:class:`PackingSettings` holds the packed layout, the over-long policy, global-batch packing and the length
-fallback. It is validated when it is made: a value outside what a field takes is refused then, naming the setting,
+:class:`PackingSettings` holds the packed layout, the over-long policy, global-batch packing, the length
+fallback and a CP size per sample. It is validated when it is made: a value outside what a field takes is refused then, naming the setting,
 what was wrong and what to set. ``configure`` makes it from its arguments and stores it as
 ``cfg.dataset.bridge_thd`` (:data:`SETTINGS_ATTRIBUTE`); the step's plan, the loaders and the rules read it with
 :func:`settings_of`, the one reader. Whether these settings are *compatible with the rest of the run* (CUDA graphs,
@@ -22,7 +22,7 @@ from typing import Any
 from megatron.bridge_thd.checks import is_int_at_least
 from megatron.bridge_thd.layouts import LAYOUT_NAMES
 
-__all__ = ["PackingSettings", "GlobalBatchPacking", "settings_of", "holds_settings", "hand_set_values", "field_names",
+__all__ = ["PackingSettings", "GlobalBatchPacking", "DynamicCP", "settings_of", "holds_settings", "hand_set_values", "field_names",
            "SETTINGS_ATTRIBUTE", "OVERLONG_POLICIES",
            "LENGTH_FALLBACKS", "DEFAULT_ROW_BUCKETS", "HAND_SET_ATTRIBUTES"]
 
@@ -105,6 +105,30 @@ class GlobalBatchPacking:
 
 
 @dataclass(frozen=True)
+class DynamicCP:
+    """A context-parallel size per sample (``PackingSettings.dynamic_cp``; docs/dynamic-cp.md): Megatron-Core's hybrid
+    context parallelism. Each step's samples are placed by its ``BalancedCPScheduler`` on aligned blocks of 1, 2, 4,
+    ... DP x CP ranks, packed per block into THD rows, and run by its hybrid-CP schedule.
+
+    Attributes:
+        max_tokens_per_rank: the most tokens of one sample a rank holds (Megatron-Core's
+            ``max_seqlen_per_dp_cp_rank``): a sample of ``n`` tokens runs on the smallest power of two of ranks
+            ``k`` with ``n <= k * max_tokens_per_rank`` (raised where the scheduler would leave a rank idle), and a
+            row on ``k`` ranks holds at most ``k * max_tokens_per_rank`` slots. An even int >= 2.
+    """
+
+    max_tokens_per_rank: int
+
+    def problems(self) -> list[str]:
+        """What is wrong with the value itself (naming the setting and what to set); empty when nothing is."""
+        value = self.max_tokens_per_rank
+        if not is_int_at_least(value, 2) or value % 2:
+            return [f"dynamic_cp.max_tokens_per_rank: {value!r}; expected an even int >= 2 (the most tokens of one "
+                    "sample a rank holds; every row is cut in 2 x CP chunks)"]
+        return []
+
+
+@dataclass(frozen=True)
 class PackingSettings:
     """What ``megatron.bridge_thd`` adds to a run, validated when made (``ValueError`` listing every problem).
 
@@ -119,12 +143,15 @@ class PackingSettings:
             None: Megatron-Bridge's own placement.
         length_fallback: ``"pad_token"``: a batch without an attention mask has right-padded lengths read from the
             pad id; None: such a batch is refused (docs/lengths.md).
+        dynamic_cp: a CP size per sample (:class:`DynamicCP`, docs/dynamic-cp.md), placed from the lengths global-batch
+            packing scans (so it needs ``global_batch_packing``, whose scan settings it uses); None: one CP size.
     """
 
     layout: str = "thd"
     overlong_samples: str = OVERLONG_POLICIES[0]
     global_batch_packing: GlobalBatchPacking | None = None
     length_fallback: str | None = None
+    dynamic_cp: DynamicCP | None = None
 
     def __post_init__(self):
         problems = []
@@ -142,6 +169,14 @@ class PackingSettings:
                             "argument also takes True)")
         elif batching is not None:
             problems += batching.problems()
+        if self.dynamic_cp is not None and not isinstance(self.dynamic_cp, DynamicCP):
+            problems.append(f"dynamic_cp: {self.dynamic_cp!r}; expected None or a DynamicCP (configure's argument also "
+                            "takes the tokens per rank as an int)")
+        elif self.dynamic_cp is not None:
+            problems += self.dynamic_cp.problems()
+            if batching is None:
+                problems.append("dynamic_cp: places each step from its samples' lengths, which global-batch packing "
+                                "scans; set global_batch_packing too (configure sets its default)")
         if problems:
             raise ValueError("dataset.bridge_thd (megatron.bridge_thd's settings):\n- " + "\n- ".join(problems))
 

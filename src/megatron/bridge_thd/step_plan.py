@@ -196,6 +196,12 @@ def _sizes(pg_collection) -> dict[str, int]:
     return {name: size(name) for name in ("tp", "cp", "pp", "ep")}
 
 
+def _dp_size(pg_collection) -> int | None:
+    """The data-parallel size (with CP = 1 under hybrid CP: every DP x CP rank), or None without a DP group."""
+    group = getattr(pg_collection, "dp", None)
+    return group.size() if group is not None else None
+
+
 def _fallback_pad_id(state, model_config, fallback: str | None) -> int | None:
     """The pad id of the length fallback ``"pad_token"`` (tokenizer, then model config), or None when the fallback
     is off or no pad id is set (the rule ``length_fallback_pad_id`` refuses the latter)."""
@@ -272,7 +278,8 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
                        routes_real_tokens_only=bool(getattr(core, ROUTES_REAL_TOKENS_ONLY, False)),
                        row_lengths=tuple(row.length for row in recorded),
                        te_cp_padding_defect=_te_cp_padding_defect(layout, sizes["cp"]),
-                       length_fallback_pad_id=_fallback_pad_id(state, model_config, settings.length_fallback))
+                       length_fallback_pad_id=_fallback_pad_id(state, model_config, settings.length_fallback),
+                       dp=_dp_size(pg_collection))
     refuse(setup, STEP, "bridge_thd: the configuration cannot run this step")
     _warn_padded_moe_routing(setup)
     extras, refused = declared_extras(model)

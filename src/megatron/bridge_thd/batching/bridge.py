@@ -26,7 +26,7 @@ from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.patches import Patch
 from megatron.bridge_thd.settings import GlobalBatchPacking, holds_settings, settings_of
 
-__all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "plan_loader", "run_row_length",
+__all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "cp_rows_loader", "plan_loader", "run_row_length",
            "run_row_buckets", "run_static_rows", "check_overlong", "measure_overlong_samples",
            "shared_sizes", "check_ranks_agree", "LoaderPlan"]
 
@@ -311,6 +311,38 @@ def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_l
                       multiprocessing_context=loader.multiprocessing_context, timeout=loader.timeout, **extra)
 
 
+def cp_rows_loader(plan: LoaderPlan, *, max_tokens_per_rank: int, log: bool = True):
+    """Megatron-Bridge's loader rebuilt for a CP size per sample (:mod:`.cp_rows`): one item per step, this rank's
+    rows of Megatron-Core's placement, each collated whole by the loader's collate (same dataset, workers, pinned
+    memory, prefetch). A drawn sample longer than the whole DP x CP world holds is refused here, before training."""
+    from torch.utils.data import DataLoader
+
+    from megatron.bridge_thd.batching.cp_rows import CPRowSampler, RowCollate, RowDataset
+    from megatron.bridge_thd.batching.dynamic_cp import cp_slots
+    from megatron.bridge_thd.batching.sampler import cycles, rank_samplers
+
+    loader, inner = plan.loader, plan.sampler
+    if len(plan.draws):
+        drawn = plan.draws.reshape(-1).unique()
+        lengths = plan.sizes.take(drawn)[0]
+        longest = int(lengths.argmax())
+        slots = cp_slots(int(lengths[longest]), plan.dp_size)
+        if slots > plan.dp_size * max_tokens_per_rank:
+            raise ValueError(
+                f"dynamic_cp.max_tokens_per_rank: dataset sample {int(drawn[longest])} of the {plan.label} loader has "
+                f"{int(lengths[longest])} tokens ({slots} slots), more than the {plan.dp_size} DP x CP ranks hold at "
+                f"{max_tokens_per_rank} tokens per rank; raise max_tokens_per_rank to at least "
+                f"{-(-slots // plan.dp_size)}, use more ranks, or filter the sample")
+    sampler = CPRowSampler(rank_samplers(inner, plan.dp_size), rank=plan.dp_rank, num_micro_batches=plan.num_micro_batches,
+                           sizes=plan.sizes, max_tokens_per_rank=max_tokens_per_rank, cycle=cycles(inner),
+                           label=plan.label, log=log)
+    extra = {} if not loader.num_workers else dict(prefetch_factor=loader.prefetch_factor)
+    return DataLoader(RowDataset(loader.dataset), batch_sampler=sampler, num_workers=loader.num_workers,
+                      pin_memory=loader.pin_memory, collate_fn=RowCollate(loader.collate_fn),
+                      persistent_workers=loader.persistent_workers, worker_init_fn=loader.worker_init_fn,
+                      multiprocessing_context=loader.multiprocessing_context, timeout=loader.timeout, **extra)
+
+
 def _log_rows(row_lengths: tuple[int, ...], count: int) -> None:
     from megatron.bridge_thd.batching.sampler import is_global_rank_zero
 
@@ -384,6 +416,10 @@ def _wrap(original):
                                      steps=steps[label]))
         if not plans:
             return loaders
+        if run_settings.dynamic_cp is not None:
+            built = {plan.label: cp_rows_loader(plan, max_tokens_per_rank=run_settings.dynamic_cp.max_tokens_per_rank,
+                                                log=settings.log) for plan in plans}
+            return built.get("train"), built.get("valid"), built.get("test")
         align = _alignment(cfg)
         static = run_settings.layout == "thd_static"
         cost = sample_cost(settings.cost_model) if settings.cost_model is not None else None

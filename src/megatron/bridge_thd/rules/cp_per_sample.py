@@ -18,8 +18,10 @@ def _hybrid_cp_engine(s: Setup) -> list[str]:
     (``overlap_moe_expert_parallel_comm`` is tested first) and would silently run the ordinary schedule.
     """
     m = s.model
-    if not m.hybrid_cp:
+    if not s.cp_per_sample:
         return []
+    # What configure sets for dynamic_cp is judged on the config it runs with (the step's), not before it is set.
+    set_by_configure = s.settings.dynamic_cp is not None and not s.built
     problems = []
     if s.pp > 1:
         problems.append(f"model.hybrid_context_parallel: pipeline_model_parallel_size={s.pp}; Megatron-Core's hybrid-CP "
@@ -27,10 +29,10 @@ def _hybrid_cp_engine(s: Setup) -> list[str]:
     if s.cp > 1:
         problems.append(f"model.hybrid_context_parallel: context_parallel_size={s.cp}; a CP size per sample is built "
                         "on a static CP size of 1 (every rank is a DP x CP rank); set context_parallel_size=1")
-    if not m.per_token_loss:
+    if not m.per_token_loss and not set_by_configure:
         problems.append("model.hybrid_context_parallel: calculate_per_token_loss=False; ranks run different numbers "
                         "of rows, so the loss is normalised over the step's tokens; set calculate_per_token_loss=True")
-    if m.max_tokens_per_rank is None:
+    if m.max_tokens_per_rank is None and not set_by_configure:
         problems.append("model.hybrid_context_parallel: max_seqlen_per_dp_cp_rank is not set; set the most tokens "
                         "of one sample a rank may hold")
     if s.graphs:
@@ -46,7 +48,7 @@ def _hybrid_cp_engine(s: Setup) -> list[str]:
 def _hybrid_cp_rows(s: Setup) -> list[str]:
     """A row per CP group is a ``thd`` row: the static row and the padded layout have one shape for every rank,
     and Megatron-Bridge's Qwen3-VL is the family whose CP path is driven per row."""
-    if not s.model.hybrid_cp or s.layout == "thd":
+    if not s.cp_per_sample or s.layout == "thd":
         return []
     return [f"model.hybrid_context_parallel: layout={s.layout!r}; rows run with a CP size each are packed 'thd' "
             "rows; set layout='thd'"]
@@ -55,19 +57,15 @@ def _hybrid_cp_rows(s: Setup) -> list[str]:
 @rule(CONFIGURE, STEP)
 def _hybrid_cp_not_built(s: Setup) -> list[str]:
     """What CP per sample does not run yet (docs/dynamic-cp.md, "What is left"): MoE routers reduce their
-    statistics over the static CP group (their group per row and exact token counts are not built), Gated DeltaNet
-    keeps the CP size it was built with, and the MTP block is untested with it. Refused, not run wrong."""
+    statistics over the static CP group (their group per row and exact token counts are not built), and the MTP block
+    is untested with it. Refused, not run wrong."""
     m = s.model
-    if not m.hybrid_cp:
+    if not s.cp_per_sample:
         return []
     problems = []
     if m.experts:
         problems.append(f"model.hybrid_context_parallel: num_moe_experts={m.experts}; the MoE routers' statistics "
                         "per CP group are not built yet; train the MoE model with a static context_parallel_size")
-    if m.linear_attention:
-        problems.append(f"model.hybrid_context_parallel: experimental_attention_variant={m.linear_attention!r} "
-                        "(Qwen3.5-VL's Gated DeltaNet) keeps the CP size it was built with; not built yet; use a "
-                        "static context_parallel_size")
     if m.mtp_layers:
         problems.append(f"model.hybrid_context_parallel: mtp_num_layers={m.mtp_layers}; multi-token prediction is "
                         "not run with a CP size per sample yet; set mtp_num_layers=None")
@@ -77,11 +75,55 @@ def _hybrid_cp_not_built(s: Setup) -> list[str]:
 @rule(CONFIGURE)
 def _hybrid_cp_loaders(s: Setup) -> list[str]:
     """Megatron-Core's hybrid-CP schedule reads one item per step from the iterator: every row of the step, keyed by
-    id, with the groups that run them. Megatron-Bridge's loaders yield micro-batches, and the loaders that place a
-    step's samples per CP size inside ``finetune()`` are not built yet, so ``configure`` refuses the setting rather
-    than let the schedule fail on the first batch. The step runs such rows from an iterator that yields them."""
-    if not s.model.hybrid_cp:
+    id, with the groups that run them. Megatron-Bridge's loaders yield micro-batches; the loaders ``dynamic_cp`` builds
+    yield these items (``batching.cp_rows``), so the model's flag is set through ``configure`` rather than alone. The
+    step itself runs such rows from any iterator that yields them."""
+    if not s.model.hybrid_cp or s.settings.dynamic_cp is not None:
         return []
-    return ["model.hybrid_context_parallel: the loaders that place each step's samples on CP groups inside finetune() "
-            "are not built yet (docs/dynamic-cp.md); Megatron-Bridge's loaders yield micro-batches that Megatron-Core's "
-            "hybrid-CP schedule cannot run; set hybrid_context_parallel=False"]
+    return ["model.hybrid_context_parallel=True without dynamic_cp: Megatron-Bridge's loaders yield micro-batches that "
+            "Megatron-Core's hybrid-CP schedule cannot run; call configure with dynamic_cp=<tokens per rank> (it sets "
+            "the flag and builds the loaders), or set hybrid_context_parallel=False"]
+
+
+@rule(CONFIGURE, STEP)
+def _dynamic_cp_placement(s: Setup) -> list[str]:
+    """``dynamic_cp`` places each step with Megatron-Core's scheduler: rows whose length follows their samples and
+    their CP group, placed by the scheduler's cost, so global-batch packing's fixed rows and cost model have nothing to
+    apply to. Its scan settings (``lengths_file``, ``sizes_cache``) are used."""
+    batching = s.global_batch
+    if s.settings.dynamic_cp is None or batching is None:
+        return []
+    set_values = [f"global_batch_packing.{name}={getattr(batching, name)!r}"
+                  for name in ("row_length", "row_buckets", "cost_model") if getattr(batching, name) is not None]
+    if not set_values:
+        return []
+    return [f"dynamic_cp: {', '.join(set_values)}; with a CP size per sample Megatron-Core's scheduler places each step "
+            "in rows that follow their samples' CP groups, so fixed rows and a cost model do not apply; unset them"]
+
+
+@rule(CONFIGURE, STEP)
+def _hybrid_cp_recompute(s: Setup) -> list[str]:
+    """Activation recomputation reruns a layer's forward inside the backward, after the step has unbound the row's CP
+    group (``cp_per_sample.bound_cp_group``): the rerun would cut and exchange at the static CP size."""
+    granularity = s.model.recompute_granularity
+    if not s.cp_per_sample or granularity is None:
+        return []
+    modules = f" (recompute_modules={list(s.model.recompute_modules)})" if granularity == "selective" else ""
+    return [f"model.hybrid_context_parallel: recompute_granularity={granularity!r}{modules}; the recomputed forward "
+            "runs in the backward after the row's CP group is unbound; set recompute_granularity=None"]
+
+
+@rule(CONFIGURE, STEP)
+def _hybrid_cp_gdn_heads(s: Setup) -> list[str]:
+    """Gated DeltaNet splits its key and value heads over a row's CP ranks (an all-to-all, ``feat_dim_split``): each
+    head count per TP rank must divide by the largest CP size a row may get, the DP x CP world (known at the step)."""
+    m = s.model
+    if not s.cp_per_sample or not m.linear_attention or s.dp is None or s.dp < 2:
+        return []
+    problems = []
+    for name, heads in zip(("linear_num_key_heads", "linear_num_value_heads"), m.linear_heads):
+        if heads and (heads // max(s.tp, 1)) % s.dp:
+            problems.append(f"model.{name}: {heads} heads ({heads // max(s.tp, 1)} per TP rank) do not split over the "
+                            f"{s.dp} DP x CP ranks a row may run on under hybrid_context_parallel; use a world whose "
+                            "size divides the heads per TP rank, or a static context_parallel_size")
+    return problems

@@ -159,7 +159,9 @@ class ModelFacts:
         per_token_loss: ``calculate_per_token_loss``.
         vision_dp_when_cp: ``vision_dp_when_cp`` (Megatron-Bridge's Qwen3-VL splits the vision tower over CP).
         mtp_layers: ``mtp_num_layers`` (0: none).
-        linear_attention: ``experimental_attention_variant`` (e.g. ``"gated_delta_net"``; None: none).
+        linear_attention: ``experimental_attention_variant`` (Gated DeltaNet: ``"gated_delta_net"``, or ``"gdn"`` on
+            the 0.7 line's Megatron-Core; None: none).
+        linear_heads: ``(linear_num_key_heads, linear_num_value_heads)`` of a Gated DeltaNet (0: unset).
     """
 
     seq_length: int | None = None
@@ -191,6 +193,7 @@ class ModelFacts:
     vision_dp_when_cp: bool = False
     mtp_layers: int = 0
     linear_attention: str | None = None
+    linear_heads: tuple[int, int] = (0, 0)
 
     @property
     def seq_aux_loss(self) -> bool:
@@ -232,6 +235,8 @@ def read_model_facts(model: Any, model_root: Any = None) -> ModelFacts:
         vision_dp_when_cp=bool(_setting(model, model_root, "vision_dp_when_cp", False)),
         mtp_layers=int(_setting(model, model_root, "mtp_num_layers", 0) or 0),
         linear_attention=_setting(model, model_root, "experimental_attention_variant"),
+        linear_heads=(int(_setting(model, model_root, "linear_num_key_heads", 0) or 0),
+                      int(_setting(model, model_root, "linear_num_value_heads", 0) or 0)),
     )
 
 
@@ -315,6 +320,12 @@ class Setup:
     built: bool = False
     te_cp_padding_defect: str | None = None
     length_fallback_pad_id: int | None = None
+
+    @property
+    def cp_per_sample(self) -> bool:
+        """A CP size per sample: asked for (``dynamic_cp``, which ``configure`` turns into the model's flag) or set on
+        the model (``hybrid_context_parallel``)."""
+        return self.settings.dynamic_cp is not None or self.model.hybrid_cp
 
     @property
     def global_batch(self) -> GlobalBatchPacking | None:

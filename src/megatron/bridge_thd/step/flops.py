@@ -7,10 +7,12 @@ import functools
 import inspect
 import logging
 
+import torch
+
 from megatron.bridge_thd.upstream import load_flop_utils
 from megatron.bridge_thd.upstream_line import upstream_line
 
-__all__ = ["accumulate_flops"]
+__all__ = ["accumulate_flops", "accumulate_no_flops"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +71,22 @@ def accumulate_flops(state, model, forward_args: dict, spatial_merge_size: int =
         if takes_unpadded:
             kwargs["cu_seqlens_unpadded"] = params.cu_seqlens_q
     flop_utils.accumulate_flops_metadata(state, forward_args["input_ids"], **kwargs)
+
+
+def accumulate_no_flops(state, model, forward_args: dict) -> None:
+    """Enter the trainer's FLOPs reduction with nothing: a rank of a row's CP group other than its first (CP per
+    sample). Megatron-Bridge sums the step's accumulators over every DP rank (under hybrid CP every DP x CP rank) and
+    all-reduces only where a THD feed asked for it (``_flops_requires_global_reduce``), so every rank must feed, and
+    only one rank per row may count the row. Fed as an empty THD micro-batch: no token slots, one empty segment, no
+    vision."""
+    feed = _flop_feed()
+    if feed is None:
+        return
+    flop_utils, takes_unpadded = feed
+    tokens = forward_args["input_ids"][:, :0]
+    empty = tokens.new_zeros(2, dtype=torch.int32)
+    kwargs = dict(vp_stage=flop_utils.get_model_chunk_vp_stage(model), cu_seqlens=empty,
+                  **_vision_flops_feed(flop_utils, {}, 1))
+    if takes_unpadded:
+        kwargs["cu_seqlens_unpadded"] = empty
+    flop_utils.accumulate_flops_metadata(state, tokens, **kwargs)

@@ -14,7 +14,7 @@ import torch
 from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
 from megatron.bridge_thd.context_parallel import cut_for_context_parallel
 from megatron.bridge_thd.cp_per_sample import RowCP, bind_row_to_params, bound_cp_group, row_cp_of
-from megatron.bridge_thd.step.flops import accumulate_flops
+from megatron.bridge_thd.step.flops import accumulate_flops, accumulate_no_flops
 from megatron.bridge_thd.step.pipeline import shape_for_next_stage, view_received_row_as_thd
 from megatron.bridge_thd.step.prepare import PreparedMicroBatch, plan_for, prepare_with_plan
 from megatron.bridge_thd.step.schedule_plan import build_schedule_plan
@@ -108,6 +108,8 @@ def _account(state, model, prepared: PreparedMicroBatch, plan: StepPlan, row: Ro
     every DP x CP rank), and the micro-batch's stats on ``state.bridge_thd_stats`` where that list exists."""
     if row is None or row.leads:
         accumulate_flops(state, model, prepared.forward_args, plan.tokens.spatial_merge_size)
+    else:
+        accumulate_no_flops(state, model, prepared.forward_args)
     stats_log = getattr(state, "bridge_thd_stats", None)
     if isinstance(stats_log, list):
         stats_log.append(prepared.stats)

@@ -25,7 +25,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                       run_name: str | None = None, count_tokens: bool = True,
                       global_batch_packing: dict | None = None, per_token_loss: bool = False,
                       eval_iters=RECIPE, eval_interval=RECIPE, num_workers=RECIPE, checkpoint: bool | str = True,
-                      max_lr=RECIPE, check_pretrained_load: bool = False) -> dict:
+                      max_lr=RECIPE, check_pretrained_load: bool = False, dynamic_cp: int | None = None) -> dict:
     """Run Megatron-Bridge's ``finetune()`` on this rank for a recipe in its CPU mode
     (:func:`cpu_run_config`), with ``layout``'s step (:func:`megatron.bridge_thd.reporting.step_for`; ours after
     ``configure(cfg, layout)``). Call on every rank of a world started with
@@ -36,6 +36,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     (``sizes_cache`` defaults to ``workdir/sizes``); its per-step log lines are recorded.
     ``per_token_loss``: ``model.calculate_per_token_loss`` (and ``ddp.average_in_collective=False``,
     which Megatron-Core's DDP requires with it), as global-batch packing sets them.
+    ``dynamic_cp``: ``configure``'s ``dynamic_cp`` (tokens per rank: a CP size per sample on the DP x CP ranks).
     ``max_lr``: :func:`cpu_run_config`'s. ``check_pretrained_load``: run :func:`pretrained_load_check`
     (its result under ``"pretrained_load"``).
 
@@ -54,7 +55,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                          save_interval=save_interval, exit_interval=exit_interval,
                          run_name=run_name or f"{recipe}-{layout}", eval_iters=eval_iters, eval_interval=eval_interval,
                          num_workers=num_workers, checkpoint=checkpoint, max_lr=max_lr)
-    if per_token_loss or global_batch_packing is not None:
+    if per_token_loss or global_batch_packing is not None or dynamic_cp is not None:
         # The recipes set ddp.average_in_collective=True explicitly; configure refuses to overwrite an
         # explicit setting, so a user turning global-batch packing on sets it, as here.
         cfg.ddp.average_in_collective = False
@@ -66,8 +67,12 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
 
         placement = GlobalBatchPacking(**{"sizes_cache": os.path.join(paths["workdir"], "sizes"),
                                           **global_batch_packing})
+    if dynamic_cp is not None and placement is None:
+        from megatron.bridge_thd.settings import GlobalBatchPacking
+
+        placement = GlobalBatchPacking(sizes_cache=os.path.join(paths["workdir"], "sizes"))
     if layout != "megatron_bridge":
-        cfg = configure(cfg, layout=layout, global_batch_packing=placement)
+        cfg = configure(cfg, layout=layout, global_batch_packing=placement, dynamic_cp=dynamic_cp)
     counts: list = []
     step = counting_step(step_for(layout), counts) if count_tokens else step_for(layout)
 

@@ -1,0 +1,120 @@
+"""The loaders of a CP size per sample inside Megatron-Bridge's training loop (docs/dynamic-cp.md).
+
+Megatron-Core's hybrid-CP schedule (``hybrid_context_parallel_forward_backward``) reads **one item per step** from
+the data iterator: ``({row id: row batch}, row id groups)``. These loaders yield exactly that, built from Megatron-
+Bridge's own pieces, as global-batch packing builds its loaders (:mod:`.bridge`):
+
+* the steps and their samples are the ones Megatron-Bridge's sampler draws (copies of it, one per DP x CP rank,
+  :func:`.sampler.step_draws`), from its resume point;
+* each step is placed by :func:`.dynamic_cp.place_with_cp_per_sample` (Megatron-Core's ``BalancedCPScheduler``) from
+  the scanned lengths, identically on every rank, so no rank sends another a sample;
+* every rank loads the **whole** samples of its rows through Megatron-Bridge's dataset and collates each row with
+  its collate (tokens, labels, masks, pixels, grids: a sample moves with everything it owns), in the loader's
+  workers, with its pinned memory.
+
+The placement travels with the data: the batch sampler yields :class:`RowKey` s, the dataset wrapper returns each
+sample with its key, and the collate groups them by row, so prefetching workers cannot mix up rows and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
+from megatron.bridge_thd.batching.sampler import step_draws
+from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
+
+__all__ = ["RowKey", "CPRowSampler", "RowDataset", "RowCollate"]
+
+
+@dataclass(frozen=True)
+class RowKey:
+    """One sample of a step's row, as the batch sampler hands it to the loader.
+
+    Attributes:
+        index: the dataset index.
+        row: the row's id in the step (its position in the placement's rows).
+        groups: the step's row id groups, ``[group][rank] -> row ids`` (the same tuple in every key of a step).
+    """
+
+    index: int
+    row: int
+    groups: tuple[tuple[tuple[int, ...], ...], ...]
+
+
+class CPRowSampler:
+    """Yields, per step, this rank's :class:`RowKey` s: the samples of every row the rank runs.
+
+    Args:
+        samplers: one Megatron-Bridge batch sampler per DP x CP rank (:func:`.sampler.rank_samplers`).
+        rank: this rank's DP x CP index.
+        num_micro_batches: micro-batches per rank per step in Megatron-Bridge's own placement (a step draws
+            ``num_micro_batches * micro_batch_size`` samples per rank).
+        sizes: every dataset sample's sizes (the lengths placed by).
+        max_tokens_per_rank: ``DynamicCP.max_tokens_per_rank``.
+        cycle: the loop re-iterates this loader (:func:`.sampler.cycles`).
+        label: which loader (errors, log).
+        log: one line per step on global rank 0.
+    """
+
+    def __init__(self, samplers: Sequence, *, rank: int, num_micro_batches: int, sizes: SampleSizes,
+                 max_tokens_per_rank: int, cycle: bool = False, label: str = "train", log: bool = True):
+        self.samplers, self.rank, self.num_micro_batches = list(samplers), rank, num_micro_batches
+        self.sizes, self.max_tokens_per_rank, self.cycle = sizes, max_tokens_per_rank, cycle
+        self.label, self.log, self.step = label, log, 0
+
+    def __len__(self) -> int:
+        return len(self.samplers[self.rank]) // self.num_micro_batches
+
+    def keys(self, drawn: list[int]) -> list[RowKey]:
+        """This rank's keys for one step's draws."""
+        import torch
+
+        lengths = self.sizes.take(torch.tensor(drawn, dtype=torch.int64))[0].tolist()
+        placement = place_with_cp_per_sample(lengths, world=len(self.samplers),
+                                             max_tokens_per_rank=self.max_tokens_per_rank)
+        groups = tuple(tuple(tuple(ids) for ids in ranks) for ranks in placement.row_id_groups())
+        self.step += 1
+        if self.log and is_global_rank_zero():
+            import logging
+
+            sizes = placement.cp_size_of()
+            logging.getLogger(__name__).info(
+                "bridge_thd CP per sample (%s): step %d: %d samples in %d rows, %d groups; samples per CP size %s",
+                self.label, self.step, len(drawn), len(placement.rows), placement.groups,
+                {k: list(sizes.values()).count(k) for k in sorted(set(sizes.values()))})
+        return [RowKey(drawn[sample], row_id, groups) for row_id, row in enumerate(placement.rows)
+                if self.rank in row.ranks for sample in row.samples]
+
+    def __iter__(self) -> Iterator[list[RowKey]]:
+        for drawn in step_draws(self.samplers, self.num_micro_batches, cycle=self.cycle):
+            yield self.keys(drawn)
+
+
+class RowDataset:
+    """Megatron-Bridge's dataset read by :class:`RowKey`: each sample with its key."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key: RowKey):
+        return key, self.dataset[key.index]
+
+
+class RowCollate:
+    """One step's item for Megatron-Core's hybrid-CP schedule: each row's samples collated whole by Megatron-Bridge's
+    collate (``collate_fn``), keyed by row id, with the step's row id groups. Runs in the loader's workers."""
+
+    def __init__(self, collate_fn: Callable):
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: list[tuple[RowKey, object]]) -> tuple[dict[int, dict], list[list[list[int]]]]:
+        rows: dict[int, list] = {}
+        for key, sample in items:
+            rows.setdefault(key.row, []).append(sample)
+        groups = [[list(ids) for ids in ranks] for ranks in items[0][0].groups]
+        return {row: self.collate_fn(samples) for row, samples in rows.items()}, groups

@@ -1,0 +1,71 @@
+"""A CP size per sample inside Megatron-Bridge's ``finetune()`` on 4 gloo ranks: its Qwen3-VL 8B recipe in its CPU mode
+(cord_v2 receipts, the recipe's loader workers forked and pinned memory, evaluation), ``configure(cfg, "thd",
+dynamic_cp=M)``: Megatron-Core's hybrid groups (built by Megatron-Bridge's initialize from the model flag), its
+``BalancedCPScheduler`` placing each step on 1, 2 or 4 ranks per sample, its hybrid-CP schedule running the rows, our
+loaders (``batching.cp_rows``) and step.
+
+The reference is the same run at static CP = 1 (DP = 4, in-batch ``thd``, per-token loss): the recipe's cyclic loader
+draws a step's samples per DP rank (``data_sharding``), so the same DP world draws the same samples, which a static CP
+of 4 (DP = 1) would not. Every iteration's loss and gradient norm and the validation loss must be equal (per-token
+loss over the whole step in both runs; the sums differ only in the order of reduction).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
+
+from megatron.bridge_thd_testbed.training import run_on_cpu  # noqa: E402
+
+RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
+ITERATIONS, MICRO_BATCH, GLOBAL_BATCH, SEQ_LENGTH = 2, 2, 8, 512
+# The receipts are 367-512 tokens once cut at 512: at 240 tokens per rank those up to 480 need 2 ranks, longer ones 4.
+TOKENS_PER_RANK = 240
+RELATIVE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    common = dict(train_iters=ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
+                  seq_length=SEQ_LENGTH, eval_iters=1, eval_interval=ITERATIONS, checkpoint=False, count_tokens=False)
+    runs = [
+        ("dynamic", RECIPE, "thd", dict(common, dynamic_cp=TOKENS_PER_RANK)),
+        ("static_cp1", RECIPE, "thd", dict(common, per_token_loss=True)),
+    ]
+    return run_on_cpu(runs, workdir=tmp_path_factory.mktemp("cp_per_sample_run"), world_size=4, timeout=900)
+
+
+def _losses(rank: dict, key: str) -> list[float]:
+    return [row["loss"] for row in rank[key]["iterations"]]
+
+
+def test_the_steps_ran_with_several_cp_sizes(ranks):
+    lines = [line for line in ranks[0]["dynamic"]["placements"] if "CP per sample (train)" in line]
+    assert len(lines) >= ITERATIONS
+    sizes = set()
+    for line in lines:
+        sizes |= {int(k) for k in re.findall(r"(\d+): \d+", line.split("per CP size")[1])}
+    assert {2, 4} <= sizes, lines
+
+
+def test_losses_equal_static_cp(ranks):
+    """Training and validation losses and gradient norms."""
+    dynamic, static = _losses(ranks[0], "dynamic"), _losses(ranks[0], "static_cp1")
+    assert len(dynamic) == len(static) == ITERATIONS
+    for a, b in zip(dynamic, static):
+        assert a == pytest.approx(b, rel=RELATIVE), (dynamic, static)
+    norms = [[row["grad_norm"] for row in ranks[0][key]["iterations"]] for key in ("dynamic", "static_cp1")]
+    assert norms[0] == pytest.approx(norms[1], rel=RELATIVE), norms
+    evaluations = [[e["loss"] for e in ranks[0][key]["evaluations"]] for key in ("dynamic", "static_cp1")]
+    assert evaluations[0] and evaluations[0] == pytest.approx(evaluations[1], rel=RELATIVE), evaluations
+
+
+def test_flops_count_each_row_once(ranks):
+    """Only a row's first rank feeds Megatron-Bridge's FLOPs accounting: the step's FLOPs are static CP's up to the
+    alignment padding (2k per sample here, none there), not a row counted once per rank of its group."""
+    flops = [[row["flops"] for row in ranks[0][key]["iterations"]] for key in ("dynamic", "static_cp1")]
+    for dynamic, static in zip(*flops):
+        assert abs(dynamic - static) <= 0.05 * static, flops
