@@ -33,6 +33,7 @@ import importlib.util
 import logging
 import math
 import pathlib
+import re
 import sys
 import typing
 from types import SimpleNamespace
@@ -1757,3 +1758,44 @@ def test_row_buckets_default_to_four_where_several_row_shapes_can_run():
     assert row_buckets(_row_bucket_setup(None)) == 4
     assert row_buckets(_row_bucket_setup(None, pipeline_model_parallel_size=2, variable_seq_lengths=True)) == 4
     assert row_buckets(_row_bucket_setup(7)) == 7
+
+
+# ---------------------------------------------------------------------------------------------
+# a CP size per sample (docs/dynamic-cp.md)
+
+
+def test_dynamic_cp_sets_megatron_cores_hybrid_cp_and_global_batch_packing(monkeypatch):
+    from megatron.bridge_thd.settings import DynamicCP, GlobalBatchPacking
+
+    # The loader builder's wrapping needs Megatron-Bridge whole (tests/bridge/test_cp_per_sample_training.py runs it).
+    monkeypatch.setattr(configure_module, "_wrap_loader_builder", lambda: None)
+    cfg = make_cfg(dataset={"dataloader_type": "cyclic"})
+    configure(cfg, "thd", dynamic_cp=4096)
+    record = settings_of(cfg.dataset)
+    assert record.dynamic_cp == DynamicCP(4096) and record.global_batch_packing == GlobalBatchPacking()
+    model = cfg.model
+    assert (model.hybrid_context_parallel, model.max_seqlen_per_dp_cp_rank) == (True, 4096)
+    assert not hasattr(model, "vision_dp_when_cp")  # set only where the provider has the field (Qwen3-VL's)
+    assert model.calculate_per_token_loss is True
+    # Off again: configure sets flags and never clears them, so the model's flag alone is refused, naming it.
+    with pytest.raises(ValueError, match="hybrid_context_parallel=True without dynamic_cp"):
+        configure(cfg, "thd", dynamic_cp=False)
+    model.hybrid_context_parallel = False
+    configure(cfg, "thd", dynamic_cp=False)
+    assert settings_of(cfg.dataset).dynamic_cp is None
+
+
+@pytest.mark.parametrize("layout, model, match", [
+    ("thd_static", {}, "layout='thd_static'; rows run with a CP size each are packed 'thd' rows"),
+    ("thd", {"context_parallel_size": 2}, "context_parallel_size=2; a CP size per sample is built on a static CP"),
+    ("thd", {"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2"),
+    ("thd", {"num_moe_experts": 8}, "num_moe_experts=8; the MoE routers' statistics per CP group are not built"),
+    ("thd", {"max_seqlen_per_dp_cp_rank": 2048}, "max_seqlen_per_dp_cp_rank=2048 was set explicitly"),
+    ("thd", {"vision_dp_when_cp": False}, "vision_dp_when_cp=False was set explicitly"),
+])
+def test_dynamic_cp_refusals_leave_the_config_unchanged(layout, model, match):
+    cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, model=model)
+    before = snapshot(cfg)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        configure(cfg, layout, dynamic_cp=4096)
+    assert snapshot(cfg) == before
