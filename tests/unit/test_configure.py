@@ -1789,7 +1789,7 @@ def test_dynamic_cp_sets_megatron_cores_hybrid_cp_and_global_batch_packing(monke
     ("thd_static", {}, "layout='thd_static'; rows run with a CP size each are packed 'thd' rows"),
     ("thd", {"context_parallel_size": 2}, "context_parallel_size=2; a CP size per sample is built on a static CP"),
     ("thd", {"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2"),
-    ("thd", {"num_moe_experts": 8}, "num_moe_experts=8; the MoE routers' statistics per CP group are not built"),
+    ("thd", {"num_moe_experts": 8, "expert_model_parallel_size": 2}, "expert_model_parallel_size=2; the expert dispatch"),
     ("thd", {"max_seqlen_per_dp_cp_rank": 2048}, "max_seqlen_per_dp_cp_rank=2048 was set explicitly"),
     ("thd", {"vision_dp_when_cp": False}, "vision_dp_when_cp=False was set explicitly"),
 ])

@@ -319,6 +319,9 @@ def test_cp_per_sample_runs_in_the_step_with_what_the_hybrid_schedule_needs():
 
     accepted = Setup(layout="thd", model=ModelFacts(**_hybrid()), seq_lengths=(8192, 8192))
     assert rules.problems(accepted, STEP) == []
+    moe = Setup(layout="thd", model=ModelFacts(**_hybrid(experts=8, load_balancing=("aux_loss",))),
+                seq_lengths=(8192, 8192), routes_real_tokens_only=True)
+    assert rules.problems(moe, STEP) == []
     gdn = Setup(layout="thd", dp=4, model=ModelFacts(**_hybrid(linear_attention="gated_delta_net",
                                                               linear_heads=(4, 8))), seq_lengths=(8192, 8192))
     assert rules.problems(gdn, STEP) == []
@@ -335,7 +338,9 @@ def test_cp_per_sample_runs_in_the_step_with_what_the_hybrid_schedule_needs():
     (dict(moe_overlap="model.overlap_moe_expert_parallel_comm"), "overlap_moe_expert_parallel_comm=True"),
     (dict(layout="thd_static"), "layout='thd_static'.*set layout='thd'"),
     (dict(layout="bshd"), "layout='bshd'.*set layout='thd'"),
-    (dict(facts=dict(experts=4)), "num_moe_experts=4.*static context_parallel_size"),
+    (dict(tp=2, facts=dict(experts=4)), "num_moe_experts=4 with tensor_model_parallel_size=2.*set tensor_model"),
+    (dict(ep=2, facts=dict(experts=4)), "expert_model_parallel_size=2.*set expert_model_parallel_size=1"),
+    (dict(facts=dict(experts=4, load_balancing=("global_aux_loss",))), "'global_aux_loss'.*use 'aux_loss'"),
     (dict(facts=dict(recompute_granularity="full")), "recompute_granularity='full'.*set recompute_granularity=None"),
     (dict(dp=4, tp=2, facts=dict(linear_attention="gdn", linear_heads=(4, 16))),
      "linear_num_key_heads: 4 heads .2 per TP rank. do not split over the 4"),

@@ -55,11 +55,17 @@ class CPGroupHolders:
         sizes: ``(module, attribute name)`` pairs whose value is ``static_group.size()`` (a name of
             :data:`CP_SIZE_NAMES`), on modules that also hold the group or its ``pg_collection``: Megatron-Core's
             Gated DeltaNet splits heads and sequences by it rather than by the group it reads.
+        tp_cp_places, static_tp_cp: at TP = 1, every place holding the model's TP x CP group (the ``tp_cp`` of the
+            ``ProcessGroupCollection``, the MoE routers' ``tp_cp_group``), which is then the CP group over one TP
+            rank: the routers reduce their load-balancing statistics over it. Empty above TP = 1 (the rules refuse
+            MoE there).
     """
 
     places: tuple[tuple[object, str], ...]
     static_group: torch.distributed.ProcessGroup
     sizes: tuple[tuple[torch.nn.Module, str], ...] = ()
+    tp_cp_places: tuple[tuple[object, str], ...] = ()
+    static_tp_cp: torch.distributed.ProcessGroup | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,29 @@ def find_cp_group_holders(core: torch.nn.Module) -> CPGroupHolders:
         if holds:
             sizes += [(module, name) for name in CP_SIZE_NAMES
                       if type(vars(module).get(name)) is int and vars(module)[name] == static.size()]
-    return CPGroupHolders(places=tuple(places), static_group=static, sizes=tuple(sizes))
+    tp_cp_places, static_tp_cp = _tp_cp_places(core)
+    return CPGroupHolders(places=tuple(places), static_group=static, sizes=tuple(sizes), tp_cp_places=tp_cp_places,
+                          static_tp_cp=static_tp_cp)
+
+
+def _tp_cp_places(core: torch.nn.Module) -> tuple[tuple[tuple[object, str], ...], torch.distributed.ProcessGroup | None]:
+    """At TP = 1: every place holding the model's static TP x CP group (module attributes that are it, the ``tp_cp``
+    of each ``ProcessGroupCollection``), and the group; nothing above TP = 1 or without one."""
+    collection = getattr(core, "pg_collection", None)
+    static = getattr(collection, "tp_cp", None)
+    tp = getattr(collection, "tp", None)
+    if static is None or tp is None or tp.size() != 1:
+        return (), None
+    places: list[tuple[object, str]] = []
+    seen: set[int] = set()
+    for module in core.modules():
+        for name, value in vars(module).items():
+            if value is static:
+                places.append((module, name))
+            elif name == "pg_collection" and getattr(value, "tp_cp", None) is static and id(value) not in seen:
+                seen.add(id(value))
+                places.append((value, "tp_cp"))
+    return tuple(places), static
 
 
 _ABSENT = object()
@@ -179,7 +207,7 @@ def bound_cp_group(holders: CPGroupHolders, group: torch.distributed.ProcessGrou
         return
     restore: list[tuple[object, str, object]] = []
     try:
-        for holder, name in holders.places:
+        for holder, name in holders.places + holders.tp_cp_places:
             setattr(holder, name, group)
         for module, name in holders.sizes:
             _bind_size(module, name, group.size(), restore)
@@ -187,6 +215,8 @@ def bound_cp_group(holders: CPGroupHolders, group: torch.distributed.ProcessGrou
     finally:
         for holder, name in holders.places:
             setattr(holder, name, holders.static_group)
+        for holder, name in holders.tp_cp_places:
+            setattr(holder, name, holders.static_tp_cp)
         for holder, name, value in reversed(restore):
             if value is _ABSENT:
                 delattr(holder, name)

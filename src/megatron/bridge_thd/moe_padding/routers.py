@@ -56,6 +56,8 @@ class PaddingMaskTopKRouter(TopKRouter):
       (capacity from the real tokens, padding takes none) instead of Megatron-Core's
       ``apply_router_token_dropping``, in this class's own :meth:`routing`.
     * ``seq_aux_loss`` in the forward of a THD row: per sample (:meth:`_apply_seq_aux_loss`).
+    * The load-balancing losses' gradient scale under per-token loss with context parallelism: the group's valid
+      tokens, counted exactly (:meth:`_apply_aux_loss`; Megatron-Core's count is the group's times its size).
     * Refuses to route without a mask inside the forward of a :func:`with_padding_mask` model (a
       code path dropped it: its statistics would count padding).
 
@@ -70,6 +72,34 @@ class PaddingMaskTopKRouter(TopKRouter):
                 "load-balancing statistics would count padding tokens"
             )
         return super().forward(input, padding_mask=padding_mask)
+
+    def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        """``TopKRouter._apply_aux_loss`` with the valid tokens of the reduce group counted exactly.
+
+        Megatron-Core's ``get_tokens_per_expert_and_token_count`` all-reduces the per-expert counts in place
+        (``mappings._reduce`` mutates a contiguous input) and then reads the rank's own token count from the same
+        tensor, so under context parallelism with a padding mask the "local" count is the group's and the loss's
+        gradient is scaled ``group size`` times too much (measured: exactly 2x at CP = 2). Its scale, ``local valid
+        tokens x group size``, also stands in for the group's valid tokens only when every rank holds as many,
+        which a THD row cut for CP does not. Here the counts are reduced from a copy and the scale is the group's
+        valid tokens (``valid_token_count = total / group size``). Without a mask, Megatron-Core's method.
+        """
+        coeff = self.get_aux_loss_coeff("aux_loss")
+        if coeff == 0 or not with_padding_mask:
+            return super()._apply_aux_loss(probs, scores_for_aux_loss, routing_map, with_padding_mask=with_padding_mask)
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+        from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+        group = self.tp_cp_group
+        global_counts = reduce_from_tensor_model_parallel_region(routing_map.sum(dim=0).clone(), group)
+        total_num_tokens = global_counts.sum() / self.topk
+        aux_loss = switch_load_balancing_loss_func(
+            probs=scores_for_aux_loss, tokens_per_expert=global_counts, total_num_tokens=total_num_tokens,
+            topk=self.topk, num_experts=self.config.num_moe_experts, moe_aux_loss_coeff=coeff,
+            fused=self.config.moe_router_fusion,
+        )
+        return self.attach_and_log_load_balancing_loss(probs, coeff, aux_loss, "load_balancing_loss", group,
+                                                       valid_token_count=total_num_tokens / group.size())
 
     def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if padding_mask is not None and padding_mask.dim() == 1:
@@ -150,8 +180,8 @@ class PaddingMaskTopKRouter(TopKRouter):
         index = sample_of_token.reshape(-1)
         scores = scores_for_aux_loss.new_zeros(num_slots, experts).index_add(0, index, scores_for_aux_loss)
         counts = scores_for_aux_loss.new_zeros(num_slots, experts).index_add(0, index, routing_map.to(scores.dtype))
-        global_counts = reduce_from_tensor_model_parallel_region(counts.reshape(-1), self.tp_cp_group)
-        local_num_tokens = counts.sum() / (self.topk * num_samples)
+        # Reduced from a copy: Megatron-Core's all-reduce mutates a contiguous input in place (see _apply_aux_loss).
+        global_counts = reduce_from_tensor_model_parallel_region(counts.reshape(-1).clone(), self.tp_cp_group)
         total_num_tokens = global_counts.sum() / (self.topk * num_samples)
         aux_loss = switch_load_balancing_loss_func(
             probs=scores.reshape(1, -1), tokens_per_expert=global_counts, total_num_tokens=total_num_tokens,
@@ -159,7 +189,7 @@ class PaddingMaskTopKRouter(TopKRouter):
         ) / num_samples
         return self.attach_and_log_load_balancing_loss(
             probs, coeff, aux_loss, "seq_load_balancing_loss", self.tp_cp_group,
-            valid_token_count=local_num_tokens * num_samples,
+            valid_token_count=total_num_tokens * num_samples / self.tp_cp_group.size(),
         )
 
 

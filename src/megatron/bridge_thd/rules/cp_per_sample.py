@@ -56,16 +56,25 @@ def _hybrid_cp_rows(s: Setup) -> list[str]:
 
 @rule(CONFIGURE, STEP)
 def _hybrid_cp_not_built(s: Setup) -> list[str]:
-    """What CP per sample does not run yet (docs/dynamic-cp.md, "What is left"): MoE routers reduce their
-    statistics over the static CP group (their group per row and exact token counts are not built), and the MTP block
-    is untested with it. Refused, not run wrong."""
+    """What CP per sample does not run: MoE routers reduce their statistics over a row's group only at TP = 1 (the
+    step binds the TP x CP group there); the expert dispatch under EP > 1 is a collective over ranks that run
+    different numbers of rows; ``global_aux_loss`` averages over data-parallel ranks; the MTP block is untested with
+    it. Refused, not run wrong."""
     m = s.model
     if not s.cp_per_sample:
         return []
     problems = []
-    if m.experts:
-        problems.append(f"model.hybrid_context_parallel: num_moe_experts={m.experts}; the MoE routers' statistics "
-                        "per CP group are not built yet; train the MoE model with a static context_parallel_size")
+    if m.experts and s.tp > 1:
+        problems.append(f"model.hybrid_context_parallel: num_moe_experts={m.experts} with "
+                        f"tensor_model_parallel_size={s.tp}; the MoE routers reduce over a row's CP group only at "
+                        "TP = 1; set tensor_model_parallel_size=1 or use a static context_parallel_size")
+    if m.experts and s.ep > 1:
+        problems.append(f"model.hybrid_context_parallel: expert_model_parallel_size={s.ep}; the expert dispatch is a "
+                        "collective over ranks that run different numbers of rows; set expert_model_parallel_size=1")
+    if m.experts and "global_aux_loss" in m.load_balancing:
+        problems.append("model.hybrid_context_parallel: moe_router_load_balancing_type includes 'global_aux_loss', "
+                        "averaged over data-parallel ranks that run different rows; use 'aux_loss' or "
+                        "'seq_aux_loss'")
     if m.mtp_layers:
         problems.append(f"model.hybrid_context_parallel: mtp_num_layers={m.mtp_layers}; multi-token prediction is "
                         "not run with a CP size per sample yet; set mtp_num_layers=None")
