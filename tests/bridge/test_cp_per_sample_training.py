@@ -4,7 +4,8 @@ dynamic_cp=M)``: Megatron-Core's hybrid groups (built by Megatron-Bridge's initi
 ``BalancedCPScheduler`` placing each step on 1, 2 or 4 ranks per sample, its hybrid-CP schedule running the rows, our
 loaders (``batching.cp_rows``) and step.
 
-The reference is the same run at static CP = 1 (DP = 4, in-batch ``thd``, per-token loss): the recipe's cyclic loader
+The run is stopped after its first iteration and resumed from its checkpoint. The reference is the same run at static
+CP = 1 (DP = 4, in-batch ``thd``, per-token loss): the recipe's cyclic loader
 draws a step's samples per DP rank (``data_sharding``), so the same DP world draws the same samples, which a static CP
 of 4 (DP = 1) would not. Every iteration's loss and gradient norm and the validation loss must be equal (per-token
 loss over the whole step in both runs; the sums differ only in the order of reduction).
@@ -31,19 +32,31 @@ RELATIVE = 1e-5
 def ranks(tmp_path_factory):
     common = dict(train_iters=ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
                   seq_length=SEQ_LENGTH, eval_iters=1, eval_interval=ITERATIONS, checkpoint=False, count_tokens=False)
+    dynamic = dict(common, dynamic_cp=TOKENS_PER_RANK, run_name="dynamic-cp")
     runs = [
-        ("dynamic", RECIPE, "thd", dict(common, dynamic_cp=TOKENS_PER_RANK)),
+        # Stopped after iteration 1 (a checkpoint is saved), then resumed from it: the loader's sampler continues from
+        # Megatron-Bridge's consumed_samples, so iteration 2 must be the uninterrupted reference's.
+        ("dynamic_first", RECIPE, "thd", dict(dynamic, exit_interval=1, checkpoint=True)),
+        ("dynamic_resumed", RECIPE, "thd", dict(dynamic, checkpoint="load")),
         ("static_cp1", RECIPE, "thd", dict(common, per_token_loss=True)),
     ]
     return run_on_cpu(runs, workdir=tmp_path_factory.mktemp("cp_per_sample_run"), world_size=4, timeout=900)
 
 
+def _rows(rank: dict, key: str) -> list[dict]:
+    """A run's iterations; ``"dynamic"``: the stopped run's and the resumed run's, joined."""
+    if key == "dynamic":
+        return rank["dynamic_first"]["iterations"] + rank["dynamic_resumed"]["iterations"]
+    return rank[key]["iterations"]
+
+
 def _losses(rank: dict, key: str) -> list[float]:
-    return [row["loss"] for row in rank[key]["iterations"]]
+    return [row["loss"] for row in _rows(rank, key)]
 
 
 def test_the_steps_ran_with_several_cp_sizes(ranks):
-    lines = [line for line in ranks[0]["dynamic"]["placements"] if "CP per sample (train)" in line]
+    lines = [line for key in ("dynamic_first", "dynamic_resumed") for line in ranks[0][key]["placements"]
+             if "CP per sample (train)" in line]
     assert len(lines) >= ITERATIONS
     sizes = set()
     for line in lines:
@@ -53,19 +66,20 @@ def test_the_steps_ran_with_several_cp_sizes(ranks):
 
 def test_losses_equal_static_cp(ranks):
     """Training and validation losses and gradient norms."""
+    assert [row["iteration"] for row in _rows(ranks[0], "dynamic")] == list(range(1, ITERATIONS + 1))
     dynamic, static = _losses(ranks[0], "dynamic"), _losses(ranks[0], "static_cp1")
     assert len(dynamic) == len(static) == ITERATIONS
     for a, b in zip(dynamic, static):
         assert a == pytest.approx(b, rel=RELATIVE), (dynamic, static)
-    norms = [[row["grad_norm"] for row in ranks[0][key]["iterations"]] for key in ("dynamic", "static_cp1")]
+    norms = [[row["grad_norm"] for row in _rows(ranks[0], key)] for key in ("dynamic", "static_cp1")]
     assert norms[0] == pytest.approx(norms[1], rel=RELATIVE), norms
-    evaluations = [[e["loss"] for e in ranks[0][key]["evaluations"]] for key in ("dynamic", "static_cp1")]
+    evaluations = [[e["loss"] for e in ranks[0][key]["evaluations"]] for key in ("dynamic_resumed", "static_cp1")]
     assert evaluations[0] and evaluations[0] == pytest.approx(evaluations[1], rel=RELATIVE), evaluations
 
 
 def test_flops_count_each_row_once(ranks):
     """Only a row's first rank feeds Megatron-Bridge's FLOPs accounting: the step's FLOPs are static CP's up to the
     alignment padding (2k per sample here, none there), not a row counted once per rank of its group."""
-    flops = [[row["flops"] for row in ranks[0][key]["iterations"]] for key in ("dynamic", "static_cp1")]
+    flops = [[row["flops"] for row in _rows(ranks[0], key)] for key in ("dynamic", "static_cp1")]
     for dynamic, static in zip(*flops):
         assert abs(dynamic - static) <= 0.05 * static, flops

@@ -341,6 +341,8 @@ def test_cp_per_sample_runs_in_the_step_with_what_the_hybrid_schedule_needs():
     (dict(tp=2, facts=dict(experts=4)), "num_moe_experts=4 with tensor_model_parallel_size=2.*set tensor_model"),
     (dict(ep=2, facts=dict(experts=4)), "expert_model_parallel_size=2.*set expert_model_parallel_size=1"),
     (dict(facts=dict(experts=4, load_balancing=("global_aux_loss",))), "'global_aux_loss'.*use 'aux_loss'"),
+    (dict(facts=dict(experts=4, capacity_factor=1.0)), "moe_expert_capacity_factor=1.0.*unset"),
+    (dict(facts=dict(experts=4, load_balancing=("seq_aux_loss",))), "'seq_aux_loss', not proven.*use 'aux_loss'"),
     (dict(facts=dict(recompute_granularity="full")), "recompute_granularity='full'.*set recompute_granularity=None"),
     (dict(dp=4, tp=2, facts=dict(linear_attention="gdn", linear_heads=(4, 16))),
      "linear_num_key_heads: 4 heads .2 per TP rank. do not split over the 4"),

@@ -58,8 +58,8 @@ def _hybrid_cp_rows(s: Setup) -> list[str]:
 def _hybrid_cp_not_built(s: Setup) -> list[str]:
     """What CP per sample does not run: MoE routers reduce their statistics over a row's group only at TP = 1 (the
     step binds the TP x CP group there); the expert dispatch under EP > 1 is a collective over ranks that run
-    different numbers of rows; ``global_aux_loss`` averages over data-parallel ranks; the MTP block is untested with
-    it. Refused, not run wrong."""
+    different numbers of rows; expert capacity drops tokens per rank; ``global_aux_loss`` averages over data-parallel
+    ranks; ``seq_aux_loss`` and the MTP block are untested with it. Refused, not run wrong."""
     m = s.model
     if not s.cp_per_sample:
         return []
@@ -71,6 +71,13 @@ def _hybrid_cp_not_built(s: Setup) -> list[str]:
     if m.experts and s.ep > 1:
         problems.append(f"model.hybrid_context_parallel: expert_model_parallel_size={s.ep}; the expert dispatch is a "
                         "collective over ranks that run different numbers of rows; set expert_model_parallel_size=1")
+    if m.experts and m.capacity_factor is not None:
+        problems.append(f"model.hybrid_context_parallel: moe_expert_capacity_factor={m.capacity_factor}; expert "
+                        "capacity and token dropping are per rank, so a row cut over several ranks drops other tokens "
+                        "than the row on one; unset moe_expert_capacity_factor")
+    if m.experts and m.seq_aux_loss:
+        problems.append("model.hybrid_context_parallel: moe_router_load_balancing_type includes 'seq_aux_loss', not "
+                        "proven with a CP size per row yet; use 'aux_loss'")
     if m.experts and "global_aux_loss" in m.load_balancing:
         problems.append("model.hybrid_context_parallel: moe_router_load_balancing_type includes 'global_aux_loss', "
                         "averaged over data-parallel ranks that run different rows; use 'aux_loss' or "
