@@ -46,19 +46,6 @@ def bridge_batch(samples) -> dict:
     }
 
 
-class FakeGroup:
-    """A process group as the code under test reads it: its size and this rank's index."""
-
-    def __init__(self, size, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
-
-
 def run_hybrid_step(model, step_samples) -> dict:
     """On every rank of a hybrid-CP world: the step's rows through Megatron-Core's ``forward_backward_no_pipelining``
     (dispatching to its hybrid-CP schedule) with our forward step, then the loss sum, token count and gradients

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, FakeGroup, run_hybrid_step
+from _real_model import FakeGroup
+from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, run_hybrid_step
 from _cp_per_sample import bridge_batch as _bridge_batch
 from _cp_per_sample import samples as _samples
 

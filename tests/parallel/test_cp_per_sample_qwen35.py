@@ -16,7 +16,8 @@ relative noise on small gradients.
 from __future__ import annotations
 
 import pytest
-from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, FakeGroup, bridge_batch, run_hybrid_step, samples
+from _real_model import FakeGroup
+from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, bridge_batch, run_hybrid_step, samples
 
 from megatron.bridge_thd.cp_per_sample import bound_cp_group, find_cp_group_holders
 from megatron.bridge_thd_cpu.parity import gradients, step_run, worst_relative_gradient_error

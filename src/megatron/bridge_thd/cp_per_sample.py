@@ -24,7 +24,7 @@ the step's plan is built; per row the step reads the plan.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -64,6 +64,8 @@ class CPGroupHolders:
     places: tuple[tuple[object, str], ...]
     static_group: torch.distributed.ProcessGroup
     sizes: tuple[tuple[torch.nn.Module, str], ...] = ()
+    # What each (module, CP size) derives from the size, found at its first row and reused (:func:`_bind_size`).
+    derived: dict[tuple[int, int], dict[str, object]] = field(default_factory=dict, compare=False, repr=False)
     tp_cp_places: tuple[tuple[object, str], ...] = ()
     static_tp_cp: torch.distributed.ProcessGroup | None = None
 
@@ -165,16 +167,25 @@ def _tp_cp_places(core: torch.nn.Module) -> tuple[tuple[tuple[object, str], ...]
 _ABSENT = object()
 
 
-def _bind_size(module: torch.nn.Module, name: str, size: int, restore: list[tuple[object, str, object]]) -> None:
+def _bind_size(module: torch.nn.Module, name: str, size: int, restore: list[tuple[object, str, object]],
+               derived: dict[tuple[int, int], dict[str, object]]) -> None:
     """``module.<name> = size`` and what the module derived from it at build, re-derived; ``(module, attribute,
     value before)`` of every attribute changed is appended to ``restore`` (also when the re-derivation fails).
 
     Megatron-Core's GDN family derives its per-rank head split (``feat_dim_split``) from ``cp_size`` in
-    ``_setup_variant_attrs`` ("called once from ``__init__``"): it is called again with the row's size, and of what it
-    sets only data is kept; the callable it binds (the kernel, ``gated_delta_rule``, read from a module global that
-    may have changed since) stays the one the build bound.
+    ``_setup_variant_attrs`` ("called once from ``__init__``"): it is called again with the row's size, the first time
+    a row of that size runs, and of what it sets only data is kept (in ``derived``, reused for later rows of that
+    size); the callable it binds (the kernel, ``gated_delta_rule``, read from a module global that may have changed
+    since) stays the one the build bound.
     """
+    values = derived.get((id(module), size))
+    if values is not None:
+        for key, value in values.items():
+            restore.append((module, key, vars(module).get(key, _ABSENT)))
+            setattr(module, key, value)
+        return
     before = dict(vars(module))
+    changed: dict[str, object] = {}
     try:
         setattr(module, name, size)
         derive = getattr(module, "_setup_variant_attrs", None)
@@ -189,6 +200,8 @@ def _bind_size(module: torch.nn.Module, name: str, size: int, restore: list[tupl
                 setattr(module, key, old)
             else:
                 restore.append((module, key, old))
+                changed[key] = value
+    derived[(id(module), size)] = changed
 
 
 @contextlib.contextmanager
@@ -210,7 +223,7 @@ def bound_cp_group(holders: CPGroupHolders, group: torch.distributed.ProcessGrou
         for holder, name in holders.places + holders.tp_cp_places:
             setattr(holder, name, group)
         for module, name in holders.sizes:
-            _bind_size(module, name, group.size(), restore)
+            _bind_size(module, name, group.size(), restore, holders.derived)
         yield
     finally:
         for holder, name in holders.places:

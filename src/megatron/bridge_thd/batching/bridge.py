@@ -293,8 +293,6 @@ def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_l
                         cost, global_batch_size: int, row_lengths=None):
     """Megatron-Bridge's loader rebuilt around a :class:`.sampler.GlobalBatchSampler` (same dataset,
     collate, workers, pinned memory, prefetch); ``row_lengths``: ``thd_static``'s rows (the log's padding)."""
-    from torch.utils.data import DataLoader
-
     from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, cycles, rank_samplers
 
     loader, inner = plan.loader, plan.sampler
@@ -304,9 +302,17 @@ def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_l
                                  label=plan.label, cycle=cycles(inner),
                                  first_step=inner.consumed_samples // global_batch_size + 1,
                                  planned_steps=len(plan.draws), row_lengths=row_lengths)
+    return _rebuilt(loader, loader.dataset, sampler, loader.collate_fn)
+
+
+def _rebuilt(loader, dataset, batch_sampler, collate_fn):
+    """A ``DataLoader`` like Megatron-Bridge's ``loader`` (its workers, pinned memory, persistence, worker init, start
+    method, timeout, prefetch) over ``dataset`` with ``batch_sampler`` and ``collate_fn``."""
+    from torch.utils.data import DataLoader
+
     extra = {} if not loader.num_workers else dict(prefetch_factor=loader.prefetch_factor)
-    return DataLoader(loader.dataset, batch_sampler=sampler, num_workers=loader.num_workers,
-                      pin_memory=loader.pin_memory, collate_fn=loader.collate_fn,
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=loader.num_workers,
+                      pin_memory=loader.pin_memory, collate_fn=collate_fn,
                       persistent_workers=loader.persistent_workers, worker_init_fn=loader.worker_init_fn,
                       multiprocessing_context=loader.multiprocessing_context, timeout=loader.timeout, **extra)
 
@@ -315,32 +321,20 @@ def cp_rows_loader(plan: LoaderPlan, *, max_tokens_per_rank: int, log: bool = Tr
     """Megatron-Bridge's loader rebuilt for a CP size per sample (:mod:`.cp_rows`): one item per step, this rank's
     rows of Megatron-Core's placement, each collated whole by the loader's collate (same dataset, workers, pinned
     memory, prefetch). A drawn sample longer than the whole DP x CP world holds is refused here, before training."""
-    from torch.utils.data import DataLoader
-
     from megatron.bridge_thd.batching.cp_rows import CPRowSampler, RowCollate, RowDataset
-    from megatron.bridge_thd.batching.dynamic_cp import cp_slots
+    from megatron.bridge_thd.batching.dynamic_cp import check_fits_the_world
     from megatron.bridge_thd.batching.sampler import cycles, rank_samplers
 
     loader, inner = plan.loader, plan.sampler
     if len(plan.draws):
         drawn = plan.draws.reshape(-1).unique()
-        lengths = plan.sizes.take(drawn)[0]
-        longest = int(lengths.argmax())
-        slots = cp_slots(int(lengths[longest]), plan.dp_size)
-        if slots > plan.dp_size * max_tokens_per_rank:
-            raise ValueError(
-                f"dynamic_cp.max_tokens_per_rank: dataset sample {int(drawn[longest])} of the {plan.label} loader has "
-                f"{int(lengths[longest])} tokens ({slots} slots), more than the {plan.dp_size} DP x CP ranks hold at "
-                f"{max_tokens_per_rank} tokens per rank; raise max_tokens_per_rank to at least "
-                f"{-(-slots // plan.dp_size)}, use more ranks, or filter the sample")
+        check_fits_the_world(plan.sizes.take(drawn)[0].tolist(), world=plan.dp_size,
+                             max_tokens_per_rank=max_tokens_per_rank, setting="dynamic_cp.max_tokens_per_rank",
+                             names=[f"dataset sample {i} of the {plan.label} loader" for i in drawn.tolist()])
     sampler = CPRowSampler(rank_samplers(inner, plan.dp_size), rank=plan.dp_rank, num_micro_batches=plan.num_micro_batches,
                            sizes=plan.sizes, max_tokens_per_rank=max_tokens_per_rank, cycle=cycles(inner),
                            label=plan.label, log=log)
-    extra = {} if not loader.num_workers else dict(prefetch_factor=loader.prefetch_factor)
-    return DataLoader(RowDataset(loader.dataset), batch_sampler=sampler, num_workers=loader.num_workers,
-                      pin_memory=loader.pin_memory, collate_fn=RowCollate(loader.collate_fn),
-                      persistent_workers=loader.persistent_workers, worker_init_fn=loader.worker_init_fn,
-                      multiprocessing_context=loader.multiprocessing_context, timeout=loader.timeout, **extra)
+    return _rebuilt(loader, RowDataset(loader.dataset), sampler, RowCollate(loader.collate_fn))
 
 
 def _log_rows(row_lengths: tuple[int, ...], count: int) -> None:

@@ -18,14 +18,19 @@ sample with its key, and the collate groups them by row, so prefetching workers 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
+
+import torch
 
 from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
 from megatron.bridge_thd.batching.sampler import step_draws
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
 
 __all__ = ["RowKey", "CPRowSampler", "RowDataset", "RowCollate"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,18 +74,14 @@ class CPRowSampler:
 
     def keys(self, drawn: list[int]) -> list[RowKey]:
         """This rank's keys for one step's draws."""
-        import torch
-
         lengths = self.sizes.take(torch.tensor(drawn, dtype=torch.int64))[0].tolist()
         placement = place_with_cp_per_sample(lengths, world=len(self.samplers),
                                              max_tokens_per_rank=self.max_tokens_per_rank)
         groups = tuple(tuple(tuple(ids) for ids in ranks) for ranks in placement.row_id_groups())
         self.step += 1
         if self.log and is_global_rank_zero():
-            import logging
-
             sizes = placement.cp_size_of()
-            logging.getLogger(__name__).info(
+            logger.info(
                 "bridge_thd CP per sample (%s): step %d: %d samples in %d rows, %d groups; samples per CP size %s",
                 self.label, self.step, len(drawn), len(placement.rows), placement.groups,
                 {k: list(sizes.values()).count(k) for k in sorted(set(sizes.values()))})

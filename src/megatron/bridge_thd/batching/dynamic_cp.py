@@ -22,7 +22,8 @@ from typing import Sequence
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.packing import round_up
 
-__all__ = ["CPRow", "DynamicCPPlacement", "cp_slots", "place_with_cp_per_sample", "TooLongForTheWorld"]
+__all__ = ["CPRow", "DynamicCPPlacement", "cp_slots", "check_fits_the_world", "place_with_cp_per_sample",
+           "TooLongForTheWorld"]
 
 
 class TooLongForTheWorld(ValueError):
@@ -186,6 +187,34 @@ def _rows_of_block(group: int, block: tuple[int, ...], samples: list[int], lengt
     return [CPRow(group, block, tuple(sorted(row)), total) for row, total in zip(rows, used)]
 
 
+def check_fits_the_world(lengths: Sequence[int], *, world: int, max_tokens_per_rank: int,
+                         names: Sequence[str] | None = None, setting: str = "max_tokens_per_rank") -> list[int]:
+    """Each sample's slots as the scheduler sees them (:func:`cp_slots`), refusing a sample the whole world cannot hold.
+
+    Args:
+        lengths: ``(n,)`` tokens per sample.
+        world, max_tokens_per_rank: as :func:`place_with_cp_per_sample`.
+        names: how the message names each sample (default ``"sample i"``).
+        setting: the setting the message names.
+
+    Raises:
+        TooLongForTheWorld: naming the longest such sample, how many do not fit and a ``max_tokens_per_rank`` that
+            holds them.
+    """
+    slots = [cp_slots(int(n), world) for n in lengths]
+    limit = world * max_tokens_per_rank
+    over = [i for i, s in enumerate(slots) if s > limit]
+    if over:
+        worst = max(over, key=lambda i: slots[i])
+        name = names[worst] if names is not None else f"sample {worst}"
+        raise TooLongForTheWorld(
+            f"{setting}: {name} has {int(lengths[worst])} tokens ({slots[worst]} slots aligned to 2 x {world}), more "
+            f"than the {world} ranks hold at {max_tokens_per_rank} tokens per rank ({limit}); {len(over)} sample(s) "
+            f"do not fit. Raise max_tokens_per_rank to at least {math.ceil(slots[worst] / world)}, use more ranks, "
+            "or filter these samples")
+    return slots
+
+
 def place_with_cp_per_sample(lengths: Sequence[int], *, world: int, max_tokens_per_rank: int) -> DynamicCPPlacement:
     """Place one step's samples on a DP x CP world of ``world`` ranks with a CP size per sample.
 
@@ -211,16 +240,7 @@ def place_with_cp_per_sample(lengths: Sequence[int], *, world: int, max_tokens_p
     if world & (world - 1):
         raise ValueError(f"world: {world} is not a power of two; Megatron-Core's hybrid groups are 2, 4, ... ranks")
     lengths = [check_int(f"lengths[{i}]", int(n)) for i, n in enumerate(lengths)]
-    slots = [cp_slots(n, world) for n in lengths]
-    limit = world * max_tokens_per_rank
-    over = [i for i, s in enumerate(slots) if s > limit]
-    if over:
-        worst = max(over, key=lambda i: slots[i])
-        raise TooLongForTheWorld(
-            f"max_tokens_per_rank: sample {worst} has {lengths[worst]} tokens ({slots[worst]} slots aligned to "
-            f"2 x {world}), more than the {world} ranks hold at {max_tokens_per_rank} tokens per rank ({limit}); "
-            f"{len(over)} sample(s) do not fit. Raise max_tokens_per_rank to at least "
-            f"{math.ceil(max(slots[i] for i in over) / world)}, use more ranks, or filter these samples")
+    slots = check_fits_the_world(lengths, world=world, max_tokens_per_rank=max_tokens_per_rank)
     scheduler = BalancedCPScheduler(max_tokens_per_rank, _Group(world))
     _, sample_id_groups = scheduler.get_groups_and_subsamples(list(enumerate(slots)), None)
     rows = []

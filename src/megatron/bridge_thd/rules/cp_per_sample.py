@@ -55,7 +55,7 @@ def _hybrid_cp_rows(s: Setup) -> list[str]:
 
 
 @rule(CONFIGURE, STEP)
-def _hybrid_cp_not_built(s: Setup) -> list[str]:
+def _hybrid_cp_limits(s: Setup) -> list[str]:
     """What CP per sample does not run: MoE routers reduce their statistics over a row's group only at TP = 1 (the
     step binds the TP x CP group there); the expert dispatch under EP > 1 is a collective over ranks that run
     different numbers of rows; expert capacity drops tokens per rank; ``global_aux_loss`` averages over data-parallel
