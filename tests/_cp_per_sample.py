@@ -78,3 +78,18 @@ def run_hybrid_step(model, step_samples) -> dict:
     for g in grads.values():
         torch.distributed.all_reduce(g)
     return dict(loss=float(totals[0]), num_tokens=int(totals[1]), grads=grads, calls=calls)
+
+
+def cp1_reference(build) -> tuple[dict, dict]:
+    """The step's samples on one process at CP = 1, one packed THD row through our step: the model's weights (what
+    every rank loads) and its loss sum, tokens and gradients. ``build()`` makes the model (inside the CPU stack)."""
+    from megatron.bridge_thd_cpu.parity import gradients, step_run
+    from megatron.bridge_thd_cpu.stack import cpu_stack
+    from megatron.bridge_thd_cpu.standalone import init_single_process_groups
+
+    init_single_process_groups()
+    with cpu_stack():
+        model = build()
+        run = step_run(model, bridge_batch(samples()), "thd", seq_length=SEQ_LENGTH)
+        run.loss.backward()
+        return model.state_dict(), dict(loss=float(run.loss), num_tokens=int(run.num_tokens), grads=gradients(model))

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _real_model import FakeGroup
+from _cp_per_sample import cp1_reference as _cp1_reference
 from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, run_hybrid_step
-from _cp_per_sample import bridge_batch as _bridge_batch
 from _cp_per_sample import samples as _samples
 
 from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
@@ -22,7 +22,7 @@ from megatron.bridge_thd.cp_per_sample import (
     LOCAL_CP_SIZE_KEY, CPPerSample, RowCP, bound_cp_group, find_cp_group_holders, row_cp_of,
 )
 from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd_cpu.parity import gradients, step_run, worst_relative_gradient_error
+from megatron.bridge_thd_cpu.parity import worst_relative_gradient_error
 from megatron.bridge_thd_cpu.stack import cpu_stack
 from megatron.bridge_thd_cpu.standalone import init_single_process_groups
 from megatron.bridge_thd_testbed.launcher import run_on_gloo
@@ -69,13 +69,7 @@ def hybrid_worker(state_dict, samples):
 @pytest.fixture(scope="module")
 def cp1_reference():
     """The same samples on one process at CP = 1: one packed THD row, its loss sum, tokens and gradients."""
-    init_single_process_groups()
-    samples = _samples()
-    with cpu_stack():
-        model = build_qwen3_vl(_config(), seed=0)
-        run = step_run(model, _bridge_batch(samples), "thd", seq_length=SEQ_LENGTH)
-        run.loss.backward()
-        return model.state_dict(), dict(loss=float(run.loss), num_tokens=int(run.num_tokens), grads=gradients(model))
+    return _cp1_reference(lambda: build_qwen3_vl(_config(), seed=0))
 
 
 def test_cp_per_sample_equals_cp1_on_the_real_model(cp1_reference):

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import pytest
 from _real_model import FakeGroup
-from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, bridge_batch, run_hybrid_step, samples
+from _cp_per_sample import cp1_reference as _cp1_reference
+from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, run_hybrid_step, samples
 
 from megatron.bridge_thd.cp_per_sample import bound_cp_group, find_cp_group_holders
-from megatron.bridge_thd_cpu.parity import gradients, step_run, worst_relative_gradient_error
+from megatron.bridge_thd_cpu.parity import worst_relative_gradient_error
 from megatron.bridge_thd_cpu.qwen35 import build_qwen35_vl, gdn_layers, tiny_qwen35_vl_config
 from megatron.bridge_thd_cpu.stack import cpu_stack
 from megatron.bridge_thd_cpu.standalone import init_single_process_groups
@@ -67,13 +68,7 @@ def hybrid_worker(state_dict, step_samples):
 @pytest.fixture(scope="module")
 def cp1_reference():
     """The same samples on one process at CP = 1: one packed THD row, its loss sum, tokens and gradients."""
-    init_single_process_groups()
-    cp_samples = samples()
-    with cpu_stack():
-        model = _build(_config())
-        run = step_run(model, bridge_batch(cp_samples), "thd", seq_length=SEQ_LENGTH)
-        run.loss.backward()
-        return model.state_dict(), dict(loss=float(run.loss), num_tokens=int(run.num_tokens), grads=gradients(model))
+    return _cp1_reference(lambda: _build(_config()))
 
 
 def test_cp_per_sample_equals_cp1_on_qwen35(cp1_reference):
