@@ -567,15 +567,149 @@ def test_truncation_that_cuts_an_image_raises(ref, right_batch):
     with pytest.raises(ValueError) as info:
         run_step(RecordingSpy(ref), right_batch, state)
     message = str(info.value)
-    assert "seq_length" in message and str(seq) in message
-    assert str(expected) in message
+    assert f"seq_length={seq}" in message and "overlong_samples='truncate'" in message
+    # The failed samples, each by row and real length, and no other.
+    named = [i for i in range(B) if f"row {i}: {lengths[i]} tokens" in message]
+    assert named == expected
 
 
 def test_truncation_that_cuts_all_images_names_every_sample(ref, left_batch):
     state = minimal_state(seq_length=30, micro_batch_size=B, packing_layout="bshd")
     with pytest.raises(ValueError) as info:
         run_step(RecordingSpy(ref), left_batch, state)
-    assert "seq_length" in str(info.value) and str(list(range(B))) in str(info.value)
+    lengths = real_lengths(left_batch)
+    assert "seq_length=30" in str(info.value)
+    assert all(f"row {i}: {lengths[i]} tokens" in str(info.value) for i in range(B))
+
+
+# The over-long policy (overlong_samples) on a batch wider than seq_length: a collate that does not cut (a user's own,
+# a VERL-like iterator) hands the step the whole samples; the policy decides what the step does with them.
+
+
+def _overlong_setup(padding: str):
+    """A batch with samples over, at and under ``seq``, cut in answer text only (after every image)."""
+    batch = synthetic_receipt_batch(B, seed=SEED, left_padding=padding == "left")
+    lengths = real_lengths(batch)
+    seq = sorted(lengths)[1]  # one sample exactly at seq_length, one under, two over
+    assert seq > max(_image_end(batch, i) for i in range(B))
+    over = [i for i in range(B) if lengths[i] > seq]
+    assert len(over) == 2 and lengths.count(seq) == 1
+    return batch, lengths, seq, over
+
+
+def hf_cut_sample_losses(ref, batch, seq: int) -> list[float]:
+    """Each sample alone through the unmodified HF model, cut to its first ``seq`` real tokens (labels and loss mask
+    cut with it, as a collate cuts them): CE summed at loss_mask == 1, per sample."""
+    grids = batch["visual_inputs"].image_grid_thw
+    pixels = batch["visual_inputs"].pixel_values
+    patch_ends = [0] + grids.prod(-1).cumsum(0).tolist()
+    losses = []
+    with torch.no_grad():
+        for i in range(batch["tokens"].shape[0]):
+            keep = batch["attention_mask"][i]
+            ids, labels = batch["tokens"][i][keep][:seq], batch["labels"][i][keep][:seq]
+            supervised = batch["loss_mask"][i][keep][:seq] == 1
+            logits = ref.hf_model(input_ids=ids[None], pixel_values=pixels[patch_ends[i]:patch_ends[i + 1]],
+                                  image_grid_thw=grids[i:i + 1], mm_token_type_ids=(ids == IMAGE).int()[None]).logits[0]
+            losses.append(float(F.cross_entropy(logits.float()[supervised], labels[supervised], reduction="sum")))
+    return losses
+
+
+def step_sample_losses(run, call: dict, layout: str) -> list[float]:
+    """The step's loss per sample: the model's per-token losses times the step's loss mask, summed over each sample's
+    slot of the THD row (its real and padded boundaries) or its row of the padded batch."""
+    weighted = run.output * run.loss_function.args[0].reshape(run.output.shape)
+    if layout == "bshd":
+        return weighted.sum(dim=1).tolist()
+    params = call["packed_seq_params"]
+    bounds = [slot_bounds(params, i) for i in range(B)]
+    return [float(weighted.reshape(-1)[start:start + length].sum()) for start, length in bounds]
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("layout", ["thd", "thd_static", "bshd"])
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_a_batch_wider_than_seq_length_follows_the_policy(policy, layout, padding, ref, caplog):
+    """truncate: every sample trains on its first seq_length tokens, as each sample alone cut the same way; drop:
+    the over-long samples add nothing to the loss, the others equal each alone; both logged."""
+    batch, lengths, seq, over = _overlong_setup(padding)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    spy = RecordingSpy(ref, delegate=True)
+    state = minimal_state(seq_length=seq, micro_batch_size=B, packing_layout=layout)
+    state.cfg.dataset.overlong_samples = policy
+    run = run_step(spy, batch, state)
+    alone = hf_cut_sample_losses(ref, batch, seq)
+    got = step_sample_losses(run, spy.calls[-1], layout if layout == "bshd" else "thd")
+    expected = [0.0 if policy == "drop" and i in over else alone[i] for i in range(B)]
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert all(alone[i] > 0 for i in over)  # drop removes a loss that truncate keeps
+    cut_supervised = [int(batch["loss_mask"][i][batch["attention_mask"][i]][:seq].sum()) for i in range(B)]
+    assert run.num_tokens == sum(n for i, n in enumerate(cut_supervised) if policy == "truncate" or i not in over)
+    assert int(run.stats.real_tokens) == sum(min(n, seq) for n in lengths)  # the dropped samples' tokens still run
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    excess = sum(lengths[i] - seq for i in over)
+    if policy == "drop":
+        assert any(f"dropped {len(over)} over-long sample(s) from the loss (overlong_samples='drop'): {excess} real "
+                   "tokens cut" in m for m in messages)
+    else:
+        assert any(f"truncated {excess} real tokens" in m and "overlong_samples='truncate'" in m for m in messages)
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("layout", ["thd", "thd_static", "bshd"])
+def test_refuse_raises_before_the_forward_naming_each_over_long_sample(layout, padding, ref):
+    from megatron.bridge_thd.overlong import SAMPLE_INDEX_KEY
+
+    batch, lengths, seq, over = _overlong_setup(padding)
+    batch = dict(batch, **{SAMPLE_INDEX_KEY: torch.tensor([70, 71, 72, 73])})  # as our loaders attach them
+    spy = RecordingSpy(ref, delegate=True)
+    state = minimal_state(seq_length=seq, micro_batch_size=B, packing_layout=layout)
+    state.cfg.dataset.overlong_samples = "refuse"
+    with pytest.raises(ValueError) as info:
+        run_step(spy, batch, state)
+    message = str(info.value)
+    assert message.startswith(f"overlong_samples='refuse': samples of this micro-batch are longer than seq_length={seq}")
+    named = [i for i in range(B) if f"row {i} (dataset sample {70 + i}): {lengths[i]} tokens" in message]
+    assert named == over
+    assert not spy.calls  # never a cut, never a forward
+
+
+@pytest.mark.parametrize("policy,refused", [("truncate", True), ("drop", False)])
+def test_a_sample_whose_supervision_lies_wholly_past_the_cut(policy, refused, ref):
+    """truncate would leave it nothing to train on: refused, naming it; drop takes it out of the loss."""
+    batch, lengths, seq, over = _overlong_setup("right")
+    victim = over[0]
+    loss_mask = batch["loss_mask"].clone()
+    loss_mask[victim, :seq] = 0  # supervised only past the cut
+    assert loss_mask[victim].sum() > 0
+    batch = dict(batch, loss_mask=loss_mask)
+    state = minimal_state(seq_length=seq, micro_batch_size=B, packing_layout="thd")
+    state.cfg.dataset.overlong_samples = policy
+    spy = RecordingSpy(ref, delegate=True)
+    if refused:
+        with pytest.raises(ValueError) as info:
+            run_step(spy, batch, state)
+        assert "every supervised token past seq_length" in str(info.value)
+        assert f"row {victim}: {lengths[victim]} tokens" in str(info.value) and "overlong_samples='drop'" in str(info.value)
+        assert not spy.calls
+    else:
+        run = run_step(spy, batch, state)
+        kept = [int(loss_mask[i][batch["attention_mask"][i]][:seq].sum()) for i in range(B) if i not in over]
+        assert run.num_tokens == sum(kept)
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_a_cut_image_is_refused_under_every_policy(policy, ref, right_batch):
+    ends = [_image_end(right_batch, i) for i in range(B)]
+    victim = max(range(B), key=lambda i: ends[i])
+    seq = ends[victim] - 5
+    state = minimal_state(seq_length=seq, micro_batch_size=B, packing_layout="thd")
+    state.cfg.dataset.overlong_samples = policy
+    spy = RecordingSpy(ref, delegate=True)
+    with pytest.raises(ValueError) as info:
+        run_step(spy, right_batch, state)
+    assert f"overlong_samples={policy!r}" in str(info.value) and "cut an image or video" in str(info.value)
+    assert f"row {victim}:" in str(info.value) and not spy.calls
 
 
 # ---------------------------------------------------------------------------------------------

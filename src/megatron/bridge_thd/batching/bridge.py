@@ -27,7 +27,7 @@ from megatron.bridge_thd.patches import Patch
 from megatron.bridge_thd.settings import GlobalBatchPacking, holds_settings, settings_of
 
 __all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "cp_rows_loader", "plan_loader", "run_row_length",
-           "run_row_buckets", "run_static_rows", "check_overlong", "measure_overlong_samples",
+           "run_row_buckets", "run_static_rows", "check_overlong", "measure_overlong_samples", "with_sample_indices",
            "shared_sizes", "check_ranks_agree", "LoaderPlan"]
 
 logger = logging.getLogger(__name__)
@@ -130,9 +130,26 @@ def check_ranks_agree(sizes, *, label: str) -> None:
                      "global_batch_packing.sizes_cache")
 
 
+def _listed(sizes, samples, *, with_supervised: bool = False) -> str:
+    """``"i (n tokens), ..."`` for the first eight of ``samples`` (distinct sample indices), `` ...`` after more."""
+    def one(i: int) -> str:
+        extra = f", {int(sizes.supervised[i])} supervised, none before the cut" if with_supervised else ""
+        return f"{i} ({int(sizes.untruncated[i])} tokens{extra})"
+
+    return ", ".join(one(int(i)) for i in samples[:8].tolist()) + (" ..." if len(samples) > 8 else "")
+
+
 def check_overlong(sizes, *, seq_length: int, policy: str | None, label: str) -> None:
-    """The dataset's samples longer than ``seq_length`` before the collate's cut (the scan measured them): refused
-    by dataset index under ``overlong_samples="refuse"``, else counted once in the log (global rank 0)."""
+    """The dataset's samples longer than ``seq_length`` before the collate's cut (the scan measured them), judged by
+    the run's ``overlong_samples`` policy as the collate would judge them when drawn, but at build and by dataset
+    index (docs/overlong-samples.md):
+
+    * every policy: a sample with an image or video placeholder past the cut is refused;
+    * ``"refuse"``: every over-long sample is refused;
+    * ``"truncate"``: a sample whose every supervised token lies past the cut is refused;
+    * otherwise the over-long samples are named once in the log (global rank 0): cut, or under ``"drop"`` dropped
+      from the loss.
+    """
     import torch
 
     from megatron.bridge_thd.batching.sampler import is_global_rank_zero
@@ -140,19 +157,34 @@ def check_overlong(sizes, *, seq_length: int, policy: str | None, label: str) ->
     over = sizes.over(seq_length)
     if not len(over):
         return
-    worst = int(over[int(torch.argmax(sizes.untruncated[over]))])
-    listed = ", ".join(f"{int(i)} ({int(sizes.untruncated[i])} tokens)" for i in over[:8].tolist())
+    worst = int(sizes.untruncated[over].max())
+    raise_to = f"raise dataset.seq_length and model.seq_length to at least {worst}"
+    where = f"distinct sample(s) of the {label} dataset"
     if policy == "refuse":
         raise ValueError(
-            f"overlong_samples='refuse': {len(over)} distinct sample(s) of the {label} dataset are longer than "
-            f"seq_length={seq_length} before Megatron-Bridge's collate would cut them: dataset samples {listed}"
-            f"{' ...' if len(over) > 8 else ''}. Raise dataset.seq_length and model.seq_length to at least "
-            f"{int(sizes.untruncated[worst])}, filter these samples, or set overlong_samples to 'truncate' or 'drop'")
+            f"overlong_samples='refuse': {len(over)} {where} are longer than seq_length={seq_length} before "
+            f"Megatron-Bridge's collate would cut them: dataset samples {_listed(sizes, over)}. "
+            f"{raise_to.capitalize()}, filter these samples, or set overlong_samples to 'truncate' or 'drop'")
+    vision_cut = sizes.vision_cut_samples()
+    if len(vision_cut):
+        raise ValueError(
+            f"overlong_samples={policy!r}: {len(vision_cut)} {where} have an image or video placeholder past "
+            f"seq_length={seq_length}: dataset samples {_listed(sizes, vision_cut)}; the cut would leave the vision "
+            f"tower's embeddings without their placeholders, under every overlong_samples policy. {raise_to.capitalize()}, "
+            "lower the images' resolution (max_pixels), or filter these samples")
+    emptied = sizes.supervision_cut_samples(seq_length)
+    if policy == "truncate" and len(emptied):
+        raise ValueError(
+            f"overlong_samples='truncate': {len(emptied)} {where} have every supervised token past "
+            f"seq_length={seq_length}: dataset samples {_listed(sizes, emptied, with_supervised=True)}; the cut would "
+            "leave them nothing to train on (Megatron-Bridge's collate refuses them when drawn). Set "
+            f"overlong_samples='drop' to keep them out of the loss, {raise_to}, or filter these samples")
     if is_global_rank_zero():
         lost = int((sizes.untruncated[over] - seq_length).sum())
-        logger.warning("bridge_thd.batching (%s loader): %d distinct sample(s) are longer than seq_length=%d (dataset "
-                       "samples %s%s; %d real tokens over); overlong_samples=%r", label, len(over), seq_length, listed,
-                       " ..." if len(over) > 8 else "", lost, policy)
+        what = ("are dropped from the loss when drawn (overlong_samples='drop')" if policy == "drop" else
+                f"are cut to it when drawn (overlong_samples={policy!r})")
+        logger.warning("bridge_thd.batching (%s loader): %d %s longer than seq_length=%d %s: dataset samples %s; %d "
+                       "real tokens over", label, len(over), where, seq_length, what, _listed(sizes, over), lost)
 
 
 @dataclass
@@ -302,7 +334,10 @@ def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_l
                                  label=plan.label, cycle=cycles(inner),
                                  first_step=inner.consumed_samples // global_batch_size + 1,
                                  planned_steps=len(plan.draws), row_lengths=row_lengths)
-    return _rebuilt(loader, loader.dataset, sampler, loader.collate_fn)
+    from megatron.bridge_thd.overlong import IndexedDataset
+
+    # The collate (overlong.OverlongCollate, measure_overlong_samples) names refused samples by dataset index.
+    return _rebuilt(loader, IndexedDataset(loader.dataset), sampler, loader.collate_fn)
 
 
 def _rebuilt(loader, dataset, batch_sampler, collate_fn):
@@ -357,14 +392,33 @@ def _run_steps(cfg) -> dict:
     return {"train": train_iters, "valid": valid, "test": eval_iters}
 
 
-def measure_overlong_samples(loaders, policy: str) -> None:
+def _vision_token_ids(cfg) -> tuple[int, ...]:
+    """The model's image and video placeholder ids (the provider's ``image_token_id`` / ``video_token_id``)."""
+    return tuple(int(i) for i in (getattr(cfg.model, "image_token_id", None), getattr(cfg.model, "video_token_id", None))
+                 if i is not None)
+
+
+def measure_overlong_samples(loaders, policy: str, vision_token_ids: tuple[int, ...] = ()) -> None:
     """Each built loader's collate wrapped in ``overlong.OverlongCollate``: it measures every row before
     Megatron-Bridge's collate cuts it and applies the run's over-long ``policy`` (in the loader's workers)."""
     from megatron.bridge_thd.overlong import OverlongCollate
 
     for loader in loaders:
         if loader is not None and not isinstance(loader.collate_fn, OverlongCollate):
-            loader.collate_fn = OverlongCollate(loader.collate_fn, policy)
+            loader.collate_fn = OverlongCollate(loader.collate_fn, policy, vision_token_ids)
+
+
+def with_sample_indices(loader):
+    """``loader`` rebuilt (:func:`_rebuilt`, its own batch sampler) over ``overlong.IndexedDataset``: its collate
+    (an ``OverlongCollate``) names refused samples by dataset index and attaches the indices for the step. A loader
+    that is not a ``DataLoader`` with that collate is returned as it is."""
+    from torch.utils.data import DataLoader
+
+    from megatron.bridge_thd.overlong import IndexedDataset, OverlongCollate
+
+    if not isinstance(loader, DataLoader) or not isinstance(loader.collate_fn, OverlongCollate):
+        return loader
+    return _rebuilt(loader, IndexedDataset(loader.dataset), loader.batch_sampler, loader.collate_fn)
 
 
 def _wrap(original):
@@ -377,10 +431,10 @@ def _wrap(original):
         if not holds_settings(cfg.dataset):
             return loaders
         run_settings = settings_of(cfg.dataset)
-        measure_overlong_samples(loaders, run_settings.overlong_samples)
+        measure_overlong_samples(loaders, run_settings.overlong_samples, _vision_token_ids(cfg))
         settings = run_settings.global_batch_packing
         if settings is None:
-            return loaders
+            return tuple(with_sample_indices(loader) for loader in loaders)
         import torch
 
         from megatron.bridge_thd.rules import LOADERS, read_setup, refuse

@@ -27,6 +27,7 @@ import torch
 from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
 from megatron.bridge_thd.batching.sampler import step_draws
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
+from megatron.bridge_thd.overlong import IndexedSample, OverlongCollate
 
 __all__ = ["RowKey", "CPRowSampler", "RowDataset", "RowCollate"]
 
@@ -114,8 +115,10 @@ class RowCollate:
         self.collate_fn = collate_fn
 
     def __call__(self, items: list[tuple[RowKey, object]]) -> tuple[dict[int, dict], list[list[list[int]]]]:
+        # The over-long rule's collate (overlong.OverlongCollate) names refused samples by dataset index.
+        indexed = isinstance(self.collate_fn, OverlongCollate)
         rows: dict[int, list] = {}
         for key, sample in items:
-            rows.setdefault(key.row, []).append(sample)
+            rows.setdefault(key.row, []).append(IndexedSample(key.index, sample) if indexed else sample)
         groups = [[list(ids) for ids in ranks] for ranks in items[0][0].groups]
         return {row: self.collate_fn(samples) for row, samples in rows.items()}, groups

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from megatron.bridge_thd.batching.cost import image_patches
-from megatron.bridge_thd.overlong import LENGTHS_KEY
+from megatron.bridge_thd.overlong import LENGTHS_KEY, SUPERVISED, SUPERVISED_KEPT, TOKENS, VISION_CUT
 
 __all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero", "repeat_period",
            "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache", "visual_grids", "file_sizes",
@@ -50,7 +50,9 @@ class SampleSizes:
     of patches^2; ``source``: where they came from (metadata, a cache path, a scan); ``total``: the dataset's
     indices (None: ``M``), index ``i`` having the sizes of distinct sample ``i % M``; ``untruncated`` /
     ``supervised``: ``(M,)`` int64 real and supervised tokens before the collate's cut to ``seq_length``, where
-    a scan measured them (``overlong.LENGTHS_KEY``), else None.
+    a scan measured them (``overlong.LENGTHS_KEY``), else None; ``supervised_kept``: ``(M,)`` int64 supervised tokens
+    the cut keeps, and ``vision_cut``: ``(M,)`` bool, an image or video placeholder past the cut, where a scan
+    measured them, else None.
     """
 
     lengths: torch.Tensor
@@ -60,12 +62,28 @@ class SampleSizes:
     total: int | None = None
     untruncated: torch.Tensor | None = None
     supervised: torch.Tensor | None = None
+    supervised_kept: torch.Tensor | None = None
+    vision_cut: torch.Tensor | None = None
 
     def over(self, seq_length: int) -> torch.Tensor:
         """``(K,)`` the distinct samples longer than ``seq_length`` before the cut (empty when not measured)."""
         if self.untruncated is None:
             return torch.zeros(0, dtype=torch.int64)
         return torch.nonzero(self.untruncated > seq_length).flatten()
+
+    def vision_cut_samples(self) -> torch.Tensor:
+        """``(K,)`` the distinct samples with an image or video placeholder past the cut (empty when not measured)."""
+        if self.vision_cut is None:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.nonzero(self.vision_cut).flatten()
+
+    def supervision_cut_samples(self, seq_length: int) -> torch.Tensor:
+        """``(K,)`` the distinct samples longer than ``seq_length`` whose every supervised token lies past the cut
+        (empty when not measured)."""
+        if self.untruncated is None or self.supervised is None or self.supervised_kept is None:
+            return torch.zeros(0, dtype=torch.int64)
+        emptied = (self.untruncated > seq_length) & (self.supervised > 0) & (self.supervised_kept == 0)
+        return torch.nonzero(emptied).flatten()
 
     def __len__(self) -> int:
         return int(self.lengths.numel()) if self.total is None else self.total
@@ -132,9 +150,11 @@ def _from_metadata(dataset) -> SampleSizes | None:
     return SampleSizes(lengths, patches, squared, "dataset metadata (sample_lengths, sample_image_grids)")
 
 
-def _sample_sizes(batch: dict, seq_length: int | None, index: int) -> tuple[int, list[tuple[int, int, int]], int, int]:
-    """Real tokens (at most ``seq_length``), image grids, and real and supervised tokens before the collate's cut
-    (-1 where it was not measured) of one collated sample (a batch of one)."""
+def _sample_sizes(batch: dict, seq_length: int | None,
+                  index: int) -> tuple[int, list[tuple[int, int, int]], tuple[int, int, int, int]]:
+    """Real tokens (at most ``seq_length``), image grids, and the collate's measures before its cut of one collated
+    sample (a batch of one): real and supervised tokens, supervised tokens kept, vision placeholders cut (all -1
+    where it was not measured)."""
     mask = batch.get("attention_mask")
     if mask is None or mask.dim() != 2:
         raise ValueError(
@@ -146,8 +166,9 @@ def _sample_sizes(batch: dict, seq_length: int | None, index: int) -> tuple[int,
         length = min(length, seq_length)
     grids = visual_grids(batch)
     measures = batch.get(LENGTHS_KEY)
-    untruncated, supervised = (-1, -1) if measures is None else (int(measures[0, 0]), int(measures[1, 0]))
-    return length, grids, untruncated, supervised
+    if measures is None:
+        return length, grids, (-1, -1, -1, -1)
+    return length, grids, tuple(int(measures[row, 0]) for row in (TOKENS, SUPERVISED, SUPERVISED_KEPT, VISION_CUT))
 
 
 def visual_grids(batch: dict) -> list[tuple[int, int, int]]:
@@ -164,11 +185,11 @@ def visual_grids(batch: dict) -> list[tuple[int, int, int]]:
 
 def _measuring(collate_fn):
     """``collate_fn`` with the rows measured before Megatron-Bridge's cut (``overlong.collate_patch``, applied in
-    this worker when its Qwen-VL collate is loaded; no policy: measure only)."""
-    from megatron.bridge_thd.overlong import OverlongCollate, measure_in_this_process
+    this worker when its Qwen-VL collate is loaded) under the scan's rule: no policy, never a refusal, the loader's
+    placeholder ids (``overlong.OverlongCollate.for_scan``)."""
+    from megatron.bridge_thd.overlong import OverlongCollate
 
-    measure_in_this_process()
-    return collate_fn.collate_fn if isinstance(collate_fn, OverlongCollate) else collate_fn
+    return OverlongCollate.for_scan(collate_fn)
 
 
 class _Indexed:
@@ -231,14 +252,13 @@ def scan_sizes(dataset, collate_fn, *, seq_length: int | None = None, num_worker
     pass); progress goes to the log every tenth, and to ``progress(done, total)`` when given."""
     period = repeat_period(dataset)
     lengths, grids = [0] * period, [[] for _ in range(period)]
-    untruncated, supervised = [0] * period, [0] * period
+    measures = [(-1, -1, -1, -1)] * period  # untruncated, supervised, supervised kept, vision cut
     chunk = max(1, min(64, period // (4 * max(1, num_workers)) or 1))
     done, next_report = 0, period / 10
     for results in collate_in_workers(dataset, _MeasureEach(collate_fn, seq_length), list(range(period)),
                                num_workers=num_workers, context=context, chunk=chunk):
-        for index, length, sample_grids, before, supervised_before in results:
-            lengths[index], grids[index] = length, sample_grids
-            untruncated[index], supervised[index] = before, supervised_before
+        for index, length, sample_grids, sample_measures in results:
+            lengths[index], grids[index], measures[index] = length, sample_grids, sample_measures
         done += len(results)
         if progress is not None:
             progress(done, period)
@@ -247,11 +267,12 @@ def scan_sizes(dataset, collate_fn, *, seq_length: int | None = None, num_worker
             next_report += period / 10
     patches, squared = image_patches(grids)
     total = len(dataset) if period != len(dataset) else None
-    measured = min(untruncated, default=-1) >= 0
+    measured = torch.tensor(measures, dtype=torch.int64).reshape(period, 4).T  # (4, period)
+    untruncated, supervised, supervised_kept, vision_cut = (
+        (None,) * 4 if period == 0 or int(measured.min()) < 0 else tuple(measured))
     return SampleSizes(torch.tensor(lengths, dtype=torch.int64), patches, squared,
-                       f"scan of {period} distinct samples", total,
-                       torch.tensor(untruncated, dtype=torch.int64) if measured else None,
-                       torch.tensor(supervised, dtype=torch.int64) if measured else None)
+                       f"scan of {period} distinct samples", total, untruncated, supervised, supervised_kept,
+                       None if vision_cut is None else vision_cut != 0)
 
 
 def _fingerprint(dataset, collate_fn, seq_length: int | None, *, context=None) -> str:
@@ -280,7 +301,8 @@ def read_cached_sizes(path: Path) -> SampleSizes | None:
         return None
     saved = torch.load(path)
     return SampleSizes(saved["lengths"], saved["patches"], saved["patches_squared"], f"cache {path}", saved.get("total"),
-                       saved.get("untruncated"), saved.get("supervised"))
+                       saved.get("untruncated"), saved.get("supervised"), saved.get("supervised_kept"),
+                       saved.get("vision_cut"))
 
 
 def write_cached_sizes(sizes: SampleSizes, path: Path) -> None:
@@ -289,7 +311,8 @@ def write_cached_sizes(sizes: SampleSizes, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     torch.save({"lengths": sizes.lengths, "patches": sizes.patches, "patches_squared": sizes.patches_squared,
-                "total": sizes.total, "untruncated": sizes.untruncated, "supervised": sizes.supervised}, partial)
+                "total": sizes.total, "untruncated": sizes.untruncated, "supervised": sizes.supervised,
+                "supervised_kept": sizes.supervised_kept, "vision_cut": sizes.vision_cut}, partial)
     partial.replace(path)
 
 
@@ -366,4 +389,4 @@ def scan_and_cache(dataset, collate_fn, path: Path, *, seq_length: int | None, n
     logger.info("bridge_thd.batching: lengths scan%s done: %d distinct samples in %.1f s", label, period,
                 time.perf_counter() - start)
     return SampleSizes(sizes.lengths, sizes.patches, sizes.patches_squared, f"{sizes.source} (cached at {path})",
-                       sizes.total, sizes.untruncated, sizes.supervised)
+                       sizes.total, sizes.untruncated, sizes.supervised, sizes.supervised_kept, sizes.vision_cut)

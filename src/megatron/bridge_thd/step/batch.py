@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.bridge_thd.overlong import SAMPLE_INDEX_KEY
+
 __all__ = ["Inputs", "read_batch"]
 
 
@@ -19,6 +21,7 @@ class Inputs:
     loss_mask: torch.Tensor  # (B, T)
     attention_mask: torch.Tensor | None  # (B, T) or 4D
     multi_modal: dict  # the visual inputs as the model takes them (pixel_values, image_grid_thw, ...)
+    sample_index: torch.Tensor | None = None  # (B,) dataset indices, where the loader attached them
 
 
 def read_batch(batch: dict, is_last_stage: bool) -> Inputs:
@@ -39,4 +42,4 @@ def read_batch(batch: dict, is_last_stage: bool) -> Inputs:
     visual = batch.get("visual_inputs")
     multi_modal = visual.normalized_for_model() if visual is not None else {}
     multi_modal = {k: v for k, v in multi_modal.items() if v is not None}
-    return Inputs(tokens, labels, loss_mask, batch.get("attention_mask"), multi_modal)
+    return Inputs(tokens, labels, loss_mask, batch.get("attention_mask"), multi_modal, batch.get(SAMPLE_INDEX_KEY))

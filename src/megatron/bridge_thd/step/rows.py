@@ -54,7 +54,8 @@ def build_padded(c: Captured, plan: StepPlan) -> Built:
             f"batch: {c.batch_size} samples for train.micro_batch_size={plan.micro_batch_size}, the batch size of the "
             "pipeline's fixed buffers (bshd needs exactly that many); set train.micro_batch_size to the data "
             "loader's batch size, or set model.variable_seq_lengths=True")
-    log_truncation(read_now(c.mask_checks + c.truncation_checks + c.position_checks, c.truncated), plan.seq_length)
+    log_truncation(read_now(c.mask_checks + c.truncation_checks + c.position_checks, c.truncated), plan.seq_length,
+                   plan.overlong_samples)
     loss_mask = relay_right_padded(inputs.loss_mask, keep, width, 0)
     forward_args = dict(
         input_ids=relay_right_padded(inputs.tokens, keep, width, 0),
@@ -97,7 +98,7 @@ def build_packed(c: Captured, plan: StepPlan) -> Built:
     if plan.layout == "thd_static":
         row = _static_row_of(c, plan)
         if c.truncated is not None:  # a truncating static batch: one read for the report
-            log_truncation(read_now(c.truncation_checks, c.truncated), plan.seq_length)
+            log_truncation(read_now(c.truncation_checks, c.truncated), plan.seq_length, plan.overlong_samples)
             checks = c.mask_checks + c.position_checks  # the truncation check was just read
     packed = pack_bshd_to_thd(
         inputs.tokens, keep=c.keep, labels=inputs.labels, loss_mask=inputs.loss_mask, position_ids=c.positions,
@@ -106,7 +107,7 @@ def build_packed(c: Captured, plan: StepPlan) -> Built:
         # A micro-batch of padding only still reaches the model as one aligned padding segment.
         min_length=plan.align, checks=checks, host_values=c.truncated if row is None else None,
     )
-    log_truncation(packed.host_values, plan.seq_length)
+    log_truncation(packed.host_values, plan.seq_length, plan.overlong_samples)
     forward_args = dict(
         input_ids=packed.input_ids,
         labels=packed.labels,
