@@ -98,42 +98,49 @@ def test_cp_per_sample_moe_equals_each_row_at_cp1(per_row_reference):
 # the load-balancing loss's gradient under a static CP group (the router fix the rows above rely on)
 
 
-def aux_gradient_worker(state_dict, cp, coeff, wrapped):
+def aux_gradient_worker(state_dict, cp, coeff, wrapped, balancing="aux_loss"):
     """One row (the long video sample) at a static CP size: the first router's weight gradient, summed over the CP
-    group, with the aux loss at ``coeff`` (z-loss off)."""
+    group, with the load-balancing loss ``balancing`` at ``coeff`` (z-loss off)."""
     from megatron.core import parallel_state
 
-    model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=SEQ_LENGTH, cp=cp, **dict(MOE, moe_aux_loss_coeff=coeff,
-                                                                                   moe_z_loss_coeff=0.0)), seed=0)
+    settings = dict(MOE, moe_aux_loss_coeff=coeff, moe_z_loss_coeff=0.0, moe_router_load_balancing_type=balancing)
+    model = build_qwen3_vl(tiny_qwen3_vl_config(seq_length=SEQ_LENGTH, cp=cp, **settings), seed=0)
     model.load_state_dict(state_dict)
     if wrapped:
         with_padding_mask(model)
     run = step_run(model, bridge_batch(samples()[:1]), "thd", seq_length=SEQ_LENGTH)
     run.loss.backward()
-    grad = model.language_model.decoder.layers[0].mlp.router.weight.grad.clone()
+    router = model.language_model.decoder.layers[0].mlp.router
+    if balancing == "global_aux_loss" and coeff:
+        assert float(router.ga_steps) == 1  # the global aux loss ran (once: one micro-batch)
+    grad = router.weight.grad.clone()
     if cp > 1:
         torch.distributed.all_reduce(grad, group=parallel_state.get_context_parallel_group())
     return grad
 
 
-def _aux_part(state_dict, cp, wrapped):
-    """The aux loss's share of the router weight's gradient: with the loss minus without it."""
+def _aux_part(state_dict, cp, wrapped, balancing):
+    """The load-balancing loss's share of the router weight's gradient: with the loss minus without it."""
     if cp == 1:
-        return aux_gradient_worker(state_dict, 1, 1e-2, wrapped) - aux_gradient_worker(state_dict, 1, 0.0, wrapped)
-    on, off = (run_on_gloo(aux_gradient_worker, state_dict, cp, coeff, wrapped, cp=cp, timeout=300)[0]
+        return (aux_gradient_worker(state_dict, 1, 1e-2, wrapped, balancing)
+                - aux_gradient_worker(state_dict, 1, 0.0, wrapped, balancing))
+    on, off = (run_on_gloo(aux_gradient_worker, state_dict, cp, coeff, wrapped, balancing, cp=cp, timeout=300)[0]
                for coeff in (1e-2, 0.0))
     return on - off
 
 
-def test_the_aux_loss_gradient_under_static_cp_equals_cp1(per_row_reference):
+@pytest.mark.parametrize("balancing", ["aux_loss", "global_aux_loss"])
+def test_the_aux_loss_gradient_under_static_cp_equals_cp1(per_row_reference, balancing):
     """Megatron-Core's ``get_tokens_per_expert_and_token_count`` all-reduces the per-expert counts in place and then
     reads the rank's token count from them: with a padding mask under CP its aux-loss gradient is ``CP`` times too
-    large (measured with Megatron-Core's method: exactly 2x at CP = 2). The padding-aware router counts from a copy;
-    at CP = 1 it is Megatron-Core's method on the same numbers."""
+    large (measured with Megatron-Core's method: exactly 2x at CP = 2, for ``aux_loss`` and for ``global_aux_loss``,
+    whose group, TP x DP x CP, is the CP group here). The padding-aware router counts from a copy; at CP = 1 it is
+    Megatron-Core's method on the same numbers. (``global_aux_loss`` at DP = 2 too, over rows of unequal real
+    tokens: tests/parallel/test_moe_global_aux_loss.py.)"""
     state_dict, _ = per_row_reference
     with cpu_stack():
-        reference = _aux_part(state_dict, 1, wrapped=True)
-    wrapped = _aux_part(state_dict, 2, wrapped=True)
+        reference = _aux_part(state_dict, 1, True, balancing)
+    wrapped = _aux_part(state_dict, 2, True, balancing)
     assert reference.norm() > 0
     # A difference of two gradients: compared as a whole (Megatron-Core's count gave exactly 2x here).
     assert float((wrapped - reference).norm() / reference.norm()) <= 1e-5

@@ -57,7 +57,8 @@ class PaddingMaskTopKRouter(TopKRouter):
       ``apply_router_token_dropping``, in this class's own :meth:`routing`.
     * ``seq_aux_loss`` in the forward of a THD row: per sample (:meth:`_apply_seq_aux_loss`).
     * The load-balancing losses' gradient scale under per-token loss with context parallelism: the group's valid
-      tokens, counted exactly (:meth:`_apply_aux_loss`; Megatron-Core's count is the group's times its size).
+      tokens, counted exactly (:meth:`_apply_aux_loss`; Megatron-Core's count is the group's times its size);
+      for ``global_aux_loss`` the same over data parallelism too (:meth:`_apply_global_aux_loss`).
     * Refuses to route without a mask inside the forward of a :func:`with_padding_mask` model (a
       code path dropped it: its statistics would count padding).
 
@@ -100,6 +101,54 @@ class PaddingMaskTopKRouter(TopKRouter):
         )
         return self.attach_and_log_load_balancing_loss(probs, coeff, aux_loss, "load_balancing_loss", group,
                                                        valid_token_count=total_num_tokens / group.size())
+
+    def _apply_global_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask=False):
+        """``TopKRouter._apply_global_aux_loss`` (``megatron/core/transformer/moe/router.py``) with the valid tokens
+        counted exactly.
+
+        Line for line Megatron-Core's method: the per-expert counts all-reduced over the TP x DP x CP group, added to
+        the running ``global_tokens_per_expert`` (``ga_steps`` micro-batches, reset by Megatron-Core's
+        ``reset_global_aux_loss_tracker``), the switch loss of this rank's scores ``(tokens, experts)`` against their
+        average, the micro-batch's group-wide valid tokens as ``total_num_tokens``, logged over that group without
+        the DP average. What differs is the count: Megatron-Core reads the rank's "local" valid tokens from the
+        counts it has just all-reduced in place (``get_tokens_per_expert_and_token_count``, see
+        :meth:`_apply_aux_loss`), so with a padding mask the gradient scale is the whole TP x DP x CP group's tokens
+        and the loss's gradient is that group's size times too large (measured: exactly 2x at DP = 2 and at
+        CP = 2). Here the counts are reduced from a copy and ``valid_token_count`` is the valid tokens of this rank's
+        TP x CP group over its size, the scale :meth:`_apply_aux_loss` gives (the rank's own valid tokens at
+        TP = CP = 1, what Megatron-Core's method passes without a mask). Without a mask, Megatron-Core's method.
+        """
+        coeff = self.get_aux_loss_coeff("global_aux_loss")
+        if coeff == 0 or not with_padding_mask:
+            return super()._apply_global_aux_loss(probs, scores_for_aux_loss, routing_map,
+                                                  with_padding_mask=with_padding_mask)
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+        from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+        local_counts = routing_map.sum(dim=0)
+        global_counts = reduce_from_tensor_model_parallel_region(local_counts.clone(), self.tp_dp_cp_group)
+        total_num_tokens = global_counts.sum() / self.topk
+
+        self.global_tokens_per_expert += global_counts
+        self.ga_steps += 1
+        averaged_tokens_per_expert = self.global_tokens_per_expert / self.ga_steps
+
+        global_aux_loss = switch_load_balancing_loss_func(
+            probs=scores_for_aux_loss, tokens_per_expert=averaged_tokens_per_expert, total_num_tokens=total_num_tokens,
+            topk=self.topk, num_experts=self.config.num_moe_experts, moe_aux_loss_coeff=coeff,
+            fused=self.config.moe_router_fusion,
+        )
+        return self.attach_and_log_load_balancing_loss(
+            probs, coeff, global_aux_loss, "global_load_balancing_loss", self.tp_dp_cp_group, needs_dp_avg=False,
+            valid_token_count=self._tp_cp_valid_tokens(local_counts) / self.tp_cp_group.size(),
+        )
+
+    def _tp_cp_valid_tokens(self, local_counts: torch.Tensor) -> torch.Tensor:
+        """The valid tokens this rank's TP x CP group routes, ``()``, from the rank's per-expert counts
+        ``(experts,)`` (padding rows of the aux-loss routing map are zero), all-reduced from a copy."""
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(local_counts.sum().clone(), self.tp_cp_group) / self.topk
 
     def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None):
         if padding_mask is not None and padding_mask.dim() == 1:
