@@ -887,6 +887,15 @@ def test_prepacked_batch_raises(key, ref, right_batch):
         run_step(RecordingSpy(ref), batch, state)
 
 
+def test_energons_own_packing_is_refused_before_the_forward(ref, right_batch):
+    state = minimal_state(seq_length=SEQ, micro_batch_size=B, packing_layout="thd")
+    state.cfg.dataset.packing_buffer_size = 16
+    spy = RecordingSpy(ref)
+    with pytest.raises(ValueError, match=r"dataset\.packing_buffer_size: set \(16\)"):
+        run_step(spy, right_batch, state)
+    assert not spy.calls
+
+
 def test_input_ids_key_and_wrapped_model(ref, right_batch):
     """``input_ids`` instead of ``tokens``, and a DDP-style ``.module`` wrapper, work alike."""
 

@@ -25,8 +25,10 @@ def model():
     return tiny_real_model(SEQ_LENGTH)
 
 
-def _syncs(model, batch, layout, seq_length=SEQ_LENGTH):
+def _syncs(model, batch, layout, seq_length=SEQ_LENGTH, overlong_samples=None):
     state = minimal_state(seq_length=seq_length, micro_batch_size=batch["tokens"].shape[0], packing_layout=layout)
+    if overlong_samples is not None:
+        state.cfg.dataset.overlong_samples = overlong_samples
     model.config.seq_length = seq_length
     try:
         with count_ops() as counts:
@@ -90,8 +92,38 @@ def test_bshd_reads_the_host_once(model):
 
 def test_truncation_that_cuts_an_image_is_refused_in_the_one_read(model):
     batch = trimmed(receipt_batch("right"), receipt_batch("right")["attention_mask"].sum(1).tolist())
-    with pytest.raises(ValueError, match=r"seq_length.*samples \[0, 1, 2\]"):
+    lengths = batch["attention_mask"].sum(1).tolist()
+    with pytest.raises(ValueError, match=rf"seq_length=20 .*\(row 0: {lengths[0]} tokens, row 1: {lengths[1]} tokens, "
+                                         rf"row 2: {lengths[2]} tokens\)"):
         _syncs(model, batch, "thd", seq_length=20)
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_every_policy_that_cuts_reads_the_host_once(model, policy):
+    """The over-long policy's checks ride in the one read; drop's loss mask is a device op."""
+    batch = receipt_batch("right")
+    longest = int(batch["attention_mask"].sum(1).max())
+    counts, prepared = _syncs(model, batch, "thd", seq_length=longest - 5, overlong_samples=policy)
+    assert counts.host_syncs == 1, counts.sync_sites
+    assert int(prepared.stats.truncated_tokens) == 5
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop", "refuse"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_a_video_straddling_the_cut_is_refused_under_every_policy(model, policy, padding):
+    """A cut inside a sample's video frames: refused, naming the row, whatever the policy, before the model."""
+    batch = video_receipt_batch(padding)
+    video = model.config.video_token_id
+    keep = batch["attention_mask"].bool()
+    real = [batch["tokens"][i][keep[i]] for i in range(keep.shape[0])]
+    row = next(i for i, tokens in enumerate(real) if (tokens == video).any())
+    columns = (real[row] == video).nonzero().flatten()
+    seq_length = int(columns[len(columns) // 2])  # inside the video's placeholders
+    with pytest.raises(ValueError) as info:
+        _syncs(model, batch, "thd", seq_length=seq_length, overlong_samples=policy)
+    message = str(info.value)
+    assert message.startswith(f"overlong_samples={policy!r}: samples of this micro-batch")
+    assert f"row {row}: {len(real[row])} tokens" in message and f"seq_length={seq_length}" in message
 
 
 # Images only: thd 1, thd_static 0, bshd 1 (the tests above). Videos must add nothing.

@@ -802,6 +802,19 @@ def test_offline_packing_off_is_fine():
     assert cfg.dataset.enable_in_batch_packing
 
 
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_energons_own_packing_is_refused_naming_the_setting(layout):
+    """Energon's packing (``EnergonDatasetConfig.packing_buffer_size``) hands the step rows it packed already;
+    Megatron-Bridge's own validation refuses it with ``defer_in_batch_packing_to_step``, which configure sets."""
+    cfg = make_cfg(dataset=dict(packing_buffer_size=16))
+    before = snapshot(cfg)
+    with pytest.raises(ValueError, match=r"dataset\.packing_buffer_size: set \(16\), which turns on Energon's own "
+                                         r"packing.*Set dataset\.packing_buffer_size=None"):
+        configure(cfg, layout)
+    assert snapshot(cfg) == before
+    configure(make_cfg(dataset=dict(packing_buffer_size=None)), layout)  # off: nothing to refuse
+
+
 # ---------------------------------------------------------------------------------------------
 # micro_batch_size
 # ---------------------------------------------------------------------------------------------

@@ -184,6 +184,10 @@ ALLOWED = {
     ("batching/bridge.py", "global_batch_packing ( loader): the ranks disagree"): "the ranks' data differ",
     ("batching/bridge.py", "global_batch_packing ( loader): the ranks' size digests"): "the ranks' data differ",
     ("batching/bridge.py", "overlong_samples='refuse':"): "the policy refusing samples of the data",
+    ("batching/bridge.py", "overlong_samples= : have an image or video placeholder past"): "samples of the data whose "
+    "image a cut would split (every policy)",
+    ("batching/bridge.py", "overlong_samples='truncate': have every supervised token past"): "samples of the data a "
+    "cut would leave without supervision",
     ("batching/bridge.py", "global_batch_packing: step"): "a step of the data does not fit the chosen row",
     ("batching/bridge.py", "global_batch_packing: Megatron-Bridge's data loaders cannot"): "the environment",
     ("batching/cost.py", "model: expected a preset name"): "an argument check",
@@ -192,7 +196,11 @@ ALLOWED = {
     ("batching/sizes.py", "dataset.sample_image_grids:"): "the dataset's metadata",
     ("batching/sizes.py", "dataset sample"): "a sample of the data",
     ("moe_padding/hook.py", "model: this Megatron-Bridge's"): "the installed upstream (an argument check)",
-    ("overlong.py", "='refuse':"): "the policy refusing samples of a micro-batch",
+    ("overlong.py", "overlong_samples='refuse':"): "the policy refusing samples of a micro-batch",
+    ("overlong.py", "overlong_samples= : sample(s) of this micro-batch have an image"): "samples of a micro-batch whose "
+    "image the cut would split (every policy)",
+    ("overlong.py", "overlong_samples='truncate': sample(s) of this micro-batch have every"): "samples of a micro-batch "
+    "the cut would leave without supervision",
     ("plan/presets.py", "model preset"): "an argument check of the planner",
     ("plan/presets.py", ": field"): "a config.json file's content",
     ("plan/presets.py", ": no such config.json"): "a missing file",

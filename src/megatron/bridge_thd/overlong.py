@@ -116,38 +116,44 @@ def _measure(batch: dict, mask: torch.Tensor, sequence_length: int | None,
     return torch.stack([real, supervised, torch.zeros_like(real), kept, vision_cut.to(torch.int64)])
 
 
-def _refusal(policy: str, what: str, rows: list[int], measures: torch.Tensor, indices: list[int] | None,
-             sequence_length: int, fix: str) -> ValueError:
+def _listed(rows: list[int], measures: torch.Tensor, indices: list[int] | None) -> str:
+    """The refused rows, each named with its lengths: ``"row r (dataset sample i): n tokens (...)"``."""
     names = row_names(rows[:8], indices)
     listed = ", ".join(f"{name}: {int(measures[TOKENS, r])} tokens ({int(measures[SUPERVISED, r])} supervised, "
                        f"{int(measures[SUPERVISED_KEPT, r])} of them before the cut)" for name, r in zip(names, rows))
-    return ValueError(f"{SETTING}={policy!r}: {len(rows)} sample(s) of this micro-batch {what} "
-                      f"seq_length={sequence_length} ({listed}{' ...' if len(rows) > 8 else ''}); {fix}")
+    return listed + (" ..." if len(rows) > 8 else "")
 
 
 def _judge(measures: torch.Tensor, sequence_length: int, policy: str, indices: list[int] | None) -> None:
-    """Raise where the run's policy refuses a row (module docstring)."""
+    """Raise where the run's policy refuses a row (module docstring), naming the rows, their lengths, ``seq_length``
+    and the settings that fix it."""
     over = measures[TOKENS] > sequence_length
-    raise_to = f"Raise dataset.seq_length and model.seq_length to at least {int(measures[TOKENS].max())}"
+    longest = int(measures[TOKENS].max())
     if policy == "refuse" and bool(over.any()):
-        raise _refusal(policy, "are longer than", over.nonzero().flatten().tolist(), measures, indices,
-                       sequence_length,
-                       f"Megatron-Bridge's collate would cut them. {raise_to}, filter these samples from the data, or "
-                       f"set {SETTING} to 'truncate' (cut, as Megatron-Bridge does) or 'drop' (no loss from them)")
+        rows = over.nonzero().flatten().tolist()
+        raise ValueError(
+            f"overlong_samples='refuse': {len(rows)} sample(s) of this micro-batch are longer than "
+            f"seq_length={sequence_length} ({_listed(rows, measures, indices)}); Megatron-Bridge's collate would cut "
+            f"them. Raise dataset.seq_length and model.seq_length to at least {longest}, filter these samples from the "
+            "data, or set overlong_samples to 'truncate' (cut, as Megatron-Bridge does) or 'drop' (no loss from them)")
     vision_cut = measures[VISION_CUT] != 0
     if bool(vision_cut.any()):
-        raise _refusal(policy, "have an image or video placeholder past", vision_cut.nonzero().flatten().tolist(),
-                       measures, indices, sequence_length,
-                       f"the cut would leave the vision tower's embeddings without their placeholders, which no "
-                       f"{SETTING} policy allows. {raise_to}, lower the images' resolution (max_pixels), or filter "
-                       "these samples from the data")
+        rows = vision_cut.nonzero().flatten().tolist()
+        raise ValueError(
+            f"overlong_samples={policy!r}: {len(rows)} sample(s) of this micro-batch have an image or video placeholder "
+            f"past seq_length={sequence_length} ({_listed(rows, measures, indices)}); the cut would leave the vision "
+            "tower's embeddings without their placeholders, which no overlong_samples policy allows. Raise "
+            f"dataset.seq_length and model.seq_length to at least {longest}, lower the images' resolution "
+            "(max_pixels), or filter these samples from the data")
     emptied = over & (measures[SUPERVISED] > 0) & (measures[SUPERVISED_KEPT] == 0)
     if policy == "truncate" and bool(emptied.any()):
-        raise _refusal(policy, "have every supervised token past", emptied.nonzero().flatten().tolist(), measures,
-                       indices, sequence_length,
-                       f"the cut would leave them nothing to train on (Megatron-Bridge's collate refuses such rows "
-                       f"too). Set {SETTING}='drop' to keep them out of the loss; or {raise_to[0].lower()}"
-                       f"{raise_to[1:]}, or filter these samples from the data")
+        rows = emptied.nonzero().flatten().tolist()
+        raise ValueError(
+            f"overlong_samples='truncate': {len(rows)} sample(s) of this micro-batch have every supervised token past "
+            f"seq_length={sequence_length} ({_listed(rows, measures, indices)}); the cut would leave them nothing to "
+            "train on (Megatron-Bridge's collate refuses such rows too). Set overlong_samples='drop' to keep them out "
+            f"of the loss; or raise dataset.seq_length and model.seq_length to at least {longest}, or filter these "
+            "samples from the data")
 
 
 def measure_rows(batch: dict, sequence_length: int | None, rule: OverlongRule | str | None,

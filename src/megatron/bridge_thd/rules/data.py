@@ -1,4 +1,4 @@
-"""Rules on what reaches the step: offline packing, the sequence lengths (docs/rules.md)."""
+"""Rules on what reaches the step: offline and Energon packing, the sequence lengths (docs/rules.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,21 @@ def _offline_packing(s: Setup) -> list[str]:
         "Megatron-Bridge's names; packed_sequence_specs=None in older releases), or keep offline packing with "
         "Megatron-Bridge's own step"
         for name, value in s.offline_packing
+    ]
+
+
+@rule(CONFIGURE, STEP)
+def _energon_packing(s: Setup) -> list[str]:
+    """Energon's own packing on (``dataset.packing_buffer_size``): batches would arrive as rows it packed already."""
+    if s.packing_buffer_size is None:
+        return []
+    return [
+        f"dataset.packing_buffer_size: set ({s.packing_buffer_size!r}), which turns on Energon's own packing: its "
+        "loader bin-packs samples into rows of micro-batch 1 with cu_seqlens before any step sees them, and this step "
+        "packs each micro-batch itself (a batch that carries cu_seqlens is refused; Megatron-Bridge also refuses "
+        "Energon packing with defer_in_batch_packing_to_step, which configure sets). Set "
+        "dataset.packing_buffer_size=None so that this step packs every micro-batch (global_batch_packing balances "
+        "the rows across ranks), or keep Energon's packing with Megatron-Bridge's own vlm_step"
     ]
 
 

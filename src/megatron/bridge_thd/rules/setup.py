@@ -282,6 +282,7 @@ class Setup:
         moe_overlap: the setting that turns MoE EP communication overlap on, if any.
         seq_lengths: ``(dataset.seq_length, model.seq_length)``.
         offline_packing: the offline packing settings that are on, as ``(name, repr(value))``.
+        packing_buffer_size: ``dataset.packing_buffer_size`` (Energon's own packing, on where it is not None).
         dataloader_type: ``dataset.dataloader_type``.
         micro_batch_size, global_batch_size: ``train``'s.
         built_model: the model class the provider's ``provide()`` declares (``configure``) or the built one (step).
@@ -308,6 +309,7 @@ class Setup:
     moe_overlap: str | None = None
     seq_lengths: tuple[int | None, int | None] = (None, None)
     offline_packing: tuple[tuple[str, str], ...] = ()
+    packing_buffer_size: int | None = None
     dataloader_type: str | None = None
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
@@ -480,7 +482,8 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
         layout=layout, settings=settings, model=model, tp=tp, cp=cp, pp=pp, ep=ep, dp=dp, cuda_graphs=cuda_graphs,
         moe_overlap=_moe_overlap_setting(cfg, model),
         seq_lengths=(getattr(dataset, "seq_length", None), model.seq_length),
-        offline_packing=_offline_packing(dataset), dataloader_type=getattr(dataset, "dataloader_type", None),
+        offline_packing=_offline_packing(dataset), packing_buffer_size=getattr(dataset, "packing_buffer_size", None),
+        dataloader_type=getattr(dataset, "dataloader_type", None),
         micro_batch_size=getattr(train, "micro_batch_size", None),
         global_batch_size=getattr(train, "global_batch_size", None),
         built_model=model_class.__name__ if model_class is not None else None,

@@ -87,30 +87,30 @@ def truncate_to_seq_length(
     kept = keep & (rank < seq_length)
     dropped = keep & ~kept
     over = real > seq_length
-    fix = "raise dataset.seq_length and model.seq_length, or filter these samples in the dataset"
+    fix = "raise dataset.seq_length and model.seq_length, or filter these samples in the dataset"  # every refusal's
     checks = []
     if policy == "refuse":
         checks.append(DeferredCheck(
             over.any(),
-            f"{SETTING}='refuse': samples of this micro-batch are longer than seq_length={seq_length}; {fix}, or set "
-            f"{SETTING} to 'truncate' (cut them) or 'drop' (no loss from them)",
+            f"overlong_samples='refuse': samples of this micro-batch are longer than seq_length={seq_length}; {fix}, or "
+            f"set overlong_samples to 'truncate' (cut them) or 'drop' (no loss from them)",
             _named_rows(over, real, sample_index)))
     is_vision = functools.reduce(torch.logical_or, (tokens == token_id for token_id in uncuttable_ids))
     cut_vision = (dropped & is_vision).any(dim=1)
     checks.append(DeferredCheck(
         cut_vision.any(),
-        f"{SETTING}={policy!r}: samples of this micro-batch are longer than seq_length={seq_length} and cutting them "
-        f"would cut an image or video, which no {SETTING} policy allows; {fix}, or lower the image resolution "
-        "(max_pixels)",
+        f"overlong_samples={policy!r}: samples of this micro-batch are longer than seq_length={seq_length} and cutting "
+        f"them would cut an image or video, which no overlong_samples policy allows; {fix}, or lower the image "
+        "resolution (max_pixels)",
         _named_rows(cut_vision, real, sample_index)))
     if policy == "truncate" and loss_mask is not None:
         supervised = keep & (loss_mask != 0)
         emptied = over & supervised.any(dim=1) & ~(supervised & kept).any(dim=1)
         checks.append(DeferredCheck(
             emptied.any(),
-            f"{SETTING}='truncate': samples of this micro-batch have every supervised token past seq_length="
-            f"{seq_length}, so the cut leaves them nothing to train on; set {SETTING}='drop' to keep them out of the "
-            f"loss, or {fix}",
+            f"overlong_samples='truncate': samples of this micro-batch have every supervised token past seq_length="
+            f"{seq_length}, so the cut leaves them nothing to train on; set overlong_samples='drop' to keep them out of "
+            f"the loss, or {fix}",
             _named_rows(emptied, real, sample_index)))
     return kept, dropped.sum(dim=1), checks
 
