@@ -180,11 +180,14 @@ def _overlong_worker(root: str) -> dict:
 
     # The scan collates uncut, as bridge-thd scan builds the recipe's dataset (seq_length out of reach).
     uncut = functools.partial(qwen2_5_collate_fn, processor=processor, sequence_length=None)
-    written = write_lengths(scan_dataset(train_ds, uncut, merge=2, num_workers=1,
+    written = write_lengths(scan_dataset(train_ds, uncut, merge=2, num_workers=1, placeholder_ids=(
+        config.image_token_id, config.video_token_id),
                                          cache_dir=os.path.join(root, "scan-cache")), os.path.join(root, "lengths.json"))
     from_file = file_sizes(written, train_ds, seq_length=SEQ_LENGTH)
     result["file_sizes"] = {name: (getattr(from_file, name), getattr(sizes, name))
-                            for name in ("lengths", "untruncated", "supervised", "patches", "patches_squared")}
+                            for name in ("lengths", "untruncated", "supervised", "patches", "patches_squared",
+                                         "vision_cut")}
+    result["file_vision_cut"] = file_sizes(written, train_ds, seq_length=IMAGE_CUT).vision_cut.clone()
     try:
         check_overlong(sizes, seq_length=SEQ_LENGTH, policy="refuse", label="train")
         result["build_refusal"] = None
@@ -493,3 +496,6 @@ def test_the_collate_unwraps_indexed_samples_for_megatron_bridges_collate():
 def test_bridge_thd_scans_file_gives_global_batch_packing_the_sizes_its_own_scan_measures(world):
     for name, (from_file, scanned) in world["file_sizes"].items():
         assert torch.equal(from_file, scanned), name
+    # Its image_end tells which samples a cut splits an image of (the build-time check refuses those by index).
+    expected = _expected(world, IMAGE_CUT)["vision_cut"]
+    assert world["file_vision_cut"].nonzero().flatten().tolist() == expected and expected

@@ -320,7 +320,8 @@ def file_sizes(path, dataset, *, seq_length: int | None, spatial_merge_size: int
                setting: str = "global_batch_packing.lengths_file") -> SampleSizes:
     """The sizes of ``dataset``'s distinct samples from a lengths file (``bridge-thd scan``'s, read by the planner's
     ``plan.samples.load_lengths``): row ``i`` is distinct sample ``i`` (:func:`repeat_period`). ``lengths`` are the
-    file's tokens cut to ``seq_length``; ``untruncated`` / ``supervised`` the file's.
+    file's tokens cut to ``seq_length``; ``untruncated`` / ``supervised`` the file's; ``vision_cut`` from the file's
+    ``image_end`` where it gives them (``supervised_kept`` is not in a lengths file: None).
 
     Raises:
         ValueError: the file does not read (naming it), or it has another number of samples than the dataset has
@@ -342,7 +343,16 @@ def file_sizes(path, dataset, *, seq_length: int | None, spatial_merge_size: int
         supervised = torch.tensor(samples.supervised, dtype=torch.int64)
     lengths = untruncated if seq_length is None else untruncated.clamp(max=seq_length)
     return SampleSizes(lengths, patches, squared, f"lengths file {path}", len(dataset) if period != len(dataset) else None,
-                       untruncated, supervised)
+                       untruncated, supervised, vision_cut=_vision_cut_from_file(samples, seq_length))
+
+
+def _vision_cut_from_file(samples, seq_length: int | None) -> torch.Tensor | None:
+    """``(M,)`` bool, the sample's last image or video placeholder past ``seq_length``, from a lengths file's
+    ``image_end`` (one past it); None where the file does not give it for every sample with images."""
+    ends = [samples.image_end(i) for i in range(len(samples.tokens))]
+    if seq_length is None or any(end is None for end in ends):
+        return None
+    return torch.tensor(ends, dtype=torch.int64) > seq_length
 
 
 def dataset_sizes(dataset, collate_fn=None, *, seq_length: int | None = None, cache_dir: str | Path | None = None,
