@@ -168,6 +168,17 @@ def _overlong_worker(root: str) -> dict:
                          lines=handler.lines)
         result[policy] = entry
     processor = train_ds._processor
+    # Each drawn sample alone, cut the same way: Megatron-Bridge's collate on that example alone at seq_length, through
+    # the same step and model (the reference for the per-sample losses).
+    result["alone"] = {}
+    for index in result["truncate"]["sample_index"]:
+        example = train_ds._base_examples[index % len(train_ds._base_examples)]
+        alone = qwen2_5_collate_fn([example], processor, sequence_length=SEQ_LENGTH)
+        state = minimal_state(seq_length=SEQ_LENGTH, micro_batch_size=1)
+        with torch.no_grad():
+            output, loss_function = forward_step(state, iter([alone]), model)
+            loss, num_tokens, _ = loss_function(output)
+        result["alone"][index] = (float(loss), int(num_tokens))
     result["full"] = [
         {key: value.clone() for key, value in qwen2_5_collate_fn([ex], processor, sequence_length=None).items()
          if isinstance(value, torch.Tensor)} for ex in train_ds._base_examples]
@@ -255,6 +266,18 @@ def test_drop_takes_the_sample_out_of_the_loss(world):
     assert (f"bridge_thd: dropped 1 over-long sample(s) from the loss ({rows[long_row][1]} supervised tokens; "
             f"{rows[long_row][0] - SEQ_LENGTH} real tokens cut to seq_length={SEQ_LENGTH})") in [
                 text for _, text in dropped["lines"]]
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_the_micro_batchs_loss_is_each_samples_alone_cut_the_same_way(world, policy):
+    """truncate: the micro-batch's loss and tokens are the sum of each sample alone, cut by Megatron-Bridge's collate
+    at seq_length; drop: the same without the over-long samples."""
+    entry = world[policy]
+    kept = [index for row, index in enumerate(entry["sample_index"])
+            if policy == "truncate" or not entry["measures"][2, row]]
+    assert policy == "truncate" or len(kept) < MICRO_BATCH  # drop takes a sample out
+    assert entry["loss"] == pytest.approx(sum(world["alone"][i][0] for i in kept), rel=1e-5)
+    assert entry["num_tokens"] == sum(world["alone"][i][1] for i in kept)
 
 
 def test_refuse_stops_at_the_first_over_long_sample_with_its_length_and_the_fix(world):
