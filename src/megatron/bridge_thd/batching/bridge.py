@@ -334,17 +334,20 @@ def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_l
                                  label=plan.label, cycle=cycles(inner),
                                  first_step=inner.consumed_samples // global_batch_size + 1,
                                  planned_steps=len(plan.draws), row_lengths=row_lengths)
-    from megatron.bridge_thd.overlong import IndexedDataset
-
-    # The collate (overlong.OverlongCollate, measure_overlong_samples) names refused samples by dataset index.
-    return _rebuilt(loader, IndexedDataset(loader.dataset), sampler, loader.collate_fn)
+    return _rebuilt(loader, loader.dataset, sampler, loader.collate_fn)
 
 
 def _rebuilt(loader, dataset, batch_sampler, collate_fn):
     """A ``DataLoader`` like Megatron-Bridge's ``loader`` (its workers, pinned memory, persistence, worker init, start
-    method, timeout, prefetch) over ``dataset`` with ``batch_sampler`` and ``collate_fn``."""
+    method, timeout, prefetch) over ``dataset`` with ``batch_sampler`` and ``collate_fn``. A collate that judges
+    over-long samples (``overlong.OverlongCollate``) gets each sample with its dataset index
+    (``overlong.IndexedDataset``), to name refused samples by index and attach the indices for the step."""
     from torch.utils.data import DataLoader
 
+    from megatron.bridge_thd.overlong import IndexedDataset, OverlongCollate
+
+    if isinstance(collate_fn, OverlongCollate) and not isinstance(dataset, IndexedDataset):
+        dataset = IndexedDataset(dataset)
     extra = {} if not loader.num_workers else dict(prefetch_factor=loader.prefetch_factor)
     return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=loader.num_workers,
                       pin_memory=loader.pin_memory, collate_fn=collate_fn,
@@ -409,16 +412,15 @@ def measure_overlong_samples(loaders, policy: str, vision_token_ids: tuple[int, 
 
 
 def with_sample_indices(loader):
-    """``loader`` rebuilt (:func:`_rebuilt`, its own batch sampler) over ``overlong.IndexedDataset``: its collate
-    (an ``OverlongCollate``) names refused samples by dataset index and attaches the indices for the step. A loader
-    that is not a ``DataLoader`` with that collate is returned as it is."""
+    """``loader`` rebuilt (:func:`_rebuilt`: its own dataset, batch sampler and collate) so that its over-long
+    collate gets dataset indices; a loader that is not a ``DataLoader`` with such a collate is returned as it is."""
     from torch.utils.data import DataLoader
 
-    from megatron.bridge_thd.overlong import IndexedDataset, OverlongCollate
+    from megatron.bridge_thd.overlong import OverlongCollate
 
     if not isinstance(loader, DataLoader) or not isinstance(loader.collate_fn, OverlongCollate):
         return loader
-    return _rebuilt(loader, IndexedDataset(loader.dataset), loader.batch_sampler, loader.collate_fn)
+    return _rebuilt(loader, loader.dataset, loader.batch_sampler, loader.collate_fn)
 
 
 def _wrap(original):
