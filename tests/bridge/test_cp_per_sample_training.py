@@ -83,3 +83,15 @@ def test_flops_count_each_row_once(ranks):
     flops = [[row["flops"] for row in _rows(ranks[0], key)] for key in ("dynamic", "static_cp1")]
     for dynamic, static in zip(*flops):
         assert abs(dynamic - static) <= 0.05 * static, flops
+
+
+def _train_steps(rank: dict, key: str) -> list[int]:
+    """The step numbers of a run's training-loader log lines (the loader prefetches past the run's end)."""
+    return [int(step) for line in rank[key]["placements"] for step in re.findall(r"\(train\): step (\d+):", line)]
+
+
+def test_the_resumed_loader_numbers_its_steps_as_the_trainer(ranks):
+    """The loader's log counts on after a resume: the resumed run's first step is the trainer's iteration 2."""
+    first, resumed = _train_steps(ranks[0], "dynamic_first"), _train_steps(ranks[0], "dynamic_resumed")
+    assert first[:ITERATIONS] == list(range(1, ITERATIONS + 1)), first
+    assert resumed[:ITERATIONS - 1] == list(range(2, ITERATIONS + 1)), resumed
