@@ -45,28 +45,15 @@ def _outcome(error: BaseException | None, stage: str = "") -> dict:
             "traceback": traceback.format_exc()}
 
 
-class _H100Properties:
-    """What ``torch.cuda.get_device_properties(0)`` returns on the GPU the recipes are written for."""
-
-    name = "NVIDIA H100 80GB HBM3"
-    major, minor = 9, 0
-
-
 @contextlib.contextmanager
 def _h100_device_properties():
-    """The 30B-A3B recipe calls ``apply_flex_dispatcher_backend(cfg.model, None)``, and ``validate()`` calls
-    ``validate_flex_dispatcher_backend`` for a flex dispatcher (HybridEP in the Qwen3.5-VL 35B-A3B recipe of the
-    0.7 line); both read ``torch.cuda.get_device_properties(0)`` (training/flex_dispatcher_backend.py), which
-    raises on a machine without a driver. Inside the recipe call and ``runtime_config_update`` only, it answers as
-    the H100 the recipes are written for (HybridEP and DeepEP support it)."""
-    import torch
+    """The recipes' GPU for ``torch.cuda.get_device_properties`` inside the recipe call and ``runtime_config_update``
+    only (the test bed's ``recipe_gpu_properties``: the 30B-A3B recipe and ``validate()`` read it to pick and check
+    the flex dispatcher's backend)."""
+    from megatron.bridge_thd_testbed.training.recipes_on_cpu import recipe_gpu_properties
 
-    original = torch.cuda.get_device_properties
-    torch.cuda.get_device_properties = lambda device=None: _H100Properties()
-    try:
+    with recipe_gpu_properties():
         yield
-    finally:
-        torch.cuda.get_device_properties = original
 
 
 # Transformer Engine kernels and features the recipes turn on and that Megatron-Core's post-init refuses without
