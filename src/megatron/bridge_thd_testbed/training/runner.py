@@ -139,15 +139,19 @@ def _run_in_order(paths: dict, runs: list, ports: list, start_method: str = "for
     the data loader workers started by ``start_method``, set here explicitly: the test bed's ranks come
     from a forkserver and would otherwise take whatever start method their parent process chose; a rank
     torchrun starts is a fresh interpreter whose workers Linux forks, the setting the recipes' loader
-    workers meet in a real run. ``ports``: one rendezvous port per run (``standalone.free_ports``)."""
+    workers meet in a real run. ``ports``: one rendezvous port per run (``standalone.free_ports``). Each run's
+    result also holds ``"wall_seconds"``, its wall time on this rank (what a test's runs cost)."""
     import multiprocessing
+    import time
 
     multiprocessing.set_start_method(start_method, force=True)
     results = {}
     for (key, recipe, layout, settings), port in zip(runs, ports, strict=True):
         # Each finetune() makes and destroys its own process group: a fresh rendezvous port, the same on every rank.
         os.environ["MASTER_PORT"] = str(port)
-        results[key] = run_recipe_on_cpu(recipe, paths, layout, **settings)
+        start = time.perf_counter()
+        results[key] = dict(run_recipe_on_cpu(recipe, paths, layout, **settings),
+                            wall_seconds=time.perf_counter() - start)
     return results
 
 
