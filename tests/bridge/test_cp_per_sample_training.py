@@ -9,6 +9,20 @@ CP = 1 (DP = 4, in-batch ``thd``, per-token loss): the recipe's cyclic loader
 draws a step's samples per DP rank (``data_sharding``), so the same DP world draws the same samples, which a static CP
 of 4 (DP = 1) would not. Every iteration's loss and gradient norm and the validation loss must be equal (per-token
 loss over the whole step in both runs; the sums differ only in the order of reduction).
+
+The MoE model runs the same way (its Qwen3-VL 30B-A3B recipe in CPU mode: the tiny MoE checkpoint, 4 experts, top-2,
+aux loss 1e-2, z-loss 1e-3, the ``moe_padding`` hook registered as docs/moe-padding-mask.md says), against its own run
+at static CP = 1 (DP = 4). The aux loss and z-loss are statistics of the tokens a router sees together, a row, so the
+reference must run the same rows, and it does, for a reason independent of the code under test: both runs draw one
+sample per micro-batch (``micro_batch_size=1``; the same samples per step, from the same DP world), static CP = 1 runs
+each micro-batch as a row of that one sample, and the receipts (367-512 tokens) need 2 or 4 ranks at 240 tokens per
+rank, none of them 1, so the placement puts each in a row of its own (asserted from its log: as many rows as
+samples). Then every router statistic is over the same tokens in both runs, and loss and gradient norm must be equal
+per iteration; a row's statistics reduced over other ranks than the row's, or its aux-loss gradient scaled by another
+token count, would move the gradient norm (and with it the next iteration's loss). Expert bias stays off here: Megatron-Bridge itself cannot load a Hugging Face Qwen3-VL
+MoE checkpoint into a model with expert bias (the router's ``expert_bias`` buffer has no mapping, and its loader then
+stops on an empty conversion task, with or without this package); tests/parallel/test_cp_per_sample_moe.py holds the
+expert-bias counts of a step to CP = 1's.
 """
 
 from __future__ import annotations
@@ -22,10 +36,13 @@ pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bri
 from megatron.bridge_thd_testbed.training import run_on_cpu  # noqa: E402
 
 RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
+MOE_RECIPE = "qwen3_vl_30b_a3b_sft_8gpu_h100_bf16_config"
 ITERATIONS, MICRO_BATCH, GLOBAL_BATCH, SEQ_LENGTH = 2, 2, 8, 512
 # The receipts are 367-512 tokens once cut at 512: at 240 tokens per rank those up to 480 need 2 ranks, longer ones 4.
 TOKENS_PER_RANK = 240
 RELATIVE = 1e-5
+# The MoE routers' load-balancing statistics in the loss (the recipe's provider has aux loss 1e-3 and no z-loss).
+MOE_ROUTING = dict(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +56,19 @@ def ranks(tmp_path_factory):
         ("dynamic_first", RECIPE, "thd", dict(dynamic, exit_interval=1, checkpoint=True)),
         ("dynamic_resumed", RECIPE, "thd", dict(dynamic, checkpoint="load")),
         ("static_cp1", RECIPE, "thd", dict(common, per_token_loss=True)),
+        *moe_runs(common),
     ]
     return run_on_cpu(runs, workdir=tmp_path_factory.mktemp("cp_per_sample_run"), world_size=4, timeout=900)
+
+
+def moe_runs(common: dict) -> list:
+    """The MoE model with a CP size per sample and at static CP = 1, one sample per micro-batch (the module's
+    docstring says why), the loader in the rank's process and no evaluation (the dense runs prove both). Last in the
+    world: a run after one that collates in the rank's process must not fork loader workers
+    (docs/megatron-bridge-on-cpu.md, limits)."""
+    moe = dict(common, micro_batch_size=1, eval_iters=0, num_workers=0, model_settings=MOE_ROUTING, moe_padding=True)
+    return [("moe_dynamic", MOE_RECIPE, "thd", dict(moe, dynamic_cp=TOKENS_PER_RANK)),
+            ("moe_static_cp1", MOE_RECIPE, "thd", dict(moe, per_token_loss=True))]
 
 
 def _rows(rank: dict, key: str) -> list[dict]:
@@ -83,3 +111,37 @@ def test_flops_count_each_row_once(ranks):
     flops = [[row["flops"] for row in _rows(ranks[0], key)] for key in ("dynamic", "static_cp1")]
     for dynamic, static in zip(*flops):
         assert abs(dynamic - static) <= 0.05 * static, flops
+
+
+def _train_steps(rank: dict, key: str) -> list[int]:
+    """The step numbers of a run's training-loader log lines (the loader prefetches past the run's end)."""
+    return [int(step) for line in rank[key]["placements"] for step in re.findall(r"\(train\): step (\d+):", line)]
+
+
+def test_the_resumed_loader_numbers_its_steps_as_the_trainer(ranks):
+    """The loader's log counts on after a resume: the resumed run's first step is the trainer's iteration 2."""
+    first, resumed = _train_steps(ranks[0], "dynamic_first"), _train_steps(ranks[0], "dynamic_resumed")
+    assert first[:ITERATIONS] == list(range(1, ITERATIONS + 1)), first
+    assert resumed[:ITERATIONS - 1] == list(range(2, ITERATIONS + 1)), resumed
+
+
+def test_moe_rows_hold_one_sample_each(ranks):
+    """The reference's premise: every training step of the MoE run placed each sample in a row of its own, on 2 or
+    4 ranks."""
+    lines = [line for line in ranks[0]["moe_dynamic"]["placements"] if "CP per sample (train)" in line][:ITERATIONS]
+    assert len(lines) == ITERATIONS, lines
+    for line in lines:
+        samples, rows = map(int, re.search(r"(\d+) samples in (\d+) rows", line).groups())
+        assert samples == rows == GLOBAL_BATCH, line
+        assert {int(k) for k in re.findall(r"(\d+): \d+", line.split("per CP size")[1])} <= {2, 4}, line
+
+
+def test_moe_losses_equal_static_cp(ranks):
+    """The MoE model's loss (the language-model loss; the aux loss and z-loss reach the gradients) and gradient norm
+    per iteration equal static CP = 1's."""
+    dynamic, static = (ranks[0][key]["iterations"] for key in ("moe_dynamic", "moe_static_cp1"))
+    assert [row["iteration"] for row in dynamic] == [row["iteration"] for row in static] == list(
+        range(1, ITERATIONS + 1))
+    for name in ("loss", "grad_norm"):
+        values = [[row[name] for row in run] for run in (dynamic, static)]
+        assert values[0] == pytest.approx(values[1], rel=RELATIVE), (name, values)

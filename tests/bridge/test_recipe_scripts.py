@@ -58,6 +58,15 @@ def test_global_batch_packing_flag_needs_a_packed_layout():
     assert done.returncode != 0 and "--global-batch-packing: needs --layout thd or thd_static" in done.stderr
 
 
+def test_dynamic_cp_flag_needs_the_thd_layout():
+    """``--dynamic-cp`` (docs/dynamic-cp.md; tests/bridge/test_recipes.py runs its config on the recipe) is refused
+    for a layout it does not run with."""
+    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "qwen3_vl_8b_cord_v2_thd.py"), "--layout",
+                           "thd_static", "--dynamic-cp", "16384"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert done.returncode != 0 and "--dynamic-cp: needs --layout thd, not 'thd_static'" in done.stderr
+
+
 def test_qwen35_recipe_script_runs_its_cpu_mode(monkeypatch, tmp_path):
     """``recipes/qwen35_vl_2b_cord_v2_thd.py --cpu-tiny`` hands Megatron-Bridge's Qwen3.5-VL 2B recipe function to
     the CPU mode's ``run_on_cpu`` (which then writes and trains the tiny Qwen3.5-VL: that run is

@@ -14,11 +14,15 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import traceback
+from pathlib import Path
 
 import pytest
 
 from megatron.bridge_thd.settings import settings_of
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 LAYOUT_NAMES = ("thd", "thd_static", "bshd")
@@ -45,28 +49,15 @@ def _outcome(error: BaseException | None, stage: str = "") -> dict:
             "traceback": traceback.format_exc()}
 
 
-class _H100Properties:
-    """What ``torch.cuda.get_device_properties(0)`` returns on the GPU the recipes are written for."""
-
-    name = "NVIDIA H100 80GB HBM3"
-    major, minor = 9, 0
-
-
 @contextlib.contextmanager
 def _h100_device_properties():
-    """The 30B-A3B recipe calls ``apply_flex_dispatcher_backend(cfg.model, None)``, and ``validate()`` calls
-    ``validate_flex_dispatcher_backend`` for a flex dispatcher (HybridEP in the Qwen3.5-VL 35B-A3B recipe of the
-    0.7 line); both read ``torch.cuda.get_device_properties(0)`` (training/flex_dispatcher_backend.py), which
-    raises on a machine without a driver. Inside the recipe call and ``runtime_config_update`` only, it answers as
-    the H100 the recipes are written for (HybridEP and DeepEP support it)."""
-    import torch
+    """The recipes' GPU for ``torch.cuda.get_device_properties`` inside the recipe call and ``runtime_config_update``
+    only (the test bed's ``recipe_gpu_properties``: the 30B-A3B recipe and ``validate()`` read it to pick and check
+    the flex dispatcher's backend)."""
+    from megatron.bridge_thd_testbed.training.recipes_on_cpu import recipe_gpu_properties
 
-    original = torch.cuda.get_device_properties
-    torch.cuda.get_device_properties = lambda device=None: _H100Properties()
-    try:
+    with recipe_gpu_properties():
         yield
-    finally:
-        torch.cuda.get_device_properties = original
 
 
 # Transformer Engine kernels and features the recipes turn on and that Megatron-Core's post-init refuses without
@@ -132,6 +123,10 @@ def _summary(cfg) -> dict:
         "per_token_loss": getattr(model, "calculate_per_token_loss", None),
         "average_in_collective": cfg.ddp.average_in_collective,
         "loaders_wrapped": _loaders_wrapped(),
+        "hybrid_context_parallel": getattr(model, "hybrid_context_parallel", None),
+        "max_seqlen_per_dp_cp_rank": getattr(model, "max_seqlen_per_dp_cp_rank", None),
+        "vision_dp_when_cp": getattr(model, "vision_dp_when_cp", None),
+        "dynamic_cp": getattr(settings_of(cfg.dataset).dynamic_cp, "max_tokens_per_rank", None),
     }
 
 
@@ -262,6 +257,27 @@ def sum_in_collective(cfg):
     cfg.ddp.average_in_collective = False
 
 
+def python_snippet(page: str, marker: str) -> str:
+    """The first ```python block of ``docs/<page>`` that contains ``marker``, as written."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / page).read_text(), flags=re.S)
+    return next(block for block in blocks if marker in block)
+
+
+def dynamic_cp_as_the_docs_say(cfg):
+    """docs/dynamic-cp.md's snippet that turns a CP size per sample on, run as written on the recipe's config."""
+    exec(python_snippet("dynamic-cp.md", "dynamic_cp="), {"cfg": cfg})  # noqa: S102 - our own docs
+
+
+def dynamic_cp_by_the_recipe_script(cfg):
+    """The recipe scripts' ``--dynamic-cp 16384`` (``recipes/_thd_recipe.config``) on the recipe's config."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from _thd_recipe import config
+
+    config(lambda: cfg, "thd", dynamic_cp=16384)
+
+
 def micro_batch_one_global(cfg):
     micro_batch_one_flag_off(cfg)
     sum_in_collective(cfg)
@@ -303,7 +319,10 @@ CONTRADICTIONS = {
     "global_batch_recipe_as_is": ("qwen3_vl_8b", {}, "thd_static", None, GLOBAL),
     "global_batch_bshd": ("qwen3_vl_8b", {}, "bshd", sum_in_collective, GLOBAL),
     "global_batch_batch_loader": ("qwen3_vl_8b", {}, "thd", batch_loader, GLOBAL),
+    "dynamic_cp_recipe_as_is": ("qwen3_vl_8b", {}, "thd", None, {"dynamic_cp": 16384}),
 }
+# A CP size per sample turned on as docs/dynamic-cp.md and the recipe scripts do it (configure inside the edit).
+DYNAMIC_CP = {"docs_snippet": dynamic_cp_as_the_docs_say, "recipe_script": dynamic_cp_by_the_recipe_script}
 # The same edits where the layout allows them (what configure must not refuse).
 ALLOWED = {
     # The recipe sets defer_in_batch_packing_to_step=True; False equals the dataclass default, so configure
@@ -344,6 +363,8 @@ def all_cases() -> dict:
             # What Megatron-Bridge alone does with the same config (no configure).
             results[("bridge_alone", name)] = run_case(recipe, variant, None, edit)
     results[("no_cpu_edits", "qwen35_vl_35b_a3b")] = run_case("qwen35_vl_35b_a3b", {}, "thd", cpu_edits=False)
+    for name, edit in DYNAMIC_CP.items():
+        results[("dynamic_cp", name)] = run_case("qwen3_vl_8b", {}, None, edit)
     return results
 
 
@@ -478,6 +499,9 @@ REFUSALS = {
     "global_batch_recipe_as_is": ("configure", "ddp.average_in_collective=True was set explicitly", None),
     "global_batch_bshd": ("configure", "global_batch_packing: layout 'bshd' lays out exactly", None),
     "global_batch_batch_loader": ("configure", "dataset.dataloader_type: 'batch'; global-batch packing draws", None),
+    # What the docs' snippet sets before configure, and why: configure cannot tell the recipe's True from a user's.
+    "dynamic_cp_recipe_as_is": ("configure", "ddp.average_in_collective=True was set explicitly, but dynamic_cp needs "
+                                "per-token loss", None),
 }
 
 
@@ -543,3 +567,18 @@ def test_without_the_cpu_only_edit_validate_refuses_only_for_the_missing_transfo
         pytest.skip("Transformer Engine is installed: the recipes run unedited")
     assert not outcome["ok"] and outcome["stage"] == "validate", _fail_text(outcome)
     assert any(message in outcome["message"] for message in WITHOUT_TE), _fail_text(outcome)
+
+
+@pytest.mark.parametrize("name", list(DYNAMIC_CP))
+def test_dynamic_cp_turns_on_as_the_docs_say(outcomes, name):
+    """docs/dynamic-cp.md's snippet and the recipe scripts' ``--dynamic-cp`` on Megatron-Bridge's Qwen3-VL 8B recipe
+    pass configure and validate(), with what a CP size per sample needs: Megatron-Core's hybrid CP on a static CP of
+    1 at the record's tokens per rank, the vision tower split over a row's ranks, global-batch packing's loaders,
+    per-token loss with DDP summing."""
+    outcome = outcomes[("dynamic_cp", name)]
+    assert outcome["ok"], _fail_text(outcome)
+    assert outcome["packing_layout"] == "thd" and outcome["cp"] == 1
+    assert outcome["hybrid_context_parallel"] is True and outcome["vision_dp_when_cp"] is True
+    assert outcome["dynamic_cp"] and outcome["max_seqlen_per_dp_cp_rank"] == outcome["dynamic_cp"]
+    assert outcome["global_batch_packing"] is True and outcome["loaders_wrapped"] is True
+    assert outcome["per_token_loss"] is True and outcome["average_in_collective"] is False

@@ -338,6 +338,17 @@ def test_the_routers_are_the_padding_aware_classes(models):
         assert type(layer.mlp) is MoELayer and type(layer.mlp.router) is TopKRouter
 
 
+def test_megatron_bridges_weight_conversion_knows_the_padding_aware_router(models):
+    """Megatron-Bridge's HF conversion (``AutoMapping``) tells a weight's layout by its module's class name and refuses
+    names it does not know ("Cannot determine parallelism type"); the hook runs before ``finetune()`` loads the Hugging
+    Face checkpoint, so the padding-aware router must be known, with ``TopKRouter``'s layout (its private detection
+    is the call that refused; the whole load runs in tests/bridge/test_cp_per_sample_training.py)."""
+    mapping_class = load_bridge_module("models.conversion.param_mapping").AutoMapping
+    layouts = [mapping_class(f"language_model.decoder.layers.{i}.mlp.router.weight", "hf")._detect_parallelism_type(
+        model.language_model.decoder.layers[i].mlp.router) for model in models for i in range(2)]
+    assert layouts == ["replicated"] * 4
+
+
 def test_the_model_declaring_padding_mask_gets_the_hook_and_the_mask_through_its_argument(models, batches):
     """Where Megatron-Bridge's Qwen3VLModel declares padding_mask itself the hook must not step aside (its
     routers would keep Megatron-Core's expert-bias crash, padded capacity and whole-row seq_aux_loss): the

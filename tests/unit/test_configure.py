@@ -1798,6 +1798,21 @@ def test_dynamic_cp_sets_megatron_cores_hybrid_cp_and_global_batch_packing(monke
     assert settings_of(cfg.dataset).dynamic_cp is None
 
 
+def test_dynamic_cp_refuses_ddp_averaging_in_the_collective_naming_itself():
+    """Megatron-Bridge's recipes set ddp.average_in_collective=True, which configure cannot tell from a user's own
+    (docs/dynamic-cp.md): refused as an explicit setting, the message saying that dynamic_cp needs per-token loss and
+    that turning dynamic_cp off (not global-batch packing, which the user did not ask for) is the other way out."""
+    cfg = make_cfg(dataset={"dataloader_type": "cyclic"})
+    cfg.ddp = SimpleNamespace(average_in_collective=True)
+    before = snapshot(cfg)
+    with pytest.raises(ValueError) as refused:
+        configure(cfg, "thd", dynamic_cp=4096)
+    message = str(refused.value)
+    assert "ddp.average_in_collective=True was set explicitly, but dynamic_cp needs per-token loss" in message
+    assert "or turn dynamic_cp off" in message and "turn global-batch packing off" not in message
+    assert snapshot(cfg) == before and cfg.ddp.average_in_collective is True
+
+
 @pytest.mark.parametrize("layout, model, match", [
     ("thd_static", {}, "layout='thd_static'; rows run with a CP size each are packed 'thd' rows"),
     ("thd", {"context_parallel_size": 2}, "context_parallel_size=2; a CP size per sample is built on a static CP"),

@@ -493,19 +493,22 @@ def _global_batch_changes(s: Setup, sections: _Sections) -> list[_Change]:
     """Per-token loss normalisation, which makes the gradient independent of the placement."""
     if s.global_batch is None:
         return []
-    why = ("global-batch packing gives micro-batches and DP ranks different token counts; Megatron-Core divides "
+    dynamic_cp = s.settings.dynamic_cp is not None
+    turn_off = ", or turn dynamic_cp off" if dynamic_cp else ", or turn global-batch packing off"
+    why = ("dynamic_cp places each step with global-batch packing, " if dynamic_cp else "") + (
+           "global-batch packing gives micro-batches and DP ranks different token counts; Megatron-Core divides "
            "each micro-batch's loss by its own tokens and the number of micro-batches unless "
            "calculate_per_token_loss is set (pipeline_parallel/schedules.py forward_step), which would weigh a "
            "token by where it was placed; per-token normalisation over the whole step keeps loss and gradients "
            "those of Megatron-Bridge's own placement")
-    changes = [_Change(sections.model, "model", "calculate_per_token_loss", True, why=why,
-                       alternative=", or turn global-batch packing off")]
+    changes = [_Change(sections.model, "model", "calculate_per_token_loss", True, why=why, alternative=turn_off)]
     if sections.ddp is not None and hasattr(sections.ddp, "average_in_collective"):
         changes.append(_Change(
             sections.ddp, "ddp", "average_in_collective", False,
-            why="Megatron-Core's DistributedDataParallel refuses average_in_collective with calculate_per_token_loss "
-                "(distributed/distributed_data_parallel.py)",
-            alternative=", or turn global-batch packing off"))
+            why=("dynamic_cp needs per-token loss, and " if dynamic_cp else "")
+            + "Megatron-Core's DistributedDataParallel refuses average_in_collective with calculate_per_token_loss "
+              "(distributed/distributed_data_parallel.py)",
+            alternative=turn_off))
     return changes
 
 

@@ -355,10 +355,12 @@ def _rebuilt(loader, dataset, batch_sampler, collate_fn):
                       multiprocessing_context=loader.multiprocessing_context, timeout=loader.timeout, **extra)
 
 
-def cp_rows_loader(plan: LoaderPlan, *, max_tokens_per_rank: int, log: bool = True):
+def cp_rows_loader(plan: LoaderPlan, *, max_tokens_per_rank: int, global_batch_size: int, log: bool = True):
     """Megatron-Bridge's loader rebuilt for a CP size per sample (:mod:`.cp_rows`): one item per step, this rank's
     rows of Megatron-Core's placement, each collated whole by the loader's collate (same dataset, workers, pinned
-    memory, prefetch). A drawn sample longer than the whole DP x CP world holds is refused here, before training."""
+    memory, prefetch). A drawn sample longer than the whole DP x CP world holds is refused here, before training.
+    Its log numbers the steps as the trainer does, from the sampler's resume point (``global_batch_size``: the
+    loader's samples per step)."""
     from megatron.bridge_thd.batching.cp_rows import CPRowSampler, RowCollate, RowDataset
     from megatron.bridge_thd.batching.dynamic_cp import check_fits_the_world
     from megatron.bridge_thd.batching.sampler import cycles, rank_samplers
@@ -371,7 +373,7 @@ def cp_rows_loader(plan: LoaderPlan, *, max_tokens_per_rank: int, log: bool = Tr
                              names=[f"dataset sample {i} of the {plan.label} loader" for i in drawn.tolist()])
     sampler = CPRowSampler(rank_samplers(inner, plan.dp_size), rank=plan.dp_rank, num_micro_batches=plan.num_micro_batches,
                            sizes=plan.sizes, max_tokens_per_rank=max_tokens_per_rank, cycle=cycles(inner),
-                           label=plan.label, log=log)
+                           label=plan.label, log=log, first_step=inner.consumed_samples // global_batch_size + 1)
     return _rebuilt(loader, RowDataset(loader.dataset), sampler, RowCollate(loader.collate_fn))
 
 
@@ -468,7 +470,8 @@ def _wrap(original):
             return loaders
         if run_settings.dynamic_cp is not None:
             built = {plan.label: cp_rows_loader(plan, max_tokens_per_rank=run_settings.dynamic_cp.max_tokens_per_rank,
-                                                log=settings.log) for plan in plans}
+                                                global_batch_size=groups[plan.label][1], log=settings.log)
+                     for plan in plans}
             return built.get("train"), built.get("valid"), built.get("test")
         align = _alignment(cfg)
         static = run_settings.layout == "thd_static"

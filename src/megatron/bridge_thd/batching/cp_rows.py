@@ -62,13 +62,19 @@ class CPRowSampler:
         cycle: the loop re-iterates this loader (:func:`.sampler.cycles`).
         label: which loader (errors, log).
         log: one line per step on global rank 0.
+        first_step: the run's number of the first step drawn (``consumed_samples // global batch + 1`` after a
+            resume, as :class:`.sampler.GlobalBatchSampler` numbers them), for the log.
+
+    Attributes:
+        step: the run's number of the next step placed.
     """
 
     def __init__(self, samplers: Sequence, *, rank: int, num_micro_batches: int, sizes: SampleSizes,
-                 max_tokens_per_rank: int, cycle: bool = False, label: str = "train", log: bool = True):
+                 max_tokens_per_rank: int, cycle: bool = False, label: str = "train", log: bool = True,
+                 first_step: int = 1):
         self.samplers, self.rank, self.num_micro_batches = list(samplers), rank, num_micro_batches
         self.sizes, self.max_tokens_per_rank, self.cycle = sizes, max_tokens_per_rank, cycle
-        self.label, self.log, self.step = label, log, 0
+        self.label, self.log, self.step = label, log, first_step
 
     def __len__(self) -> int:
         return len(self.samplers[self.rank]) // self.num_micro_batches
@@ -79,13 +85,13 @@ class CPRowSampler:
         placement = place_with_cp_per_sample(lengths, world=len(self.samplers),
                                              max_tokens_per_rank=self.max_tokens_per_rank)
         groups = tuple(tuple(tuple(ids) for ids in ranks) for ranks in placement.row_id_groups())
-        self.step += 1
         if self.log and is_global_rank_zero():
             sizes = placement.cp_size_of()
             logger.info(
                 "bridge_thd CP per sample (%s): step %d: %d samples in %d rows, %d groups; samples per CP size %s",
                 self.label, self.step, len(drawn), len(placement.rows), placement.groups,
                 {k: list(sizes.values()).count(k) for k in sorted(set(sizes.values()))})
+        self.step += 1
         return [RowKey(drawn[sample], row_id, groups) for row_id, row in enumerate(placement.rows)
                 if self.rank in row.ranks for sample in row.samples]
 

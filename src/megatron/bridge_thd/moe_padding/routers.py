@@ -253,6 +253,24 @@ def use_padding_aware_modules(layers: list) -> None:
                 f"model: with_padding_mask takes MoE layers built as Megatron-Core's MoELayer with its TopKRouter; "
                 f"layer {layer.layer_number} has {type(moe).__name__} with {type(router).__name__}"
             )
+    if layers:
+        register_for_weight_conversion()
     for layer in layers:
         layer.mlp.__class__ = PaddingMaskMoELayer
         layer.mlp.router.__class__ = PaddingMaskTopKRouter
+
+
+def register_for_weight_conversion() -> None:
+    """Tell Megatron-Bridge's weight conversion the layout of :class:`PaddingMaskTopKRouter`'s weight.
+
+    Its ``AutoMapping`` (``models/conversion/param_mapping.py``) finds a weight's tensor-parallel layout from the
+    class name of the module holding it, in a registry that lists ``TopKRouter`` as replicated; any other name is
+    refused ("Cannot determine parallelism type"). The routers are changed before Megatron-Bridge loads a Hugging
+    Face checkpoint into the model (the hook runs when the model is built, ``finetune()`` loads after), so without
+    this the load of a Qwen3-VL MoE checkpoint fails. The router's weight is whole on every TP rank, as
+    ``TopKRouter``'s: registered as replicated (once per process; registering again changes nothing).
+    """
+    from megatron.bridge_thd.upstream import load_bridge_module
+
+    mapping = load_bridge_module("models.conversion.param_mapping").AutoMapping
+    mapping.register_module_type(PaddingMaskTopKRouter.__name__, "replicated")

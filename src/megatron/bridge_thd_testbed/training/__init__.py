@@ -24,13 +24,20 @@ from megatron.bridge_thd_testbed.training.checkpoints import (
     write_tiny_hf_checkpoint,
     write_tiny_hf_qwen35_checkpoint,
 )
-from megatron.bridge_thd_testbed.training.recipes_on_cpu import cpu_run_config, is_qwen35_recipe, recipe_function
+from megatron.bridge_thd_testbed.training.recipes_on_cpu import (
+    cpu_run_config,
+    is_qwen3_vl_moe_recipe,
+    is_qwen35_recipe,
+    recipe_config,
+    recipe_function,
+    recipe_gpu_properties,
+)
 from megatron.bridge_thd_testbed.training.runner import run_on_cpu, run_recipe_on_cpu
 from megatron.bridge_thd_testbed.training.runs import QWEN35_RECIPE, qwen35_training_runs, training_loop_runs
 from megatron.bridge_thd_testbed.training.trainer_on_cpu import TRAINER_MODULES, cpu_training, cpu_training_patches
 
 __all__ = ["cpu_training", "cpu_training_patches", "TRAINER_MODULES", "prepare_cpu_run", "cpu_run_config",
-           "run_recipe_on_cpu", "run_on_cpu", "recipe_function",
+           "run_recipe_on_cpu", "run_on_cpu", "recipe_function", "recipe_config", "recipe_gpu_properties",
            "write_tiny_hf_checkpoint", "write_tiny_hf_qwen35_checkpoint", "TRAINING_VISION_GEOMETRY",
-           "training_loop_runs", "is_qwen35_recipe", "pretrained_load_check", "qwen35_training_runs",
+           "training_loop_runs", "is_qwen35_recipe", "is_qwen3_vl_moe_recipe", "pretrained_load_check", "qwen35_training_runs",
            "QWEN35_RECIPE"]

@@ -114,16 +114,18 @@ def write_tiny_hf_qwen35_checkpoint(folder, *, token_ids: dict, seed: int = 0,
 
 
 def prepare_cpu_run(workdir, *, n_train: int = 64, n_val: int = 8, seed: int = 0, qwen3_vl: bool = True,
-                    qwen35: bool = False) -> dict:
+                    qwen35: bool = False, qwen3_vl_moe: bool = False) -> dict:
     """Write what a CPU run reads: the cord_v2-shaped dataset (``workdir/naver-clova-ix/cord-v2``, where
     the recipe's ``cord_v2`` preset finds it from the working directory ``workdir``), the tiny
     processor (``workdir/processor``, Qwen3-VL's patch geometry, which Qwen3.5-VL shares: both use
     ``Qwen3VLProcessor``) and the tiny Hugging Face checkpoints: Qwen3-VL (``workdir/hf``, with
-    ``qwen3_vl``) and Qwen3.5-VL (``workdir/hf_qwen35``, with ``qwen35``). Call once, before the ranks start.
+    ``qwen3_vl``), Qwen3.5-VL (``workdir/hf_qwen35``, with ``qwen35``) and the Qwen3-VL MoE (``workdir/hf_moe``,
+    with ``qwen3_vl_moe``: 4 experts of 32, top-2, the stand-in for ``Qwen/Qwen3-VL-30B-A3B-Instruct``). Call once,
+    before the ranks start.
 
     Returns:
-        ``{"workdir", "dataset", "processor", "hf_checkpoint", "hf_checkpoint_qwen35"}`` (paths as strings;
-        a checkpoint not written is None).
+        ``{"workdir", "dataset", "processor", "hf_checkpoint", "hf_checkpoint_qwen35", "hf_checkpoint_moe"}``
+        (paths as strings; a checkpoint not written is None).
     """
     from megatron.bridge_thd_cpu.cord_v2 import PROCESSOR_TOKEN_IDS, tiny_qwen3_vl_processor, write_cord_v2_preset_layout
 
@@ -135,8 +137,10 @@ def prepare_cpu_run(workdir, *, n_train: int = 64, n_val: int = 8, seed: int = 0
                      if qwen3_vl else None)
     hf_qwen35 = (write_tiny_hf_qwen35_checkpoint(os.path.join(workdir, "hf_qwen35"), token_ids=PROCESSOR_TOKEN_IDS,
                                                  seed=seed) if qwen35 else None)
+    hf_moe = (write_tiny_hf_checkpoint(os.path.join(workdir, "hf_moe"), token_ids=PROCESSOR_TOKEN_IDS, seed=seed,
+                                       moe=True) if qwen3_vl_moe else None)
     return {"workdir": workdir, "dataset": str(dataset), "processor": processor, "hf_checkpoint": hf_checkpoint,
-            "hf_checkpoint_qwen35": hf_qwen35}
+            "hf_checkpoint_qwen35": hf_qwen35, "hf_checkpoint_moe": hf_moe}
 
 
 

@@ -14,7 +14,13 @@ import torch
 
 from megatron.bridge_thd.reporting import counting_step, iteration_recorder, step_for
 from megatron.bridge_thd_testbed.training.checkpoints import prepare_cpu_run, pretrained_load_check
-from megatron.bridge_thd_testbed.training.recipes_on_cpu import RECIPE, cpu_run_config, is_qwen35_recipe, recipe_function
+from megatron.bridge_thd_testbed.training.recipes_on_cpu import (
+    RECIPE,
+    cpu_run_config,
+    is_qwen3_vl_moe_recipe,
+    is_qwen35_recipe,
+    recipe_config,
+)
 from megatron.bridge_thd_testbed.training.trainer_on_cpu import cpu_training
 
 __all__ = ["run_recipe_on_cpu", "run_on_cpu"]
@@ -25,7 +31,8 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                       run_name: str | None = None, count_tokens: bool = True,
                       global_batch_packing: dict | None = None, per_token_loss: bool = False,
                       eval_iters=RECIPE, eval_interval=RECIPE, num_workers=RECIPE, checkpoint: bool | str = True,
-                      max_lr=RECIPE, check_pretrained_load: bool = False, dynamic_cp: int | None = None) -> dict:
+                      max_lr=RECIPE, check_pretrained_load: bool = False, dynamic_cp: int | None = None,
+                      model_settings: dict | None = None, moe_padding: bool = False) -> dict:
     """Run Megatron-Bridge's ``finetune()`` on this rank for a recipe in its CPU mode
     (:func:`cpu_run_config`), with ``layout``'s step (:func:`megatron.bridge_thd.reporting.step_for`; ours after
     ``configure(cfg, layout)``). Call on every rank of a world started with
@@ -37,6 +44,9 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     ``per_token_loss``: ``model.calculate_per_token_loss`` (and ``ddp.average_in_collective=False``,
     which Megatron-Core's DDP requires with it), as global-batch packing sets them.
     ``dynamic_cp``: ``configure``'s ``dynamic_cp`` (tokens per rank: a CP size per sample on the DP x CP ranks).
+    ``model_settings``: model config fields set after the CPU mode's (a test's MoE router settings, e.g.).
+    ``moe_padding``: register ``moe_padding.padding_mask_pre_wrap_hook`` as docs/moe-padding-mask.md says (the
+    routers leave padding out of their statistics).
     ``max_lr``: :func:`cpu_run_config`'s. ``check_pretrained_load``: run :func:`pretrained_load_check`
     (its result under ``"pretrained_load"``).
 
@@ -50,11 +60,17 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     from megatron.bridge_thd.configure import configure
 
     os.chdir(paths["workdir"])  # the recipe's cord_v2 preset resolves its hub path from here
-    cfg = cpu_run_config(recipe_function(recipe)(), paths, train_iters=train_iters, global_batch_size=global_batch_size,
+    cfg = cpu_run_config(recipe_config(recipe), paths, train_iters=train_iters, global_batch_size=global_batch_size,
                          micro_batch_size=micro_batch_size, seq_length=seq_length, tp=tp, pp=pp, cp=cp,
                          save_interval=save_interval, exit_interval=exit_interval,
                          run_name=run_name or f"{recipe}-{layout}", eval_iters=eval_iters, eval_interval=eval_interval,
                          num_workers=num_workers, checkpoint=checkpoint, max_lr=max_lr)
+    for name, value in (model_settings or {}).items():
+        setattr(cfg.model, name, value)
+    if moe_padding:
+        from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
+
+        cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)
     if per_token_loss or global_batch_packing is not None or dynamic_cp is not None:
         # The recipes set ddp.average_in_collective=True explicitly; configure refuses to overwrite an
         # explicit setting, so a user turning global-batch packing on sets it, as here.
@@ -123,15 +139,19 @@ def _run_in_order(paths: dict, runs: list, ports: list, start_method: str = "for
     the data loader workers started by ``start_method``, set here explicitly: the test bed's ranks come
     from a forkserver and would otherwise take whatever start method their parent process chose; a rank
     torchrun starts is a fresh interpreter whose workers Linux forks, the setting the recipes' loader
-    workers meet in a real run. ``ports``: one rendezvous port per run (``standalone.free_ports``)."""
+    workers meet in a real run. ``ports``: one rendezvous port per run (``standalone.free_ports``). Each run's
+    result also holds ``"wall_seconds"``, its wall time on this rank (what a test's runs cost)."""
     import multiprocessing
+    import time
 
     multiprocessing.set_start_method(start_method, force=True)
     results = {}
     for (key, recipe, layout, settings), port in zip(runs, ports, strict=True):
         # Each finetune() makes and destroys its own process group: a fresh rendezvous port, the same on every rank.
         os.environ["MASTER_PORT"] = str(port)
-        results[key] = run_recipe_on_cpu(recipe, paths, layout, **settings)
+        start = time.perf_counter()
+        results[key] = dict(run_recipe_on_cpu(recipe, paths, layout, **settings),
+                            wall_seconds=time.perf_counter() - start)
     return results
 
 
@@ -153,8 +173,10 @@ def run_on_cpu(runs: list, *, workdir, world_size: int = 2, timeout: float = 600
     from megatron.bridge_thd_testbed.launcher import run_on_gloo
     from megatron.bridge_thd_cpu.standalone import free_ports
 
-    paths = paths or prepare_cpu_run(workdir, qwen3_vl=any(not is_qwen35_recipe(run[1]) for run in runs),
-                                     qwen35=any(is_qwen35_recipe(run[1]) for run in runs))
+    recipes = [run[1] for run in runs]
+    paths = paths or prepare_cpu_run(
+        workdir, qwen3_vl=any(not is_qwen35_recipe(r) and not is_qwen3_vl_moe_recipe(r) for r in recipes),
+        qwen35=any(map(is_qwen35_recipe, recipes)), qwen3_vl_moe=any(map(is_qwen3_vl_moe_recipe, recipes)))
     with offline_hub():
         return run_on_gloo(_run_in_order, paths, runs, free_ports(len(runs)), start_method, dp=world_size,
                            whole_bridge=True, initialize=False, timeout=timeout)
