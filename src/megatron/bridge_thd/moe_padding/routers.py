@@ -272,5 +272,8 @@ def register_for_weight_conversion() -> None:
     """
     from megatron.bridge_thd.upstream import load_bridge_module
 
-    mapping = load_bridge_module("models.conversion.param_mapping").AutoMapping
+    try:
+        mapping = load_bridge_module("models.conversion.param_mapping").AutoMapping
+    except ModuleNotFoundError:  # no Megatron-Bridge here (a Megatron-Core model outside its loop): nothing converts
+        return
     mapping.register_module_type(PaddingMaskTopKRouter.__name__, "replicated")
