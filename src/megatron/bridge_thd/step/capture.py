@@ -87,13 +87,13 @@ def truncate_to_seq_length(
     kept = keep & (rank < seq_length)
     dropped = keep & ~kept
     over = real > seq_length
-    fix = "raise dataset.seq_length and model.seq_length, or filter these samples in the dataset"  # every refusal's
+    fix = "raise dataset.seq_length and model.seq_length, or filter these samples in the dataset"  # each refusal's way out
     checks = []
     if policy == "refuse":
         checks.append(DeferredCheck(
             over.any(),
             f"overlong_samples='refuse': samples of this micro-batch are longer than seq_length={seq_length}; {fix}, or "
-            f"set overlong_samples to 'truncate' (cut them) or 'drop' (no loss from them)",
+            "set overlong_samples to 'truncate' (cut them) or 'drop' (no loss from them)",
             _named_rows(over, real, sample_index)))
     is_vision = functools.reduce(torch.logical_or, (tokens == token_id for token_id in uncuttable_ids))
     cut_vision = (dropped & is_vision).any(dim=1)
