@@ -6,6 +6,7 @@ runs ``-m "not slow"``; ``make test`` runs everything (tests/README.md).
 """
 
 import pathlib
+import sys
 
 import pytest
 
@@ -26,6 +27,18 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(area)
         if area in SLOW_AREAS:
             item.add_marker("slow")
+
+
+@pytest.fixture(autouse=True)
+def fresh_moe_metrics_tracker():
+    """Each test starts with no MoE metrics tracker, as a new run does: Megatron-Core's tracker
+    (``transformer/moe/moe_logging.py``) is one per process and sizes each metric by the first model that logs it,
+    so a model of another depth logging the same metric later in the same process would index past it. Nothing is
+    imported for it: only a tracker already loaded is reset."""
+    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
+    if moe_logging is not None and hasattr(moe_logging, "destroy_moe_metrics_tracker"):
+        moe_logging.destroy_moe_metrics_tracker()
+    yield
 
 
 @pytest.fixture(scope="module")
