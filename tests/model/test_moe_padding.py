@@ -84,9 +84,14 @@ def _routers(model):
 
 
 def _reset(model):
+    """Zero the statistics, their entries created for the model's layers (a router that records only in the
+    backward, under recompute, has recorded nothing when the forward's stats are read)."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    get_moe_metrics_tracker().clear()
+    tracker = get_moe_metrics_tracker()
+    for name in ("load_balancing_loss", "z_loss"):
+        tracker.ensure_initialized(name, len(_routers(model)), device="cpu")
+    tracker.clear()
     for router in _routers(model):
         router.local_tokens_per_expert.zero_()
 
