@@ -3,7 +3,7 @@
 # Megatron-Bridge from the nearest source of Megatron-Bridge's 0.7 line (docs/compatibility.md):
 #   MEGATRON_BRIDGE_GIT  a git directory of NVIDIA-NeMo/Megatron-Bridge that holds MEGATRON_BRIDGE_COMMIT
 #   MEGATRON_LM_GIT      a git directory of NVIDIA/Megatron-LM that holds MEGATRON_LM_COMMIT
-# (a clone, or the snapshots the project's `fetch` tool brings; README "The 0.7 line").
+# (a clone of each repository, bare or not; README "The 0.7 line").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
