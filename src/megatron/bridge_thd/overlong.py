@@ -41,7 +41,8 @@ from megatron.bridge_thd.settings import OVERLONG_POLICIES, settings_of
 
 __all__ = ["POLICIES", "DEFAULT_POLICY", "LENGTHS_KEY", "SAMPLE_INDEX_KEY", "MEASURES", "OverlongRule",
            "OverlongCollate", "IndexedSample", "IndexedDataset", "collate_patch", "measure_rows",
-           "measure_in_this_process", "policy_of", "row_names", "CutReport", "cut_report", "log_cut"]
+           "measure_in_this_process", "policy_of", "row_names", "supervision_emptied", "CutReport", "cut_report",
+           "log_cut"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,14 @@ def _listed(rows: list[int], measures: torch.Tensor, indices: list[int] | None) 
     return listed + (" ..." if len(rows) > 8 else "")
 
 
+def supervision_emptied(tokens: torch.Tensor, supervised: torch.Tensor, supervised_kept: torch.Tensor,
+                        sequence_length: int) -> torch.Tensor:
+    """``(N,)`` bool: the sample is longer than ``sequence_length`` and has supervised tokens, none of them before the
+    cut (each argument ``(N,)``: real tokens, supervised tokens, supervised tokens the cut keeps). The one rule the
+    collate and global-batch packing's build-time check judge ``"truncate"`` by."""
+    return (tokens > sequence_length) & (supervised > 0) & (supervised_kept == 0)
+
+
 def _judge(measures: torch.Tensor, sequence_length: int, policy: str, indices: list[int] | None) -> None:
     """Raise where the run's policy refuses a row (module docstring), naming the rows, their lengths, ``seq_length``
     and the settings that fix it."""
@@ -145,7 +154,7 @@ def _judge(measures: torch.Tensor, sequence_length: int, policy: str, indices: l
             "tower's embeddings without their placeholders, which no overlong_samples policy allows. Raise "
             f"dataset.seq_length and model.seq_length to at least {longest}, lower the images' resolution "
             "(max_pixels), or filter these samples from the data")
-    emptied = over & (measures[SUPERVISED] > 0) & (measures[SUPERVISED_KEPT] == 0)
+    emptied = supervision_emptied(measures[TOKENS], measures[SUPERVISED], measures[SUPERVISED_KEPT], sequence_length)
     if policy == "truncate" and bool(emptied.any()):
         rows = emptied.nonzero().flatten().tolist()
         raise ValueError(

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from megatron.bridge_thd.batching.cost import image_patches
-from megatron.bridge_thd.overlong import LENGTHS_KEY, SUPERVISED, SUPERVISED_KEPT, TOKENS, VISION_CUT
+from megatron.bridge_thd.overlong import (LENGTHS_KEY, SUPERVISED, SUPERVISED_KEPT, TOKENS, VISION_CUT,
+                                          supervision_emptied)
 
 __all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero", "repeat_period",
            "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache", "visual_grids", "file_sizes",
@@ -82,8 +83,8 @@ class SampleSizes:
         (empty when not measured)."""
         if self.untruncated is None or self.supervised is None or self.supervised_kept is None:
             return torch.zeros(0, dtype=torch.int64)
-        emptied = (self.untruncated > seq_length) & (self.supervised > 0) & (self.supervised_kept == 0)
-        return torch.nonzero(emptied).flatten()
+        return torch.nonzero(supervision_emptied(self.untruncated, self.supervised, self.supervised_kept,
+                                                 seq_length)).flatten()
 
     def __len__(self) -> int:
         return int(self.lengths.numel()) if self.total is None else self.total
