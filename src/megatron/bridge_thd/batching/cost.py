@@ -90,6 +90,23 @@ def image_patches(grids: Sequence[Sequence[Sequence[int]]]) -> tuple[torch.Tenso
     return patches, squared
 
 
+def resolve_model_spec(model):
+    """The planner's ``ModelSpec`` of ``model``: a preset name, a Hugging Face ``config.json`` path or a ``ModelSpec``.
+
+    Raises:
+        ValueError: an unknown preset name or an unreadable config (naming it).
+    """
+    from megatron.bridge_thd.plan.presets import ModelSpec, get_preset, spec_from_hf_config
+
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, (str, Path)) and (str(model).endswith(".json") or Path(model).is_file()):
+        return spec_from_hf_config(model)
+    if isinstance(model, str):
+        return get_preset(model)
+    raise ValueError(f"model: expected a preset name, a config.json path or a ModelSpec, got {model!r}")
+
+
 def sample_cost(model) -> SampleCost:
     """The cost coefficients of a model, from Megatron-Bridge's FLOPs formula.
 
@@ -101,17 +118,9 @@ def sample_cost(model) -> SampleCost:
         ValueError: an unknown preset name or an unreadable config (naming it).
     """
     from megatron.bridge_thd.plan.flops import flops_config
-    from megatron.bridge_thd.plan.presets import ModelSpec, get_preset, spec_from_hf_config
     from megatron.bridge_thd.upstream import load_flop_utils
 
-    if isinstance(model, ModelSpec):
-        spec = model
-    elif isinstance(model, (str, Path)) and (str(model).endswith(".json") or Path(model).is_file()):
-        spec = spec_from_hf_config(model)
-    elif isinstance(model, str):
-        spec = get_preset(model)
-    else:
-        raise ValueError(f"model: expected a preset name, a config.json path or a ModelSpec, got {model!r}")
+    spec = resolve_model_spec(model)
     flop_utils = load_flop_utils()
     cfg = flops_config(spec, tensor_parallel=1)
 

@@ -1,0 +1,321 @@
+"""What a GPU spends on a THD row: a time model per rank, layer by layer (docs/time-model.md).
+
+Global-batch packing, CP per sample and the planner place samples by what they cost. FLOPs at a constant
+efficiency cannot rank context-parallel layouts (static CP at the world size gives every rank exactly ``1 / W``
+of the FLOPs), so this model prices what a GPU measurably spends beyond FLOPs:
+
+* **GEMMs** (projections, MLP / experts, logits, the Gated-DeltaNet layers: every term of the trainer's formula
+  linear in the tokens): the row's tokens on the rank at ``gemm_efficiency`` of the bf16 peak, and never faster
+  than reading the weights three times (forward, backward data, backward weights) from HBM, which binds at small
+  token counts;
+* **attention** (the full-attention layers' core): each sample's causal attention at the kernel's measured rate for
+  the length of the segment the kernel sees (``s`` alone, ``s / 2k`` chunks under CP ``k``), forward and backward
+  rates apart;
+* **the vision tower**: patches at the GEMM rate; attention within each frame (``t * (h w)^2``, how Qwen3-VL's
+  vision model builds its ``cu_seqlens``) at the non-causal kernel rate for the frame's length; under CP the tower is
+  split over the row's ranks;
+* **the CP ring exchange**: per full-attention layer ``k - 1`` steps forward and ``k - 1`` backward, each taking the
+  larger of its attention compute and ``latency + bytes / bandwidth`` (K and V of one chunk forward; K, V and their
+  gradients backward), over NVLink when the CP group stays in a node, over the network when it spans nodes;
+* **MoE dispatch** (EP > 1): the all-to-all of each routed token's hidden state, dispatch and combine, forward and
+  backward, over the EP group's link;
+* **fixed costs**: per micro-batch (kernel launches, host work) and per step (optimizer, gradient sync not hidden),
+  both fitted (:class:`TimeParameters`).
+
+The FLOPs come from Megatron-Bridge's own formula through :class:`~megatron.bridge_thd.batching.cost.SampleCost`
+(its four coefficients), so the model divides the trainer's FLOPs by rates; it never counts FLOPs its own way.
+Every rate is a published figure or a fitted one: :data:`PUBLISHED` and :class:`TimeParameters` say which. Pure host
+arithmetic on Python numbers: no tensors, no device.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from megatron.bridge_thd.batching.cost import SampleCost
+
+__all__ = ["Link", "Machine", "MACHINES", "get_machine", "RateCurve", "TimeParameters", "PUBLISHED", "ModelShape",
+           "SampleWork", "RowTime", "row_time", "sample_work", "frame_lengths", "model_shape"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """A GPU-to-GPU path: ``bytes_per_s`` achieved per GPU per direction and ``latency_s`` per message."""
+
+    bytes_per_s: float
+    latency_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A GPU and its node: dense bf16 peak (FLOP/s), HBM bandwidth (bytes/s) and capacity (bytes), the link inside
+    a node and the network between nodes, and GPUs per node."""
+
+    name: str
+    bf16_flops: float
+    hbm_bytes_per_s: float
+    memory_bytes: float
+    nvlink: Link
+    network: Link
+    gpus_per_node: int = 8
+
+    def link(self, ranks: int, stride: int = 1) -> Link:
+        """The slowest link a group of ``ranks`` consecutive blocks of ``stride`` GPUs crosses: NVLink while the
+        group stays within a node (groups are aligned: Megatron-Core lays TP innermost, then CP / DP)."""
+        return self.nvlink if ranks * stride <= self.gpus_per_node else self.network
+
+
+# Spec sheets and published link measurements: docs/time-model.md, "Parameters".
+_NVLINK4 = Link(370e9, 10e-6)  # NCCL-measured on H100 SXM NVLink 4 (450 GB/s per direction nominal)
+_NDR = Link(48e9, 20e-6)  # NDR InfiniBand, 400 Gb/s per GPU
+MACHINES = {m.name: m for m in (
+    Machine("h100-sxm", 989e12, 3.35e12, 80e9, _NVLINK4, _NDR),
+    Machine("h200", 989e12, 4.8e12, 141e9, _NVLINK4, _NDR),
+    Machine("b200", 2250e12, 8.0e12, 180e9, Link(740e9, 10e-6), _NDR),
+    Machine("a100-80gb", 312e12, 2.0e12, 80e9, Link(230e9, 10e-6), Link(24e9, 20e-6)),
+)}
+
+
+def get_machine(name: str) -> Machine:
+    """The machine called ``name``; ValueError listing the known ones otherwise."""
+    key = str(name).strip().lower()
+    if key not in MACHINES:
+        raise ValueError(f"GPU {name!r} has no time model; known: {', '.join(MACHINES)}")
+    return MACHINES[key]
+
+
+@dataclass(frozen=True)
+class RateCurve:
+    """A kernel's achieved FLOP/s by the segment length it runs on, from measured points; between points the rate
+    is interpolated in log(length), beyond them it is held at the end points.
+
+    Attributes:
+        points: ``((length, flops_per_s), ...)`` ascending in length.
+    """
+
+    points: tuple[tuple[int, float], ...]
+
+    def __call__(self, length: float) -> float:
+        lengths = [p[0] for p in self.points]
+        if length <= lengths[0]:
+            return self.points[0][1]
+        if length >= lengths[-1]:
+            return self.points[-1][1]
+        i = bisect.bisect_right(lengths, length)
+        (a, ra), (b, rb) = self.points[i - 1], self.points[i]
+        x = (math.log(length) - math.log(a)) / (math.log(b) - math.log(a))
+        return ra + x * (rb - ra)
+
+    def scaled(self, factor: float) -> "RateCurve":
+        return RateCurve(tuple((n, r * factor) for n, r in self.points))
+
+
+@dataclass(frozen=True)
+class TimeParameters:
+    """Every rate the model divides by. Published ones carry their source in :data:`PUBLISHED` (and the docs
+    table); ``fitted`` names the ones fitted to published step times, whose values a calibration replaces.
+
+    Attributes:
+        attention_forward / attention_backward: causal varlen attention (head dim 128, bf16) FLOP/s by segment
+            length, forward and backward (the backward's FLOPs counted as 2.5 x the forward's, as the kernels'
+            own benchmarks count them).
+        vision_attention_forward / vision_attention_backward: the same for non-causal attention (the ViT's).
+        gemm_efficiency: the fraction of the bf16 peak the model's GEMMs reach in training (fitted, at most the
+            best measured matmul's 0.80).
+        per_micro_batch_s: fixed seconds per micro-batch and rank (launches, host work between kernels; fitted).
+        per_layer_s: fixed seconds per decoder layer per micro-batch, forward and backward (kernel launches of a
+            layer; fitted).
+        per_step_s: fixed seconds per step (optimizer, what the gradient sync does not hide; fitted).
+        fitted: names of the fitted fields.
+    """
+
+    attention_forward: RateCurve
+    attention_backward: RateCurve
+    vision_attention_forward: RateCurve
+    vision_attention_backward: RateCurve
+    gemm_efficiency: float = 0.60
+    per_micro_batch_s: float = 0.0
+    per_layer_s: float = 0.0
+    per_step_s: float = 0.0
+    fitted: tuple[str, ...] = ("gemm_efficiency", "per_micro_batch_s", "per_layer_s", "per_step_s")
+    source: str = "defaults"
+
+    def with_fit(self, source: str, **values) -> "TimeParameters":
+        unknown = set(values) - set(self.fitted)
+        if unknown:
+            raise ValueError(f"TimeParameters.with_fit: {sorted(unknown)} are not fitted parameters ({self.fitted})")
+        return replace(self, source=source, **values)
+
+
+# FlashAttention-3 on H100 SXM5, head dim 128, bf16, total tokens 16k (FA3 paper, figures "attention forward /
+# backward speed"): TFLOP/s by sequence length. Sources and the exact figures: docs/time-model.md.
+_FA3_CAUSAL_FWD = ((512, 197e12), (1024, 335e12), (2048, 470e12), (4096, 560e12), (8192, 615e12), (16384, 640e12))
+_FA3_FULL_FWD = ((512, 330e12), (1024, 460e12), (2048, 540e12), (4096, 600e12), (8192, 640e12), (16384, 661e12))
+_FA3_FULL_BWD = ((512, 260e12), (1024, 350e12), (2048, 410e12), (4096, 450e12), (8192, 470e12), (16384, 485e12))
+_FA3_CAUSAL_BWD = ((512, 150e12), (1024, 250e12), (2048, 340e12), (4096, 410e12), (8192, 450e12), (16384, 470e12))
+
+PUBLISHED = TimeParameters(
+    attention_forward=RateCurve(_FA3_CAUSAL_FWD), attention_backward=RateCurve(_FA3_CAUSAL_BWD),
+    vision_attention_forward=RateCurve(_FA3_FULL_FWD), vision_attention_backward=RateCurve(_FA3_FULL_BWD),
+    source="published rates, fitted parameters at their defaults")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the time model reads of a model besides its FLOPs coefficients.
+
+    Attributes:
+        cost: the trainer's per-sample FLOPs coefficients (:func:`~megatron.bridge_thd.batching.cost.sample_cost`).
+        num_layers: decoder layers; full_attention_layers: those with softmax attention (the rest are linear).
+        kv_bytes_per_token: bf16 bytes of K and V of one token in one full-attention layer (all KV heads).
+        weight_bytes: bf16 bytes of the weights a micro-batch's GEMMs read (language model and vision tower; the
+            routed experts' share a token touches for an MoE), before TP.
+        hidden_size: the decoder's hidden size; moe_topk: routed experts per token (0: dense).
+        moe_layers: decoder layers with routed experts.
+        vision_layers: the vision tower's depth (its per-layer fixed cost).
+    """
+
+    cost: SampleCost
+    num_layers: int
+    full_attention_layers: int
+    kv_bytes_per_token: float
+    weight_bytes: float
+    hidden_size: int
+    moe_topk: int = 0
+    moe_layers: int = 0
+    vision_layers: int = 0
+
+
+@dataclass(frozen=True)
+class SampleWork:
+    """One sample as the time model sees it: ``tokens`` (LLM tokens, its slots in the row), ``patches`` (ViT
+    patches) and ``frames`` (each frame's patches: an image is one frame, a video of grid ``(t, h, w)`` is ``t``
+    frames of ``h * w``)."""
+
+    tokens: int
+    patches: int = 0
+    frames: tuple[int, ...] = ()
+
+
+def frame_lengths(grids: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Each frame's ViT patches for a sample's ``(t, h, w)`` grids: ``t`` frames of ``h * w`` per grid, the segments
+    of the vision model's own ``cu_seqlens`` (``repeat_interleave(h * w, t)``)."""
+    return tuple(int(h) * int(w) for t, h, w in grids for _ in range(int(t)))
+
+
+def sample_work(tokens: int, grids: Sequence[Sequence[int]] = ()) -> SampleWork:
+    frames = frame_lengths(grids)
+    return SampleWork(int(tokens), sum(frames), frames)
+
+
+@dataclass(frozen=True)
+class RowTime:
+    """Seconds one rank spends on a row, by part (:func:`row_time`); ``total`` is their sum."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    vision: float = 0.0
+    ring_exposed: float = 0.0
+    moe_dispatch: float = 0.0
+    fixed: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.vision + self.ring_exposed + self.moe_dispatch + self.fixed
+
+    def __add__(self, other: "RowTime") -> "RowTime":
+        return RowTime(*(getattr(self, f) + getattr(other, f) for f in _PARTS))
+
+
+_PARTS = ("gemm", "attention", "vision", "ring_exposed", "moe_dispatch", "fixed")
+
+
+def _attention_seconds(flops: float, length: float, forward: RateCurve, backward: RateCurve) -> float:
+    """Forward + backward seconds of attention whose trainer-counted FLOPs (forward x 3) are ``flops``, run on
+    segments of ``length`` tokens: forward ``flops / 3`` at the forward rate, backward ``2.5 x`` that at the
+    backward rate (the kernels' own FLOPs count)."""
+    forward_flops = flops / 3
+    return forward_flops / forward(length) + 2.5 * forward_flops / backward(length)
+
+
+def _ring_exposed(shape: ModelShape, params: TimeParameters, machine: Machine, tokens: int, attention_s: float,
+                  cp: int, tp: int) -> float:
+    """Seconds the CP ring adds over the attention compute for one sample of ``tokens`` at CP ``cp``: per
+    full-attention layer ``cp - 1`` steps forward (K, V of a chunk) and ``cp - 1`` backward (K, V and dK, dV),
+    each the larger of its compute share and the link's time; returned is the excess over the compute."""
+    if cp == 1 or shape.full_attention_layers == 0:
+        return 0.0
+    link = machine.link(cp, tp)
+    chunk_kv = tokens / cp * shape.kv_bytes_per_token / tp
+    per_layer = attention_s / shape.full_attention_layers
+    # the forward third and backward two thirds of the layer's attention time, each over cp steps
+    forward_step, backward_step = per_layer / 3 / cp, per_layer * 2 / 3 / cp
+    exposed = (cp - 1) * (max(forward_step, link.seconds(chunk_kv)) - forward_step
+                          + max(backward_step, link.seconds(2 * chunk_kv)) - backward_step)
+    return exposed * shape.full_attention_layers
+
+
+def row_time(shape: ModelShape, samples: Sequence[SampleWork], machine: Machine, params: TimeParameters, *,
+             cp: int = 1, tp: int = 1, ep: int = 1, align: int = 1) -> RowTime:
+    """Seconds each of a row's ``cp * tp`` ranks spends on one micro-batch (forward and backward) of ``samples``.
+
+    Args:
+        samples: the row's samples; each takes ``round_up(tokens, align)`` slots (``align`` = 2 x CP under CP).
+        cp: the row's CP size (its samples' chunks are ``slots / 2cp`` long for the kernel); tp: TP size; ep: EP
+            size (MoE dispatch over the EP group when > 1).
+
+    Returns:
+        The parts (:class:`RowTime`); the fixed part is ``per_micro_batch_s + num_layers * per_layer_s``.
+    """
+    cost = shape.cost
+    slots = sum(-(-w.tokens // align) * align for w in samples)
+    ranks = cp * tp
+    peak = machine.bf16_flops * params.gemm_efficiency
+    weights = 3 * shape.weight_bytes / tp / machine.hbm_bytes_per_s
+    text_flops = cost.per_token * slots / ranks
+    vision_flops = cost.per_patch * sum(w.patches for w in samples) / ranks
+    gemm = max(text_flops / peak, weights) + vision_flops / peak
+    attention = ring = 0.0
+    for w in samples:
+        segment = w.tokens / (2 * cp) if cp > 1 else w.tokens
+        seconds = _attention_seconds(cost.per_token_squared * w.tokens ** 2 / ranks, segment,
+                                     params.attention_forward, params.attention_backward)
+        attention += seconds
+        ring += _ring_exposed(shape, params, machine, w.tokens, seconds, cp, tp)
+    vision = sum(_attention_seconds(cost.per_patch_squared * f * f / ranks, f, params.vision_attention_forward,
+                                    params.vision_attention_backward) for w in samples for f in w.frames)
+    dispatch = 0.0
+    if ep > 1 and shape.moe_topk:
+        routed = slots / ranks * shape.moe_topk * shape.hidden_size * 2 * (ep - 1) / ep
+        dispatch = 4 * shape.moe_layers * machine.link(ep, tp * cp).seconds(routed)
+    fixed = params.per_micro_batch_s + (shape.num_layers + shape.vision_layers) * params.per_layer_s
+    return RowTime(gemm, attention, vision, ring, dispatch, fixed)
+
+
+def model_shape(model) -> ModelShape:
+    """The :class:`ModelShape` of a model given as :func:`~megatron.bridge_thd.batching.cost.sample_cost` takes it (a
+    planner preset name, a ``config.json`` path or a ``ModelSpec``): its FLOPs coefficients from the trainer's formula,
+    its layer counts, K/V width and bf16 weight bytes.
+
+    Raises:
+        ValueError: as :func:`~megatron.bridge_thd.batching.cost.sample_cost`.
+    """
+    from megatron.bridge_thd.batching.cost import resolve_model_spec, sample_cost
+    from megatron.bridge_thd.plan.memory import parameter_counts
+
+    spec = resolve_model_spec(model)
+    counts = parameter_counts(spec)
+    experts_touched = (counts["experts"] * spec.moe_router_topk / spec.num_moe_experts) if spec.is_moe else 0
+    full = spec.linear_layer_pattern().count(0)
+    return ModelShape(
+        cost=sample_cost(spec), num_layers=spec.num_layers, full_attention_layers=full,
+        kv_bytes_per_token=2 * spec.num_query_groups * spec.kv_channels * 2,
+        weight_bytes=2 * (counts["dense"] + counts["embedding"] + experts_touched),
+        hidden_size=spec.hidden_size, moe_topk=spec.moe_router_topk if spec.is_moe else 0,
+        moe_layers=spec.num_layers if spec.is_moe else 0, vision_layers=spec.vision.depth)
