@@ -17,6 +17,8 @@ of the FLOPs), so this model prices what a GPU measurably spends beyond FLOPs:
 * **the CP ring exchange**: per full-attention layer ``k - 1`` steps forward and ``k - 1`` backward, each taking the
   larger of its attention compute and ``latency + bytes / bandwidth`` (K and V of one chunk forward; K, V and their
   gradients backward), over NVLink when the CP group stays in a node, over the network when it spans nodes;
+* **element-wise kernels**: the activations a token and a patch leave for backward, written once and read twice
+  (forward and backward) at the HBM bandwidth;
 * **MoE dispatch** (EP > 1): the all-to-all of each routed token's hidden state, dispatch and combine, forward and
   backward, over the EP group's link;
 * **fixed costs**: per micro-batch (kernel launches, host work) and per step (optimizer, gradient sync not hidden),
@@ -129,8 +131,8 @@ class TimeParameters:
         gemm_efficiency: the fraction of the bf16 peak the model's GEMMs reach in training (fitted, at most the
             best measured matmul's 0.80).
         per_micro_batch_s: fixed seconds per micro-batch and rank (launches, host work between kernels; fitted).
-        per_layer_s: fixed seconds per decoder layer per micro-batch, forward and backward (kernel launches of a
-            layer; fitted).
+        ring_step_s: fixed seconds of one CP ring step of one layer beyond its transfer (the step's kernel launches,
+            the send / receive handshake, the partial softmax merge; fitted, at least the link's latency).
         per_step_s: fixed seconds per step (optimizer, what the gradient sync does not hide; fitted).
         fitted: names of the fitted fields.
     """
@@ -141,9 +143,9 @@ class TimeParameters:
     vision_attention_backward: RateCurve
     gemm_efficiency: float = 0.60
     per_micro_batch_s: float = 0.0
-    per_layer_s: float = 0.0
+    ring_step_s: float = 0.0
     per_step_s: float = 0.0
-    fitted: tuple[str, ...] = ("gemm_efficiency", "per_micro_batch_s", "per_layer_s", "per_step_s")
+    fitted: tuple[str, ...] = ("gemm_efficiency", "per_micro_batch_s", "ring_step_s", "per_step_s")
     source: str = "defaults"
 
     def with_fit(self, source: str, **values) -> "TimeParameters":
@@ -153,16 +155,25 @@ class TimeParameters:
         return replace(self, source=source, **values)
 
 
-# FlashAttention-3 on H100 SXM5, head dim 128, bf16, total tokens 16k (FA3 paper, figures "attention forward /
-# backward speed"): TFLOP/s by sequence length. Sources and the exact figures: docs/time-model.md.
-_FA3_CAUSAL_FWD = ((512, 197e12), (1024, 335e12), (2048, 470e12), (4096, 560e12), (8192, 615e12), (16384, 640e12))
-_FA3_FULL_FWD = ((512, 330e12), (1024, 460e12), (2048, 540e12), (4096, 600e12), (8192, 640e12), (16384, 661e12))
-_FA3_FULL_BWD = ((512, 260e12), (1024, 350e12), (2048, 410e12), (4096, 450e12), (8192, 470e12), (16384, 485e12))
-_FA3_CAUSAL_BWD = ((512, 150e12), (1024, 250e12), (2048, 340e12), (4096, 410e12), (8192, 450e12), (16384, 470e12))
+# Attention kernels on H100 SXM5, head dim 128, bf16, batch x length = 16k tokens: the cuDNN series (the kernels
+# Transformer Engine's fused attention calls) of the FlashAttention-3 paper's figures (arXiv 2407.08608, figures 5
+# and 6, as transcribed from the charts; docs/time-model.md has every series and the caveats). TFLOP/s by length.
+_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+_CUDNN_CAUSAL_FWD = (315, 410, 484, 518, 529, 539)
+_CUDNN_FULL_FWD = (467, 574, 617, 609, 600, 595)
+_CUDNN_FULL_BWD = (305, 408, 465, 499, 518, 516)
+# No causal backward series is published with them: the non-causal backward scaled by the forward's causal /
+# non-causal ratio at each length (derived, not measured).
+_CUDNN_CAUSAL_BWD = tuple(b * c / f for b, c, f in zip(_CUDNN_FULL_BWD, _CUDNN_CAUSAL_FWD, _CUDNN_FULL_FWD))
+
+
+def _curve(tflops) -> RateCurve:
+    return RateCurve(tuple((n, t * 1e12) for n, t in zip(_LENGTHS, tflops)))
+
 
 PUBLISHED = TimeParameters(
-    attention_forward=RateCurve(_FA3_CAUSAL_FWD), attention_backward=RateCurve(_FA3_CAUSAL_BWD),
-    vision_attention_forward=RateCurve(_FA3_FULL_FWD), vision_attention_backward=RateCurve(_FA3_FULL_BWD),
+    attention_forward=_curve(_CUDNN_CAUSAL_FWD), attention_backward=_curve(_CUDNN_CAUSAL_BWD),
+    vision_attention_forward=_curve(_CUDNN_FULL_FWD), vision_attention_backward=_curve(_CUDNN_FULL_BWD),
     source="published rates, fitted parameters at their defaults")
 
 
@@ -178,7 +189,9 @@ class ModelShape:
             routed experts' share a token touches for an MoE), before TP.
         hidden_size: the decoder's hidden size; moe_topk: routed experts per token (0: dense).
         moe_layers: decoder layers with routed experts.
-        vision_layers: the vision tower's depth (its per-layer fixed cost).
+        activation_bytes_per_token / activation_bytes_per_patch: the activation bytes one LLM token (decoder layers
+            and output) / one ViT patch leaves for backward (the planner's memory model), which the element-wise
+            kernels between the GEMMs (norms, activations, rotary, residuals, the loss) write and read.
     """
 
     cost: SampleCost
@@ -189,18 +202,21 @@ class ModelShape:
     hidden_size: int
     moe_topk: int = 0
     moe_layers: int = 0
-    vision_layers: int = 0
+    activation_bytes_per_token: float = 0.0
+    activation_bytes_per_patch: float = 0.0
 
 
 @dataclass(frozen=True)
 class SampleWork:
     """One sample as the time model sees it: ``tokens`` (LLM tokens, its slots in the row), ``patches`` (ViT
-    patches) and ``frames`` (each frame's patches: an image is one frame, a video of grid ``(t, h, w)`` is ``t``
-    frames of ``h * w``)."""
+    patches), ``frames`` (each frame's patches: an image is one frame, a video of grid ``(t, h, w)`` is ``t``
+    frames of ``h * w``) and ``attended`` (False for padding that the GEMMs process but attention skips, as the pad
+    tail of a sample in a THD row whose ``cu_seqlens`` stop at its real tokens)."""
 
     tokens: int
     patches: int = 0
     frames: tuple[int, ...] = ()
+    attended: bool = True
 
 
 def frame_lengths(grids: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -224,40 +240,41 @@ class RowTime:
     ring_exposed: float = 0.0
     moe_dispatch: float = 0.0
     fixed: float = 0.0
+    elementwise: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.vision + self.ring_exposed + self.moe_dispatch + self.fixed
+        return (self.gemm + self.attention + self.vision + self.ring_exposed + self.moe_dispatch + self.fixed
+                + self.elementwise)
 
     def __add__(self, other: "RowTime") -> "RowTime":
         return RowTime(*(getattr(self, f) + getattr(other, f) for f in _PARTS))
 
 
-_PARTS = ("gemm", "attention", "vision", "ring_exposed", "moe_dispatch", "fixed")
+_PARTS = ("gemm", "attention", "vision", "ring_exposed", "moe_dispatch", "fixed", "elementwise")
 
 
-def _attention_seconds(flops: float, length: float, forward: RateCurve, backward: RateCurve) -> float:
-    """Forward + backward seconds of attention whose trainer-counted FLOPs (forward x 3) are ``flops``, run on
+def _attention_seconds(flops: float, length: float, forward: RateCurve, backward: RateCurve) -> tuple[float, float]:
+    """(forward, backward) seconds of attention whose trainer-counted FLOPs (forward x 3) are ``flops``, run on
     segments of ``length`` tokens: forward ``flops / 3`` at the forward rate, backward ``2.5 x`` that at the
     backward rate (the kernels' own FLOPs count)."""
     forward_flops = flops / 3
-    return forward_flops / forward(length) + 2.5 * forward_flops / backward(length)
+    return forward_flops / forward(length), 2.5 * forward_flops / backward(length)
 
 
-def _ring_exposed(shape: ModelShape, params: TimeParameters, machine: Machine, tokens: int, attention_s: float,
-                  cp: int, tp: int) -> float:
+def _ring_exposed(shape: ModelShape, params: TimeParameters, machine: Machine, tokens: int,
+                  attention_s: tuple[float, float], cp: int, tp: int) -> float:
     """Seconds the CP ring adds over the attention compute for one sample of ``tokens`` at CP ``cp``: per
     full-attention layer ``cp - 1`` steps forward (K, V of a chunk) and ``cp - 1`` backward (K, V and dK, dV),
-    each the larger of its compute share and the link's time; returned is the excess over the compute."""
+    each the larger of its share of the layer's attention compute and ``ring_step_s`` + the link's time for its
+    bytes; returned is the excess over the compute."""
     if cp == 1 or shape.full_attention_layers == 0:
         return 0.0
     link = machine.link(cp, tp)
     chunk_kv = tokens / cp * shape.kv_bytes_per_token / tp
-    per_layer = attention_s / shape.full_attention_layers
-    # the forward third and backward two thirds of the layer's attention time, each over cp steps
-    forward_step, backward_step = per_layer / 3 / cp, per_layer * 2 / 3 / cp
-    exposed = (cp - 1) * (max(forward_step, link.seconds(chunk_kv)) - forward_step
-                          + max(backward_step, link.seconds(2 * chunk_kv)) - backward_step)
+    forward_step, backward_step = (seconds / shape.full_attention_layers / cp for seconds in attention_s)
+    exposed = (cp - 1) * (max(forward_step, params.ring_step_s + link.seconds(chunk_kv)) - forward_step
+                          + max(backward_step, params.ring_step_s + link.seconds(2 * chunk_kv)) - backward_step)
     return exposed * shape.full_attention_layers
 
 
@@ -271,31 +288,34 @@ def row_time(shape: ModelShape, samples: Sequence[SampleWork], machine: Machine,
             size (MoE dispatch over the EP group when > 1).
 
     Returns:
-        The parts (:class:`RowTime`); the fixed part is ``per_micro_batch_s + num_layers * per_layer_s``.
+        The parts (:class:`RowTime`); the fixed part is ``per_micro_batch_s``.
     """
     cost = shape.cost
     slots = sum(-(-w.tokens // align) * align for w in samples)
     ranks = cp * tp
     peak = machine.bf16_flops * params.gemm_efficiency
     weights = 3 * shape.weight_bytes / tp / machine.hbm_bytes_per_s
+    patches = sum(w.patches for w in samples)
+    elementwise = 3 * (shape.activation_bytes_per_token * slots + shape.activation_bytes_per_patch * patches) \
+        / ranks / machine.hbm_bytes_per_s
     text_flops = cost.per_token * slots / ranks
-    vision_flops = cost.per_patch * sum(w.patches for w in samples) / ranks
-    gemm = max(text_flops / peak, weights) + vision_flops / peak
+    vision_flops = cost.per_patch * patches / ranks
+    gemm = max(text_flops / peak, weights)
     attention = ring = 0.0
-    for w in samples:
+    for w in (w for w in samples if w.attended):
         segment = w.tokens / (2 * cp) if cp > 1 else w.tokens
         seconds = _attention_seconds(cost.per_token_squared * w.tokens ** 2 / ranks, segment,
                                      params.attention_forward, params.attention_backward)
-        attention += seconds
+        attention += sum(seconds)
         ring += _ring_exposed(shape, params, machine, w.tokens, seconds, cp, tp)
-    vision = sum(_attention_seconds(cost.per_patch_squared * f * f / ranks, f, params.vision_attention_forward,
-                                    params.vision_attention_backward) for w in samples for f in w.frames)
+    vision = vision_flops / peak + sum(sum(_attention_seconds(
+        cost.per_patch_squared * f * f / ranks, f, params.vision_attention_forward, params.vision_attention_backward))
+        for w in samples for f in w.frames)
     dispatch = 0.0
     if ep > 1 and shape.moe_topk:
         routed = slots / ranks * shape.moe_topk * shape.hidden_size * 2 * (ep - 1) / ep
         dispatch = 4 * shape.moe_layers * machine.link(ep, tp * cp).seconds(routed)
-    fixed = params.per_micro_batch_s + (shape.num_layers + shape.vision_layers) * params.per_layer_s
-    return RowTime(gemm, attention, vision, ring, dispatch, fixed)
+    return RowTime(gemm, attention, vision, ring, dispatch, params.per_micro_batch_s, elementwise)
 
 
 def model_shape(model) -> ModelShape:
@@ -307,7 +327,8 @@ def model_shape(model) -> ModelShape:
         ValueError: as :func:`~megatron.bridge_thd.batching.cost.sample_cost`.
     """
     from megatron.bridge_thd.batching.cost import resolve_model_spec, sample_cost
-    from megatron.bridge_thd.plan.memory import parameter_counts
+    from megatron.bridge_thd.plan.memory import (
+        layer_bytes_per_token, output_bytes_per_token, parameter_counts, vision_bytes_per_patch)
 
     spec = resolve_model_spec(model)
     counts = parameter_counts(spec)
@@ -318,4 +339,6 @@ def model_shape(model) -> ModelShape:
         kv_bytes_per_token=2 * spec.num_query_groups * spec.kv_channels * 2,
         weight_bytes=2 * (counts["dense"] + counts["embedding"] + experts_touched),
         hidden_size=spec.hidden_size, moe_topk=spec.moe_router_topk if spec.is_moe else 0,
-        moe_layers=spec.num_layers if spec.is_moe else 0, vision_layers=spec.vision.depth)
+        moe_layers=spec.num_layers if spec.is_moe else 0,
+        activation_bytes_per_token=sum(layer_bytes_per_token(spec)) + output_bytes_per_token(spec),
+        activation_bytes_per_patch=vision_bytes_per_patch(spec))
