@@ -1,9 +1,11 @@
-"""``batching.cost.sample_cost``: a sample's cost is Megatron-Bridge 0.6.2's own FLOPs formula.
+"""``batching.cost.sample_cost``: a sample's cost is Megatron-Bridge's own FLOPs formula, its vision
+attention counted per frame.
 
 The expectation in every case is Megatron-Bridge's ``training/utils/flop_utils.py`` evaluated
 directly for the one sample (``num_floating_point_operations`` for the language model at
-``seqlen_sum = s``, ``seqlen_squared_sum = s^2``, plus ``vit_flops`` once per image), never the
-coefficients the package derived. Images have patch counts that are multiples of
+``seqlen_sum = s``, ``seqlen_squared_sum = s^2``, plus, per ``(t, h, w)`` grid, ``vit_flops`` of ``t``
+frames of ``h * w`` patches each: the vision model attends within each frame, docs/batching.md),
+never the coefficients the package derived. Frames have patch counts that are multiples of
 ``spatial_merge_size^2`` (the formula's patch merger floors ``patches / merge^2``).
 """
 
@@ -46,9 +48,8 @@ def _formula(flop_utils, spec, tokens: int, grids) -> float:
     total = float(flop_utils.num_floating_point_operations(
         cfg, batch_size=1, seqlen_sum=tokens, seqlen_squared_sum=tokens * tokens, num_vision_patches=0))
     for t, h, w in grids:
-        patches = t * h * w
-        assert patches % (merge * merge) == 0, "keep images whole merge units (the merger floors)"
-        total += float(flop_utils.vit_flops(cfg, 1, patches))
+        assert (h * w) % (merge * merge) == 0, "keep frames whole merge units (the merger floors)"
+        total += float(flop_utils.vit_flops(cfg, t, h * w))  # t frames ("batch") of h * w patches each
     return total
 
 
@@ -133,15 +134,16 @@ def test_text_only_drops_the_vision_terms(flop_utils):
 
 def test_image_patches_on_hand_grids():
     grids = [
-        [(1, 4, 6), (2, 2, 2)],  # 24 + 8 patches
+        [(1, 4, 6), (2, 2, 2)],  # 24 + 8 patches: an image of 24, a video of 2 frames of 4
         [],  # text only
         [(1, 8, 8)],  # 64
-        [(3, 2, 5), (1, 1, 4), (1, 10, 10)],  # 30 + 4 + 100
+        [(3, 2, 5), (1, 1, 4), (1, 10, 10)],  # 30 (3 frames of 10) + 4 + 100
     ]
     patches, squared = image_patches(grids)
     assert patches.dtype == torch.int64 and squared.dtype == torch.float64
     assert patches.tolist() == [32, 0, 64, 134]
-    assert squared.tolist() == [24.0**2 + 8.0**2, 0.0, 64.0**2, 30.0**2 + 4.0**2 + 100.0**2]
+    # Attention within each frame: a frame of n patches adds n^2, a video of t frames t segments.
+    assert squared.tolist() == [24.0**2 + 2 * 4.0**2, 0.0, 64.0**2, 3 * 10.0**2 + 4.0**2 + 100.0**2]
     # Grids as tensors (image_grid_thw rows) read the same.
     as_tensors = [torch.tensor(g, dtype=torch.int64).reshape(-1, 3) for g in grids]
     again = image_patches([[tuple(row) for row in t.tolist()] for t in as_tensors])

@@ -97,11 +97,16 @@ def _patches(dataset, i):
     return sum(t * h * w for t, h, w in dataset.sample_image_grids[i])
 
 
+def _squared(grids):
+    """The ViT attention term: within each frame, ``t`` frames of ``h * w`` patches per grid."""
+    return sum(t * (h * w) ** 2 for t, h, w in grids)
+
+
 def _cost(dataset, i):
     s = dataset.sample_lengths[i]
-    per_image = [t * h * w for t, h, w in dataset.sample_image_grids[i]]
-    return (COST.per_token * s + COST.per_token_squared * s * s + COST.per_patch * sum(per_image)
-            + COST.per_patch_squared * sum(p * p for p in per_image))
+    grids = dataset.sample_image_grids[i]
+    return (COST.per_token * s + COST.per_token_squared * s * s + COST.per_patch * _patches(dataset, i)
+            + COST.per_patch_squared * _squared(grids))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -285,7 +290,8 @@ def test_sizes_from_metadata():
     sizes = dataset_sizes(TinyDataset([10, 3, 40], grids))
     assert sizes.lengths.tolist() == [10, 3, 40]
     assert sizes.patches.tolist() == [8, 0, 8 + 16]
-    assert sizes.patches_squared.tolist() == [64.0, 0.0, 64.0 + 256.0]
+    # (2, 2, 2) is 2 frames of 4 patches: 2 * 4^2, not 8^2.
+    assert sizes.patches_squared.tolist() == [64.0, 0.0, 2 * 16.0 + 256.0]
     assert "metadata" in sizes.source and len(sizes) == 3
     text_only = dataset_sizes(TinyDataset([5, 6]))
     assert text_only.patches.tolist() == [0, 0] and text_only.patches_squared.tolist() == [0.0, 0.0]
@@ -355,8 +361,8 @@ class CountingCollate:
 
 def _expected_scan(items, seq_length):
     lengths = [min(item["real"], seq_length) for item in items]
-    per_image = [[t * h * w for t, h, w in item["images"] + item.get("videos", [])] for item in items]
-    return lengths, [sum(p) for p in per_image], [float(sum(x * x for x in p)) for p in per_image]
+    grids = [item["images"] + item.get("videos", []) for item in items]
+    return lengths, [sum(t * h * w for t, h, w in g) for g in grids], [float(_squared(g)) for g in grids]
 
 
 def test_sizes_by_scan_are_cached(tmp_path):
@@ -470,8 +476,7 @@ def test_micro_batch_slots_are_the_placements_micro_batches_weighted_by_repeats(
         lengths = [dataset.sample_lengths[i] for i in drawn]
         placement = assign(lengths, dp_size=DP, num_micro_batches=NMB, row_length=ROW, align_to=ALIGN, cost=COST,
                            vision_patches=[_patches(dataset, i) for i in drawn],
-                           vision_patches_squared=[sum((t * h * w) ** 2 for t, h, w in dataset.sample_image_grids[i])
-                                                   for i in drawn])
+                           vision_patches_squared=[_squared(dataset.sample_image_grids[i]) for i in drawn])
         expected += [sum(_aligned(lengths[i]) for i in micro) for rank in placement for micro in rank]
         expected_weights += [2.0 if step == 0 else 1.0] * (DP * NMB)
     assert slots.tolist() == expected and weights.tolist() == expected_weights

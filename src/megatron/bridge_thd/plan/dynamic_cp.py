@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron.bridge_thd.batching.cost import SampleCost, sample_cost
+from megatron.bridge_thd.batching.cost import SampleCost, image_patches, sample_cost
 from megatron.bridge_thd.batching.dynamic_cp import TooLongForTheWorld, place_with_cp_per_sample
 from megatron.bridge_thd.batching.policy import DoesNotFit, assign
 from megatron.bridge_thd.packing import round_up
@@ -75,8 +75,7 @@ class _RowTime:
         self.cost: SampleCost = sample_cost(spec)
         self.samples, self.gpu, self.mfu, self.tp = samples, gpu, mfu, tp
         self.kv = _kv_bytes_per_token(spec)
-        patches = [sum(t * h * w for t, h, w in grids) for grids in samples.grids]
-        squared = [float(sum((t * h * w) ** 2 for t, h, w in grids)) for grids in samples.grids]
+        patches, squared = image_patches(samples.grids)
         self.flops = self.cost(list(samples.tokens), patches, squared).tolist()
 
     def __call__(self, members, k: int) -> float:
