@@ -390,6 +390,38 @@ def test_sizes_by_scan_are_cached(tmp_path):
     assert len(list(cache.glob("*.pt"))) == 2
 
 
+def test_a_cache_of_the_earlier_format_is_not_read_as_the_per_frame_term(tmp_path):
+    """A cache written before the vision term was per frame (format 1: ``<key>.pt``, no ``format`` entry, its
+    ``patches_squared`` ``sum (t * h * w)**2``) is not used: the dataset is scanned again into a file of the
+    current format, and the old file, read directly, is refused naming its format."""
+    from megatron.bridge_thd.batching import sizes as sizes_module
+
+    dataset, collate = ListDataset(ITEMS), CountingCollate()
+    cache = tmp_path / "sizes"
+    cache.mkdir()
+    key = sizes_module._fingerprint(dataset, collate, SCAN_SEQ)
+    lengths, patches, squared = _expected_scan(ITEMS, SCAN_SEQ)
+    per_grid = [float(sum((t * h * w) ** 2 for t, h, w in item["images"] + item.get("videos", []))) for item in ITEMS]
+    assert per_grid != squared, "ITEMS must hold a video, or the two terms agree"
+    old = cache / f"{key}.pt"  # what the earlier version wrote, under the name it gave it
+    torch.save({"lengths": torch.tensor(lengths), "patches": torch.tensor(patches),
+                "patches_squared": torch.tensor(per_grid, dtype=torch.float64), "total": None}, old)
+
+    sizes = dataset_sizes(dataset, collate, seq_length=SCAN_SEQ, cache_dir=cache)
+    assert sizes.source.startswith("scan"), "the earlier format's file was read"
+    assert sizes.patches_squared.tolist() == squared
+    path = sizes_module.sizes_cache_path(dataset, collate, seq_length=SCAN_SEQ, cache_dir=cache)
+    assert path != old and path.name == key + sizes_module.SIZES_CACHE_SUFFIX and path.is_file()
+    assert torch.load(path)["format"] == sizes_module.SIZES_CACHE_FORMAT
+    again = dataset_sizes(dataset, collate, seq_length=SCAN_SEQ, cache_dir=cache)
+    assert again.source.startswith("cache") and again.patches_squared.tolist() == squared
+
+    # The old file under the current name (copied by hand, say) is refused, not read.
+    old.replace(path)
+    with pytest.raises(ValueError, match=f"format 1, this version reads format {sizes_module.SIZES_CACHE_FORMAT}"):
+        dataset_sizes(dataset, collate, seq_length=SCAN_SEQ, cache_dir=cache)
+
+
 def test_sizes_cache_defaults_to_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     dataset_sizes(ListDataset(ITEMS), CountingCollate(), seq_length=SCAN_SEQ)
