@@ -300,6 +300,20 @@ def test_sizes_from_metadata():
     assert wrapped.lengths.tolist() == [10, 3, 40] and wrapped.patches.tolist() == [8, 0, 24]
 
 
+def test_global_batch_packing_costs_a_video_below_one_image_of_its_patches():
+    """The costs global-batch packing balances (``sample_costs`` on the dataset's sizes, as the sampler computes
+    them): a video of 4 frames of 8 x 8 patches against an image of 16 x 16, the same 256 patches and 80 tokens; the
+    video's vision attention is 4 * 64^2, the image's 256^2."""
+    from megatron.bridge_thd.batching.cost import sample_cost
+    from megatron.bridge_thd.batching.policy import sample_costs
+
+    sizes = dataset_sizes(TinyDataset([80, 80], [[(4, 8, 8)], [(1, 16, 16)]]))
+    cost = sample_cost("qwen3-vl-8b")
+    video, image = sample_costs(*sizes.take(torch.arange(2)), cost=cost).tolist()
+    assert video < image
+    assert image - video == pytest.approx(cost.per_patch_squared * (256**2 - 4 * 64**2), rel=1e-9)
+
+
 class Sized(TinyDataset):
     """Metadata for some samples of a dataset of ``size`` samples."""
 
