@@ -273,6 +273,9 @@ def test_scan_measures_in_workers_only_and_caches(tmp_path, plain_collate):
                          progress=lambda done, total: seen.append("scanned again"))
     assert again.from_cache and again.cached == scan.cached and again.samples == scan.samples
     assert "scanned again" not in seen
+    # The scan's cache holds grids, not the sizes' vision term: its name carries its own format only.
+    from megatron.bridge_thd.plan.scan import CACHE_SUFFIX
+    assert scan.cached.name.endswith(CACHE_SUFFIX) and ".sizes-v" not in scan.cached.name
 
 
 def test_scan_refuses_a_collate_without_a_right_padded_2d_mask(tmp_path, plain_collate):

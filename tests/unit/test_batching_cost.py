@@ -1,9 +1,11 @@
-"""``batching.cost.sample_cost``: a sample's cost is Megatron-Bridge 0.6.2's own FLOPs formula.
+"""``batching.cost.sample_cost``: a sample's cost is Megatron-Bridge's own FLOPs formula, its vision
+attention counted per frame.
 
 The expectation in every case is Megatron-Bridge's ``training/utils/flop_utils.py`` evaluated
 directly for the one sample (``num_floating_point_operations`` for the language model at
-``seqlen_sum = s``, ``seqlen_squared_sum = s^2``, plus ``vit_flops`` once per image), never the
-coefficients the package derived. Images have patch counts that are multiples of
+``seqlen_sum = s``, ``seqlen_squared_sum = s^2``, plus, per ``(t, h, w)`` grid, ``vit_flops`` of ``t``
+frames of ``h * w`` patches each: the vision model attends within each frame, docs/batching.md),
+never the coefficients the package derived. Frames have patch counts that are multiples of
 ``spatial_merge_size^2`` (the formula's patch merger floors ``patches / merge^2``).
 """
 
@@ -19,7 +21,7 @@ from megatron.bridge_thd.batching.cost import SampleCost, image_patches, sample_
 from megatron.bridge_thd.plan.flops import flops_config
 from megatron.bridge_thd.plan.presets import get_preset, replace, spec_from_hf_config
 from megatron.bridge_thd_cpu.hf_hub import QWEN3_VL_8B, QWEN35_2B
-from megatron.bridge_thd.upstream import load_flop_utils
+from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
 
 DENSE, MOE, HYBRID, HYBRID_MOE = "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-vl-2b", "qwen3.5-vl-35b-a3b"
 
@@ -46,9 +48,8 @@ def _formula(flop_utils, spec, tokens: int, grids) -> float:
     total = float(flop_utils.num_floating_point_operations(
         cfg, batch_size=1, seqlen_sum=tokens, seqlen_squared_sum=tokens * tokens, num_vision_patches=0))
     for t, h, w in grids:
-        patches = t * h * w
-        assert patches % (merge * merge) == 0, "keep images whole merge units (the merger floors)"
-        total += float(flop_utils.vit_flops(cfg, 1, patches))
+        assert (h * w) % (merge * merge) == 0, "keep frames whole merge units (the merger floors)"
+        total += float(flop_utils.vit_flops(cfg, t, h * w))  # t frames ("batch") of h * w patches each
     return total
 
 
@@ -133,19 +134,87 @@ def test_text_only_drops_the_vision_terms(flop_utils):
 
 def test_image_patches_on_hand_grids():
     grids = [
-        [(1, 4, 6), (2, 2, 2)],  # 24 + 8 patches
+        [(1, 4, 6), (2, 2, 2)],  # 24 + 8 patches: an image of 24, a video of 2 frames of 4
         [],  # text only
         [(1, 8, 8)],  # 64
-        [(3, 2, 5), (1, 1, 4), (1, 10, 10)],  # 30 + 4 + 100
+        [(3, 2, 5), (1, 1, 4), (1, 10, 10)],  # 30 (3 frames of 10) + 4 + 100
     ]
     patches, squared = image_patches(grids)
     assert patches.dtype == torch.int64 and squared.dtype == torch.float64
     assert patches.tolist() == [32, 0, 64, 134]
-    assert squared.tolist() == [24.0**2 + 8.0**2, 0.0, 64.0**2, 30.0**2 + 4.0**2 + 100.0**2]
+    # Attention within each frame: a frame of n patches adds n^2, a video of t frames t segments.
+    assert squared.tolist() == [24.0**2 + 2 * 4.0**2, 0.0, 64.0**2, 3 * 10.0**2 + 4.0**2 + 100.0**2]
     # Grids as tensors (image_grid_thw rows) read the same.
     as_tensors = [torch.tensor(g, dtype=torch.int64).reshape(-1, 3) for g in grids]
     again = image_patches([[tuple(row) for row in t.tolist()] for t in as_tensors])
     assert again[0].tolist() == patches.tolist() and again[1].tolist() == squared.tolist()
+
+
+# Per sample, its images (t = 1) and videos (t > 1): mixed, several per sample, frames of different sizes.
+MEDIA = [
+    [(1, 4, 6), (3, 2, 5)],
+    [(4, 8, 8)],
+    [],
+    [(1, 10, 10), (2, 6, 4), (1, 2, 2), (5, 4, 4)],
+]
+
+
+def _segment_squares(cu_seqlens: torch.Tensor) -> float:
+    """Sum of the squared segment lengths of a ``cu_seqlens``: the attention work of the segments."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    return float((lengths * lengths).sum())
+
+
+def _check_against(build_cu_seqlens):
+    """``image_patches`` per sample against the segments ``build_cu_seqlens(grid_thw)`` attends within."""
+    patches, squared = image_patches(MEDIA)
+    for sample, (p, q) in enumerate(zip(patches.tolist(), squared.tolist())):
+        if not MEDIA[sample]:
+            assert (p, q) == (0, 0.0)
+            continue
+        cu_seqlens = build_cu_seqlens(torch.tensor(MEDIA[sample], dtype=torch.int64))
+        assert int(cu_seqlens[-1]) == p
+        assert _segment_squares(cu_seqlens) == q, f"sample {sample}"
+    # The whole batch's grids at once (one vision call): the same total.
+    every = torch.tensor([g for grids in MEDIA for g in grids], dtype=torch.int64)
+    assert _segment_squares(build_cu_seqlens(every)) == float(squared.sum())
+
+
+def test_the_vision_term_is_the_vision_models_own_segments():
+    """Megatron-Bridge's ``Qwen3VLVisionModel.build_packed_seq_params`` (the ``cu_seqlens`` every ViT layer's
+    attention runs on; it reads only its argument, so it is called unbound) cuts a video into its frames: the
+    squared term of ``image_patches`` is the sum of its segments' squared lengths, on the installed line."""
+    vision = load_bridge_module("models.qwen_vl.modelling_qwen3_vl.vision_model").Qwen3VLVisionModel
+
+    def megatron_bridge(grid_thw):
+        params = vision.build_packed_seq_params(None, grid_thw)
+        assert torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv)
+        return params.cu_seqlens_q
+
+    _check_against(megatron_bridge)
+    # A video is not one segment of t * h * w (what the term was before): the grids here tell them apart.
+    assert sum((t * h * w) ** 2 for grids in MEDIA for t, h, w in grids) != float(image_patches(MEDIA)[1].sum())
+
+
+def test_the_vision_term_is_hugging_faces_segments_too():
+    """Hugging Face's Qwen3-VL vision model builds its ``cu_seqlens`` with ``get_vision_cu_seqlens`` (the name its
+    ``forward`` calls, read from its module); the same segments."""
+    modeling = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
+    if not hasattr(modeling, "get_vision_cu_seqlens"):
+        pytest.skip("this transformers' Qwen3-VL vision model computes its cu_seqlens inline (not callable)")
+    _check_against(lambda grid_thw: modeling.get_vision_cu_seqlens(grid_thw))
+
+
+def test_the_vision_term_is_the_trainers_where_its_flops_count_per_frame(flop_utils):
+    """Where the installed Megatron-Bridge's FLOPs take grid statistics (``vision_patch_stats_from_grid_thw``, the 0.7
+    line), their squared sum is ``image_patches``'; 0.6.2's ``vit_flops`` takes patches per image (docs/batching.md)."""
+    if not hasattr(flop_utils, "vision_patch_stats_from_grid_thw"):
+        pytest.skip("this Megatron-Bridge's FLOPs take no grid statistics (0.6.2: vit_flops per image)")
+    patches, squared = image_patches(MEDIA)
+    for grids, p, q in zip(MEDIA, patches.tolist(), squared.tolist()):
+        grid_thw = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
+        patch_sum, patch_squared_sum, _ = flop_utils.vision_patch_stats_from_grid_thw(grid_thw, spatial_merge_size=2)
+        assert (int(patch_sum), float(patch_squared_sum)) == (p, q)
 
 
 @pytest.mark.parametrize("model", [42, None, 3.5, ["qwen3-vl-8b"], "no-such-model", "qwen3-vl-9000b"])

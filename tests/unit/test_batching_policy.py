@@ -235,7 +235,7 @@ def _receipts(seed: int):
     samples = receipt_lengths(512, seed)
     lengths = list(samples.tokens)
     patches = [sum(t * h * w for t, h, w in g) for g in samples.grids]
-    squared = [sum((t * h * w) ** 2 for t, h, w in g) for g in samples.grids]
+    squared = [sum(t * (h * w) ** 2 for t, h, w in g) for g in samples.grids]  # attention within each frame
     return lengths, patches, squared
 
 

@@ -97,11 +97,16 @@ def _patches(dataset, i):
     return sum(t * h * w for t, h, w in dataset.sample_image_grids[i])
 
 
+def _squared(grids):
+    """The ViT attention term: within each frame, ``t`` frames of ``h * w`` patches per grid."""
+    return sum(t * (h * w) ** 2 for t, h, w in grids)
+
+
 def _cost(dataset, i):
     s = dataset.sample_lengths[i]
-    per_image = [t * h * w for t, h, w in dataset.sample_image_grids[i]]
-    return (COST.per_token * s + COST.per_token_squared * s * s + COST.per_patch * sum(per_image)
-            + COST.per_patch_squared * sum(p * p for p in per_image))
+    grids = dataset.sample_image_grids[i]
+    return (COST.per_token * s + COST.per_token_squared * s * s + COST.per_patch * _patches(dataset, i)
+            + COST.per_patch_squared * _squared(grids))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -285,13 +290,28 @@ def test_sizes_from_metadata():
     sizes = dataset_sizes(TinyDataset([10, 3, 40], grids))
     assert sizes.lengths.tolist() == [10, 3, 40]
     assert sizes.patches.tolist() == [8, 0, 8 + 16]
-    assert sizes.patches_squared.tolist() == [64.0, 0.0, 64.0 + 256.0]
+    # (2, 2, 2) is 2 frames of 4 patches: 2 * 4^2, not 8^2.
+    assert sizes.patches_squared.tolist() == [64.0, 0.0, 2 * 16.0 + 256.0]
     assert "metadata" in sizes.source and len(sizes) == 3
     text_only = dataset_sizes(TinyDataset([5, 6]))
     assert text_only.patches.tolist() == [0, 0] and text_only.patches_squared.tolist() == [0.0, 0.0]
     # Megatron-Bridge's RandomSeedDataset (the cyclic sampler's wrapper) is looked through.
     wrapped = dataset_sizes(SAMPLERS.RandomSeedDataset(TinyDataset([10, 3, 40], grids), seed=7))
     assert wrapped.lengths.tolist() == [10, 3, 40] and wrapped.patches.tolist() == [8, 0, 24]
+
+
+def test_global_batch_packing_costs_a_video_below_one_image_of_its_patches():
+    """The costs global-batch packing balances (``sample_costs`` on the dataset's sizes, as the sampler computes
+    them): a video of 4 frames of 8 x 8 patches against an image of 16 x 16, the same 256 patches and 80 tokens; the
+    video's vision attention is 4 * 64^2, the image's 256^2."""
+    from megatron.bridge_thd.batching.cost import sample_cost
+    from megatron.bridge_thd.batching.policy import sample_costs
+
+    sizes = dataset_sizes(TinyDataset([80, 80], [[(4, 8, 8)], [(1, 16, 16)]]))
+    cost = sample_cost("qwen3-vl-8b")
+    video, image = sample_costs(*sizes.take(torch.arange(2)), cost=cost).tolist()
+    assert video < image
+    assert image - video == pytest.approx(cost.per_patch_squared * (256**2 - 4 * 64**2), rel=1e-9)
 
 
 class Sized(TinyDataset):
@@ -355,8 +375,8 @@ class CountingCollate:
 
 def _expected_scan(items, seq_length):
     lengths = [min(item["real"], seq_length) for item in items]
-    per_image = [[t * h * w for t, h, w in item["images"] + item.get("videos", [])] for item in items]
-    return lengths, [sum(p) for p in per_image], [float(sum(x * x for x in p)) for p in per_image]
+    grids = [item["images"] + item.get("videos", []) for item in items]
+    return lengths, [sum(t * h * w for t, h, w in g) for g in grids], [float(_squared(g)) for g in grids]
 
 
 def test_sizes_by_scan_are_cached(tmp_path):
@@ -382,6 +402,38 @@ def test_sizes_by_scan_are_cached(tmp_path):
     assert other.source.startswith("scan")
     assert other.lengths.tolist() == [item["real"] for item in ITEMS]
     assert len(list(cache.glob("*.pt"))) == 2
+
+
+def test_a_cache_of_the_earlier_format_is_not_read_as_the_per_frame_term(tmp_path):
+    """A cache written before the vision term was per frame (format 1: ``<key>.pt``, no ``format`` entry, its
+    ``patches_squared`` ``sum (t * h * w)**2``) is not used: the dataset is scanned again into a file of the
+    current format, and the old file, read directly, is refused naming its format."""
+    from megatron.bridge_thd.batching import sizes as sizes_module
+
+    dataset, collate = ListDataset(ITEMS), CountingCollate()
+    cache = tmp_path / "sizes"
+    cache.mkdir()
+    key = sizes_module._fingerprint(dataset, collate, SCAN_SEQ)
+    lengths, patches, squared = _expected_scan(ITEMS, SCAN_SEQ)
+    per_grid = [float(sum((t * h * w) ** 2 for t, h, w in item["images"] + item.get("videos", []))) for item in ITEMS]
+    assert per_grid != squared, "ITEMS must hold a video, or the two terms agree"
+    old = cache / f"{key}.pt"  # what the earlier version wrote, under the name it gave it
+    torch.save({"lengths": torch.tensor(lengths), "patches": torch.tensor(patches),
+                "patches_squared": torch.tensor(per_grid, dtype=torch.float64), "total": None}, old)
+
+    sizes = dataset_sizes(dataset, collate, seq_length=SCAN_SEQ, cache_dir=cache)
+    assert sizes.source.startswith("scan"), "the earlier format's file was read"
+    assert sizes.patches_squared.tolist() == squared
+    path = sizes_module.sizes_cache_path(dataset, collate, seq_length=SCAN_SEQ, cache_dir=cache)
+    assert path != old and path.name == key + sizes_module.SIZES_CACHE_SUFFIX and path.is_file()
+    assert torch.load(path)["format"] == sizes_module.SIZES_CACHE_FORMAT
+    again = dataset_sizes(dataset, collate, seq_length=SCAN_SEQ, cache_dir=cache)
+    assert again.source.startswith("cache") and again.patches_squared.tolist() == squared
+
+    # The old file under the current name (copied by hand, say) is refused, not read.
+    old.replace(path)
+    with pytest.raises(ValueError, match=f"format 1, this version reads format {sizes_module.SIZES_CACHE_FORMAT}"):
+        dataset_sizes(dataset, collate, seq_length=SCAN_SEQ, cache_dir=cache)
 
 
 def test_sizes_cache_defaults_to_xdg_cache_home(tmp_path, monkeypatch):
@@ -470,8 +522,7 @@ def test_micro_batch_slots_are_the_placements_micro_batches_weighted_by_repeats(
         lengths = [dataset.sample_lengths[i] for i in drawn]
         placement = assign(lengths, dp_size=DP, num_micro_batches=NMB, row_length=ROW, align_to=ALIGN, cost=COST,
                            vision_patches=[_patches(dataset, i) for i in drawn],
-                           vision_patches_squared=[sum((t * h * w) ** 2 for t, h, w in dataset.sample_image_grids[i])
-                                                   for i in drawn])
+                           vision_patches_squared=[_squared(dataset.sample_image_grids[i]) for i in drawn])
         expected += [sum(_aligned(lengths[i]) for i in micro) for rank in placement for micro in rank]
         expected_weights += [2.0 if step == 0 else 1.0] * (DP * NMB)
     assert slots.tolist() == expected and weights.tolist() == expected_weights

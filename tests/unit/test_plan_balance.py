@@ -197,6 +197,32 @@ def test_per_rank_cost_max_over_mean_by_hand():
     assert b.layouts["thd_static"]["packed"].rank_cost_imbalance == pytest.approx(1.0)
 
 
+def test_a_video_of_t_frames_is_cheaper_than_one_image_of_its_patches():
+    """A video of 4 frames of 8 x 8 patches and an image of 16 x 16: the same 256 patches, the same 80 tokens. The
+    vision model attends within each frame, so the video's attention term is 4 * 64^2, a quarter of the image's
+    256^2; balance's per-rank cost (one sample per rank, in-batch) sees the difference, by hand from the cost's
+    coefficients."""
+    from megatron.bridge_thd.batching.cost import sample_cost
+    from megatron.bridge_thd.plan.balance import plan_steps
+
+    video, image = (4, 8, 8), (1, 16, 16)
+    samples = SampleLengths((80, 80), (((video,)), ((image,))))
+    c = sample_cost(TINY)
+    assert c.per_patch_squared > 0
+
+    def by_hand(t, h, w):
+        return c.per_token * 80 + c.per_token_squared * 80**2 + c.per_patch * t * h * w + c.per_patch_squared * t * (
+            h * w) ** 2
+
+    (step,) = plan_steps(samples, 2, 128)
+    assert step.patches == (256, 256) and step.patches_squared == (4 * 64.0**2, 256.0**2)
+    b = balance_plan(TINY, samples, _settings(micro_batch_size=1, gpus=2, seq_length=128))
+    ranks = [by_hand(*video), by_hand(*image)]
+    assert ranks[0] < ranks[1]
+    assert b.layouts["thd"]["in-batch"].rank_cost_imbalance == pytest.approx(max(ranks) / (sum(ranks) / 2), rel=1e-12)
+    assert b.layouts["thd"]["in-batch"].rank_cost_imbalance > 1 + 1e-9  # equal costs would give 1
+
+
 def test_steps_are_consecutive_global_batches_averaged_with_bubble_and_overhead():
     # Two steps of 4 (the ninth sample is dropped); PP 2 (gpus 4 = PP2 x DP2), two micro-batches of 1 per rank.
     samples = _text(8, 2, 2, 2, 4, 4, 4, 4, 7)

@@ -60,6 +60,19 @@ def test_a_sample_longer_than_a_ways_ranks_hold_does_not_fit_it():
     assert table.count("does not fit") == len(longer)
 
 
+def test_a_video_takes_less_row_time_than_one_image_of_its_patches():
+    """The row times' FLOPs (``sample_cost`` on ``image_patches``): a video of 4 frames of 16 x 16 patches costs
+    ``per_patch_squared * 256^2 * 3`` less than an image of 32 x 32 (the same 1,024 patches and tokens), its
+    attention being within each frame (4 * 256^2 against 1,024^2)."""
+    from megatron.bridge_thd.plan.dynamic_cp import _RowTime
+
+    samples = SampleLengths((600, 600), (((4, 16, 16),), ((1, 32, 32),)), source="test")
+    cost = sample_cost(SPEC)
+    video, image = _RowTime(SPEC, samples, GPU, 0.5, 1).flops
+    assert image - video == pytest.approx(cost.per_patch_squared * (1024**2 - 4 * 256**2), rel=1e-9)
+    assert video < image
+
+
 def test_the_world_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power-of-two DP x CP world"):
         compare_cp(SPEC, _text(10, 10, 10), gpus=6, global_batch_size=3, max_tokens_per_rank=64, gpu=GPU)

@@ -1,8 +1,9 @@
 """Per-sample training cost from Megatron-Bridge's own FLOPs terms. Reasoning: docs/batching.md.
 
-A sample of ``s`` LLM tokens whose images have ``p_1, p_2, ...`` ViT patches costs (fwd + bwd)::
+A sample of ``s`` LLM tokens whose images and videos have ``(t_k, h_k, w_k)`` patch grids costs (fwd + bwd)::
 
-    cost = per_token * s + per_token_squared * s**2 + per_patch * sum_k p_k + per_patch_squared * sum_k p_k**2
+    cost = per_token * s + per_token_squared * s**2
+           + per_patch * sum_k t_k * h_k * w_k + per_patch_squared * sum_k t_k * (h_k * w_k)**2
 
 The four coefficients are read off Megatron-Bridge's ``training/utils/flop_utils.py``
 (``num_floating_point_operations`` for the language model, ``vit_flops`` for the vision tower) by
@@ -13,8 +14,13 @@ evaluating them at a few points, so the cost follows the formula the trainer log
 * ``per_token_squared``: the causal attention core of the *full-attention* layers only (zero
   contribution from Gated-DeltaNet layers, which the formula counts as linear);
 * ``per_patch``: the ViT layers' projections and MLP and the patch merger;
-* ``per_patch_squared``: the ViT's bidirectional attention, within each image (``vit_flops`` is
-  quadratic in the patches of one image, never across images).
+* ``per_patch_squared``: the ViT's bidirectional attention, within each *frame*: an image is one
+  frame (``t = 1``), a video of ``t`` frames is ``t`` attention segments of ``h * w`` patches each,
+  never one segment of ``t * h * w``. That is how the vision model is built: Megatron-Bridge's
+  ``Qwen3VLVisionModel.build_packed_seq_params`` makes its ``cu_seqlens`` from
+  ``repeat_interleave(h * w, t)`` ("each frame is a sequence"), and Hugging Face's Qwen3-VL vision
+  model does the same; attention never crosses a frame, an image or a video. :func:`image_patches`
+  is the one definition of the term; reasoning and the FLOPs the trainer logs: docs/batching.md.
 
 The language model's cost is per real sample: in a THD row attention never crosses a sample
 boundary, so a micro-batch costs the sum of its samples' costs.
@@ -56,8 +62,9 @@ class SampleCost:
         Args:
             lengths: ``(N,)`` LLM tokens per sample (text + image placeholder tokens).
             patches: ``(N,)`` ViT patches per sample (sum over its images), or None (no images).
-            patches_squared: ``(N,)`` sum over the sample's images of (patches of that image)^2, or
-                None: each sample's patches are taken as one image.
+            patches_squared: ``(N,)`` the sample's ViT attention term, ``sum t * (h * w)**2`` over its
+                images and videos (:func:`image_patches`), or None: each sample's patches are taken as
+                one image of one frame.
 
         Returns:
             ``(N,)`` float64 FLOPs.
@@ -76,17 +83,24 @@ class SampleCost:
 
 
 def image_patches(grids: Sequence[Sequence[Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sample, the sum of its images' patches and the sum of their squares.
+    """Per sample, its ViT patches and its ViT attention term (module docstring): the one definition of
+    the term, used by the runtime's sample sizes and by the planner.
+
+    A grid ``(t, h, w)`` (an image: ``t = 1``; a video: ``t`` frames) has ``t * h * w`` patches and
+    attends within each frame, ``t`` segments of ``h * w`` patches: its squared term is
+    ``t * (h * w)**2``, the sum of the squared segment lengths of the vision model's ``cu_seqlens``.
 
     Args:
-        grids: per sample, its images' ``(t, h, w)`` patch grids (``image_grid_thw`` rows).
+        grids: per sample, its images' and videos' ``(t, h, w)`` patch grids (``image_grid_thw`` /
+            ``video_grid_thw`` rows).
 
     Returns:
-        ``patches`` ``(N,)`` int64 and ``patches_squared`` ``(N,)`` float64.
+        ``patches`` ``(N,)`` int64 (``sum t * h * w``) and ``patches_squared`` ``(N,)`` float64
+        (``sum t * (h * w)**2``).
     """
-    counts = [[int(t) * int(h) * int(w) for t, h, w in sample] for sample in grids]
-    patches = torch.tensor([sum(c) for c in counts], dtype=torch.int64)
-    squared = torch.tensor([float(sum(x * x for x in c)) for c in counts], dtype=torch.float64)
+    frames = [[(int(t), int(h) * int(w)) for t, h, w in sample] for sample in grids]
+    patches = torch.tensor([sum(t * hw for t, hw in sample) for sample in frames], dtype=torch.int64)
+    squared = torch.tensor([float(sum(t * hw * hw for t, hw in sample)) for sample in frames], dtype=torch.float64)
     return patches, squared
 
 

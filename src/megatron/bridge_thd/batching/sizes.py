@@ -5,7 +5,9 @@ them, in this order, from
 
 1. the dataset's own metadata: ``sample_lengths`` (``(N,)`` LLM tokens, text + image placeholders)
    and optionally ``sample_image_grids`` (per sample, its images' ``(t, h, w)`` patch grids);
-2. a cache file written by an earlier scan of the same dataset;
+2. a cache file written by an earlier scan of the same dataset, in this version's format
+   (:data:`SIZES_CACHE_FORMAT`: its name and its contents carry it, so a file of another format is
+   not found under the current key, and is refused if read);
 3. a one-time scan: the dataset's own collate on each **distinct** sample alone, reading the real
    tokens from the 2D attention mask (capped at ``seq_length``: the step keeps the first
    ``seq_length``) and the patches from ``image_grid_thw`` / ``video_grid_thw``; written to the cache.
@@ -37,9 +39,16 @@ from megatron.bridge_thd.overlong import (LENGTHS_KEY, SUPERVISED, SUPERVISED_KE
 
 __all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero", "repeat_period",
            "sizes_cache_path", "read_cached_sizes", "write_cached_sizes", "scan_and_cache", "visual_grids", "file_sizes",
-           "collate_in_workers"]
+           "collate_in_workers", "SIZES_CACHE_FORMAT", "SIZES_CACHE_SUFFIX"]
 
 logger = logging.getLogger(__name__)
+
+# The sizes cache's format. 2: ``patches_squared`` is the per-frame ViT attention term
+# (``sum t * (h * w)**2``); format 1 (files named ``<key>.pt``, without a ``format`` entry) held
+# ``sum (t * h * w)**2``, a video's frames taken as one attention segment. A change to what the
+# cached tensors mean raises it, so that no earlier file is read as the current quantity.
+SIZES_CACHE_FORMAT = 2
+SIZES_CACHE_SUFFIX = f".sizes-v{SIZES_CACHE_FORMAT}.pt"
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,8 @@ class SampleSizes:
     """Sizes of a dataset's distinct samples.
 
     ``lengths`` ``(M,)`` int64 LLM tokens that reach the step (at most ``seq_length``); ``patches`` ``(M,)``
-    int64 ViT patches (sum over the sample's images); ``patches_squared`` ``(M,)`` float64 sum over its images
-    of patches^2; ``source``: where they came from (metadata, a cache path, a scan); ``total``: the dataset's
+    int64 ViT patches (sum over the sample's images and videos); ``patches_squared`` ``(M,)`` float64 its ViT
+    attention term, ``sum t * (h * w)**2`` per frame (``batching.cost.image_patches``); ``source``: where they came from (metadata, a cache path, a scan); ``total``: the dataset's
     indices (None: ``M``), index ``i`` having the sizes of distinct sample ``i % M``; ``untruncated`` /
     ``supervised``: ``(M,)`` int64 real and supervised tokens before the collate's cut to ``seq_length``, where
     a scan measured them (``overlong.LENGTHS_KEY``), else None; ``supervised_kept``: ``(M,)`` int64 supervised tokens
@@ -291,16 +300,29 @@ def _fingerprint(dataset, collate_fn, seq_length: int | None, *, context=None) -
 
 def sizes_cache_path(dataset, collate_fn, *, seq_length: int | None = None, cache_dir: str | Path | None = None,
                      context=None) -> Path:
-    """Where the scan of ``dataset`` is cached (the key is computed in a worker process)."""
+    """Where the scan of ``dataset`` is cached (the key is computed in a worker process): ``<key>`` +
+    :data:`SIZES_CACHE_SUFFIX`, which names the format, so a file of an earlier format is not found (the
+    dataset is scanned again)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return cache / f"{_fingerprint(dataset, collate_fn, seq_length, context=context)}.pt"
+    return cache / f"{_fingerprint(dataset, collate_fn, seq_length, context=context)}{SIZES_CACHE_SUFFIX}"
 
 
 def read_cached_sizes(path: Path) -> SampleSizes | None:
-    """The sizes cached at ``path``, or None if there is no such file."""
+    """The sizes cached at ``path``, or None if there is no such file.
+
+    Raises:
+        ValueError: the file is of another format than :data:`SIZES_CACHE_FORMAT` (an earlier version's
+            ``patches_squared`` is another quantity), naming the file and what to do.
+    """
     if not path.is_file():
         return None
     saved = torch.load(path)
+    found = saved.get("format", 1) if isinstance(saved, dict) else None
+    if found != SIZES_CACHE_FORMAT:
+        raise ValueError(
+            f"sizes cache {path}: format {found}, this version reads format {SIZES_CACHE_FORMAT} (its patches_squared "
+            "is the vision attention term per frame, sum t * (h * w)**2); delete the file, and the dataset is "
+            "scanned again")
     return SampleSizes(saved["lengths"], saved["patches"], saved["patches_squared"], f"cache {path}", saved.get("total"),
                        saved.get("untruncated"), saved.get("supervised"), saved.get("supervised_kept"),
                        saved.get("vision_cut"))
@@ -311,7 +333,7 @@ def write_cached_sizes(sizes: SampleSizes, path: Path) -> None:
     a rename), so that ranks reading or writing at once never see a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    torch.save({"lengths": sizes.lengths, "patches": sizes.patches, "patches_squared": sizes.patches_squared,
+    torch.save({"format": SIZES_CACHE_FORMAT, "lengths": sizes.lengths, "patches": sizes.patches, "patches_squared": sizes.patches_squared,
                 "total": sizes.total, "untruncated": sizes.untruncated, "supervised": sizes.supervised,
                 "supervised_kept": sizes.supervised_kept, "vision_cut": sizes.vision_cut}, partial)
     partial.replace(path)

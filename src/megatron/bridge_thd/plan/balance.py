@@ -63,7 +63,8 @@ PACKABLE = ("thd", "thd_static")
 @dataclass(frozen=True)
 class Step:
     """One step's samples: ``lengths`` (LLM tokens, truncated to ``seq_length``), ``patches`` (ViT
-    patches per sample) and ``patches_squared`` (per sample, the sum over its images of patches^2)."""
+    patches per sample) and ``patches_squared`` (per sample, its ViT attention term per frame,
+    ``batching.cost.image_patches``)."""
 
     lengths: tuple[int, ...]
     patches: tuple[int, ...]
@@ -155,13 +156,15 @@ def micro_batches_per_rank(global_batch_size, micro_batch_size: int, dp: int, nu
 def plan_steps(samples: SampleLengths, global_batch_size: int, seq_length: int) -> list[Step]:
     """Consecutive global batches of ``samples`` (the remainder dropped), each sample truncated to
     ``seq_length`` (refused where that would cut an image, as the step refuses it)."""
+    from megatron.bridge_thd.batching.cost import image_patches
+
     check_seq_length(samples, seq_length)
     steps = []
     for k in range(len(samples) // global_batch_size):
         idx = range(k * global_batch_size, (k + 1) * global_batch_size)
-        counts = [[t * h * w for t, h, w in samples.grids[i]] for i in idx]
-        steps.append(Step(tuple(min(samples.tokens[i], seq_length) for i in idx), tuple(sum(c) for c in counts),
-                          tuple(float(sum(x * x for x in c)) for c in counts)))
+        patches, squared = image_patches([samples.grids[i] for i in idx])
+        steps.append(Step(tuple(min(samples.tokens[i], seq_length) for i in idx), tuple(patches.tolist()),
+                          tuple(squared.tolist())))
     return steps
 
 

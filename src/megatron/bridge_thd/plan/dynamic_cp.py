@@ -12,8 +12,9 @@ A world of ``W`` ranks (``gpus / tp``; PP 1) runs each step's ``global_batch_siz
   between them), so the step takes the sum over groups of the slowest rank in each.
 
 A row's time on each of its ``k`` ranks is its FLOPs (:func:`megatron.bridge_thd.batching.cost.sample_cost`, the
-trainer's formula: language and vision) over ``k`` at ``mfu`` of the GPU's bf16 peak, plus CP communication with no
-overlap (an upper bound): per full-attention layer and sample, every rank receives the other ranks' K and V,
+trainer's formula: language and vision, the vision attention per frame as ``batching.cost.image_patches`` counts it)
+over ``k`` at ``mfu`` of the GPU's bf16 peak, plus CP communication with no overlap (an upper bound): per
+full-attention layer and sample, every rank receives the other ranks' K and V,
 ``2 * s * (k - 1) / k * num_query_groups * kv_channels * 2`` bytes, three times over forward and backward
 (K/V again and their gradients), at the GPU's link bandwidth per direction. Gated-DeltaNet layers' CP exchange is
 not modelled. Each rank's peak activation tokens is its largest row's share, ``slots / k``.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron.bridge_thd.batching.cost import SampleCost, sample_cost
+from megatron.bridge_thd.batching.cost import SampleCost, image_patches, sample_cost
 from megatron.bridge_thd.batching.dynamic_cp import TooLongForTheWorld, place_with_cp_per_sample
 from megatron.bridge_thd.batching.policy import DoesNotFit, assign
 from megatron.bridge_thd.packing import round_up
@@ -75,8 +76,7 @@ class _RowTime:
         self.cost: SampleCost = sample_cost(spec)
         self.samples, self.gpu, self.mfu, self.tp = samples, gpu, mfu, tp
         self.kv = _kv_bytes_per_token(spec)
-        patches = [sum(t * h * w for t, h, w in grids) for grids in samples.grids]
-        squared = [float(sum((t * h * w) ** 2 for t, h, w in grids)) for grids in samples.grids]
+        patches, squared = image_patches(samples.grids)
         self.flops = self.cost(list(samples.tokens), patches, squared).tolist()
 
     def __call__(self, members, k: int) -> float:

@@ -44,19 +44,21 @@ def scan_dataset(dataset, collate_fn=None, *, placeholder_ids: tuple[int, ...] =
     """Every distinct sample of ``dataset`` measured (:func:`measure`) by ``collate_fn`` (default: the dataset's
     ``collate_fn``) in ``num_workers`` forked loader worker processes, or read from the cache.
 
-    The cache file is ``batching.sizes.sizes_cache_path(...)`` (its key computed in a worker) with the suffix
-    :data:`CACHE_SUFFIX`, under ``cache_dir`` (default ``batching.sizes.default_cache_dir()``).
+    The cache file is ``batching.sizes.sizes_cache_path(...)``'s key (computed in a worker) with the suffix
+    :data:`CACHE_SUFFIX` (the scan's own format: it holds the grids, not the sizes' vision term), under
+    ``cache_dir`` (default ``batching.sizes.default_cache_dir()``).
     ``progress(done, total)`` is called after each chunk of a scan.
     """
     import multiprocessing
 
-    from megatron.bridge_thd.batching.sizes import collate_in_workers, repeat_period, sizes_cache_path
+    from megatron.bridge_thd.batching.sizes import (SIZES_CACHE_SUFFIX, collate_in_workers, repeat_period,
+                                                    sizes_cache_path)
 
     collate_fn = collate_fn if collate_fn is not None else dataset.collate_fn
     # Fork: the dataset's collate is often a closure (DirectSFTDataset's), which a spawned worker cannot unpickle.
     context = multiprocessing.get_context("fork")
     path = sizes_cache_path(dataset, collate_fn, seq_length=None, cache_dir=cache_dir, context=context)
-    path = path.with_name(path.stem + CACHE_SUFFIX)
+    path = path.with_name(path.name.removesuffix(SIZES_CACHE_SUFFIX) + CACHE_SUFFIX)
     if path.is_file():
         return _from_json(json.loads(path.read_text()), path)
     period = repeat_period(dataset)
