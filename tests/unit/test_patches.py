@@ -67,7 +67,7 @@ def _every_record() -> list[Patch]:
 
     from megatron.bridge_thd_testbed.launcher import without_modelopt
 
-    records = cpu_patches() + upstream._flop_utils_placeholders() + [without_modelopt()]
+    records = cpu_patches() + upstream._flop_utils_placeholders() + upstream._theoretical_memory_utils_placeholders() + [without_modelopt()]
     # qwen25_vl_import_patches() is empty where omegaconf is installed; its one record by name:
     records.append(Patch(sys.modules, "omegaconf", None, "qwen25_vl_import_patches"))
     # batching.bridge.loader_patch() and overlong.collate_patch() need Megatron-Bridge imported whole

@@ -40,7 +40,8 @@ The patches (targets, where they are built and applied, why; one line each in do
   when omegaconf is absent).
 * Scoped: ``upstream.py`` ``load_flop_utils()``: ``sys.modules['megatron.bridge.peft.lora']`` and
   ``sys.modules['megatron.bridge.training.config']``, placeholders while ``flop_utils`` is
-  imported (only without TE).
+  imported (only without TE); ``load_theoretical_memory_utils()``: ``sys.modules['megatron.bridge.training.config']``,
+  a placeholder while ``theoretical_memory_utils`` is imported (only without TE).
 * Permanent (:func:`apply_permanently`): ``batching/bridge.py`` ``loader_patch()``, applied by
   ``configure`` for a Megatron-Bridge config or with ``global_batch_packing=...``:
   ``megatron.bridge.data.loaders`` ``build_train_valid_test_data_loaders`` (gives a configured run's loaders

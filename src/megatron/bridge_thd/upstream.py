@@ -20,7 +20,7 @@ import types
 
 from megatron.bridge_thd.patches import Patch, applied
 
-__all__ = ["load_bridge_module", "bridge_available", "load_flop_utils"]
+__all__ = ["load_bridge_module", "bridge_available", "load_flop_utils", "load_theoretical_memory_utils"]
 
 _BRIDGE = "megatron.bridge"
 
@@ -93,6 +93,8 @@ class _Placeholder:
 
 # Names flop_utils imports but uses only in an isinstance test (LoRA) or annotations (ConfigContainer).
 _FLOP_UTILS_PLACEHOLDERS = {"peft.lora": "LoRA", "training.config": "ConfigContainer"}
+# The name theoretical_memory_utils imports that needs TE, used in annotations only.
+_MEMORY_UTILS_PLACEHOLDERS = {"training.config": "ConfigContainer"}
 
 
 def load_flop_utils() -> types.ModuleType:
@@ -103,21 +105,46 @@ def load_flop_utils() -> types.ModuleType:
     duration of this import, those two modules resolve to placeholders; ``LoRA`` is used in an
     ``isinstance`` test (no LoRA can exist without TE) and ``ConfigContainer`` in annotations.
     """
-    name = f"{_BRIDGE}.training.utils.flop_utils"
+    return _load_with_placeholders("training.utils.flop_utils", _FLOP_UTILS_PLACEHOLDERS)
+
+
+def load_theoretical_memory_utils() -> types.ModuleType:
+    """Megatron-Bridge's ``training/utils/theoretical_memory_utils.py`` (its per-GPU memory estimator).
+
+    The module imports ``training.config.ConfigContainer`` (Energon, ``datasets``, ...) for annotations only;
+    only when Transformer Engine is absent, and only for the duration of this import, that module resolves to
+    a placeholder. Its other import, ``utils.vocab_utils`` (Megatron-LM's vocabulary padding), loads as is.
+    """
+    return _load_with_placeholders("training.utils.theoretical_memory_utils", _MEMORY_UTILS_PLACEHOLDERS)
+
+
+def _load_with_placeholders(relative_name: str, placeholders: dict[str, str]) -> types.ModuleType:
+    name = f"{_BRIDGE}.{relative_name}"
     if name in sys.modules or _full_package_importable():
-        return load_bridge_module("training.utils.flop_utils")
+        return load_bridge_module(relative_name)
     _install_bare_package_finder()
-    with applied(_flop_utils_placeholders()):
+    with applied(_placeholders(relative_name, placeholders)):
         return importlib.import_module(name)
 
 
 def _flop_utils_placeholders() -> list[Patch]:
     """``sys.modules`` placeholders for the two modules ``flop_utils`` imports that need TE."""
+    return _placeholders("training.utils.flop_utils", _FLOP_UTILS_PLACEHOLDERS)
+
+
+def _theoretical_memory_utils_placeholders() -> list[Patch]:
+    """``sys.modules`` placeholder for the module ``theoretical_memory_utils`` imports that needs TE."""
+    return _placeholders("training.utils.theoretical_memory_utils", _MEMORY_UTILS_PLACEHOLDERS)
+
+
+def _placeholders(relative_name: str, placeholders: dict[str, str]) -> list[Patch]:
+    """``sys.modules`` placeholders for the modules ``relative_name`` imports that need TE."""
     patches = []
-    for relative, attribute in _FLOP_UTILS_PLACEHOLDERS.items():
+    short = relative_name.rsplit(".", 1)[-1]
+    for relative, attribute in placeholders.items():
         full = f"{_BRIDGE}.{relative}"
         placeholder = types.ModuleType(full)
         setattr(placeholder, attribute, type(attribute, (_Placeholder,), {}))
         patches.append(Patch(sys.modules, full, placeholder,
-                             f"flop_utils imports {attribute} from it, whose import chain needs Transformer Engine"))
+                             f"{short} imports {attribute} from it, whose import chain needs Transformer Engine"))
     return patches

@@ -18,7 +18,7 @@ from megatron.bridge_thd.plan.layouts import Parallel
 from megatron.bridge_thd.plan.presets import ModelSpec
 
 __all__ = ["layer_bytes_per_token", "vision_bytes_per_patch", "output_bytes_per_token", "ActivationEstimate",
-           "activation_bytes", "parameter_counts", "model_state_bytes", "GraphMemory", "graph_static_bytes",
+           "activation_bytes", "mixer_parameters", "parameter_counts", "model_state_bytes", "GraphMemory", "graph_static_bytes",
            "cuda_graph_bytes"]
 
 GIB = 2**30
@@ -155,18 +155,25 @@ def cuda_graph_bytes(spec: ModelSpec, parallel: Parallel, rows) -> GraphMemory:
                        tuple(graph_static_bytes(spec, parallel, row) for row in rows))
 
 
+def mixer_parameters(spec: ModelSpec, linear: bool) -> int:
+    """Parameters of one layer's token mixer (norms omitted): Gated DeltaNet (``linear``: in-projections
+    ``h (2qk + 2v + 2 nv)``, depthwise conv ``k (2qk + v)``, out-projection ``v h``) or attention (Q, K, V,
+    the output gate where the model has one, O)."""
+    h = spec.hidden_size
+    if linear:
+        qk = spec.linear_key_head_dim * spec.linear_num_key_heads
+        v = spec.linear_value_head_dim * spec.linear_num_value_heads
+        return h * (2 * qk + 2 * v + 2 * spec.linear_num_value_heads) + spec.linear_conv_kernel_dim * (2 * qk + v) + v * h
+    q, kv = spec.num_attention_heads * spec.kv_channels, spec.num_query_groups * spec.kv_channels
+    return h * (q + 2 * kv + (q if spec.attention_output_gate else 0)) + q * h
+
+
 def parameter_counts(spec: ModelSpec) -> dict[str, int]:
     """Parameter counts: ``dense`` (attention, dense MLP, shared experts, router, norms
     omitted), ``experts`` (routed experts), ``embedding`` (input + untied output), ``vision``."""
     h, dense, experts = spec.hidden_size, 0, 0
     for linear in spec.linear_layer_pattern():
-        if linear:
-            qk = spec.linear_key_head_dim * spec.linear_num_key_heads
-            v = spec.linear_value_head_dim * spec.linear_num_value_heads
-            dense += h * (2 * qk + 2 * v + 2 * spec.linear_num_value_heads) + spec.linear_conv_kernel_dim * (2 * qk + v) + v * h
-        else:
-            q, kv = spec.num_attention_heads * spec.kv_channels, spec.num_query_groups * spec.kv_channels
-            dense += h * (q + 2 * kv + (q if spec.attention_output_gate else 0)) + q * h
+        dense += mixer_parameters(spec, bool(linear))
         if spec.is_moe:
             experts += spec.num_moe_experts * 3 * h * spec.moe_ffn_hidden_size
             dense += h * spec.num_moe_experts + 3 * h * (spec.moe_shared_expert_intermediate_size or 0)
