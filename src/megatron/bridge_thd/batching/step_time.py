@@ -39,7 +39,8 @@ from typing import Sequence
 
 from megatron.bridge_thd.batching.cost import SampleCost
 
-__all__ = ["Link", "Machine", "MACHINES", "get_machine", "RateCurve", "TimeParameters", "PUBLISHED", "ModelShape",
+__all__ = ["Link", "Machine", "MACHINES", "get_machine", "RateCurve", "TimeParameters", "PUBLISHED", "FITTED",
+           "ModelShape",
            "SampleWork", "RowTime", "row_time", "sample_work", "frame_lengths", "model_shape"]
 
 
@@ -128,8 +129,9 @@ class TimeParameters:
             length, forward and backward (the backward's FLOPs counted as 2.5 x the forward's, as the kernels'
             own benchmarks count them).
         vision_attention_forward / vision_attention_backward: the same for non-causal attention (the ViT's).
-        gemm_efficiency: the fraction of the bf16 peak the model's GEMMs reach in training (fitted, at most the
-            best measured matmul's 0.80).
+        gemm_efficiency: the fraction of the bf16 peak large GEMMs reach (published: H100 SXM bf16 matmuls of
+            4096^2 and 8192^2 measured at 789 and 798 TFLOP/s, 0.80 of the 989 peak); small token counts are bound
+            by reading the weights instead (the roofline floor of :func:`row_time`).
         per_micro_batch_s: fixed seconds per micro-batch and rank (launches, host work between kernels; fitted).
         ring_step_s: fixed seconds of one CP ring step of one layer beyond its transfer (the step's kernel launches,
             the send / receive handshake, the partial softmax merge; fitted, at least the link's latency).
@@ -141,11 +143,11 @@ class TimeParameters:
     attention_backward: RateCurve
     vision_attention_forward: RateCurve
     vision_attention_backward: RateCurve
-    gemm_efficiency: float = 0.60
+    gemm_efficiency: float = 0.80
     per_micro_batch_s: float = 0.0
     ring_step_s: float = 0.0
     per_step_s: float = 0.0
-    fitted: tuple[str, ...] = ("gemm_efficiency", "per_micro_batch_s", "ring_step_s", "per_step_s")
+    fitted: tuple[str, ...] = ("per_micro_batch_s", "ring_step_s", "per_step_s")
     source: str = "defaults"
 
     def with_fit(self, source: str, **values) -> "TimeParameters":
@@ -175,6 +177,12 @@ PUBLISHED = TimeParameters(
     attention_forward=_curve(_CUDNN_CAUSAL_FWD), attention_backward=_curve(_CUDNN_CAUSAL_BWD),
     vision_attention_forward=_curve(_CUDNN_FULL_FWD), vision_attention_backward=_curve(_CUDNN_FULL_BWD),
     source="published rates, fitted parameters at their defaults")
+
+# The fitted parameters as ``megatron.bridge_thd.plan.fit.fit_parameters`` returns them on the fit tables (Megatron-LM's
+# dynamic-CP example; docs/time-model.md), what the planner and the placements use unless given others. A test checks
+# that the fit still returns them.
+FITTED = PUBLISHED.with_fit("fitted on megatron-lm-dynamic-cp", ring_step_s=5e-05, per_micro_batch_s=0.0,
+                            per_step_s=0.15015407574856443)
 
 
 @dataclass(frozen=True)
@@ -318,6 +326,13 @@ def row_time(shape: ModelShape, samples: Sequence[SampleWork], machine: Machine,
     return RowTime(gemm, attention, vision, ring, dispatch, params.per_micro_batch_s, elementwise)
 
 
+def _activation_bytes_per_token(spec, layer_bytes_per_token, output_bytes_per_token) -> float:
+    """A token's activation bytes: the decoder layers and the output, and per MTP layer one more layer (the last
+    layer's kind) and one more output (its own logits and loss)."""
+    layers = layer_bytes_per_token(spec)
+    return sum(layers) + output_bytes_per_token(spec) + spec.mtp_num_layers * (layers[-1] + output_bytes_per_token(spec))
+
+
 def model_shape(model) -> ModelShape:
     """The :class:`ModelShape` of a model given as :func:`~megatron.bridge_thd.batching.cost.sample_cost` takes it (a
     planner preset name, a ``config.json`` path or a ``ModelSpec``): its FLOPs coefficients from the trainer's formula,
@@ -340,5 +355,5 @@ def model_shape(model) -> ModelShape:
         weight_bytes=2 * (counts["dense"] + counts["embedding"] + experts_touched),
         hidden_size=spec.hidden_size, moe_topk=spec.moe_router_topk if spec.is_moe else 0,
         moe_layers=spec.num_layers if spec.is_moe else 0,
-        activation_bytes_per_token=sum(layer_bytes_per_token(spec)) + output_bytes_per_token(spec),
+        activation_bytes_per_token=_activation_bytes_per_token(spec, layer_bytes_per_token, output_bytes_per_token),
         activation_bytes_per_patch=vision_bytes_per_patch(spec))

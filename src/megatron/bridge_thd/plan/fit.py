@@ -1,8 +1,8 @@
 """Fitting the time model's fitted parameters to the ``fit`` tables only (docs/time-model.md).
 
 The fitted parameters (:attr:`~megatron.bridge_thd.batching.step_time.TimeParameters.fitted`) are chosen to
-minimise the squared relative error of the fit tables' absolute step times: ``gemm_efficiency`` and ``ring_step_s``
-over a grid, and for each grid point ``per_micro_batch_s`` and ``per_step_s`` by non-negative least squares (a step
+minimise the squared relative error of the fit tables' absolute step times: ``ring_step_s`` over a grid, and for
+each grid point ``per_micro_batch_s`` and ``per_step_s`` by non-negative least squares (a step
 time is linear in both: the per-micro-batch cost counts once per row on the slowest rank's path, read off two
 evaluations). Held-out tables never enter the fit; :func:`judge` predicts them afterwards.
 """
@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from megatron.bridge_thd.batching.step_time import PUBLISHED, TimeParameters
 from megatron.bridge_thd.plan.published import TABLES, Figure, PublishedTable
 
-__all__ = ["GEMM_EFFICIENCIES", "RING_STEPS", "FitResult", "fit_parameters", "judge"]
+__all__ = ["RING_STEPS", "FitResult", "fit_parameters", "judge"]
 
-GEMM_EFFICIENCIES = tuple(round(0.30 + 0.05 * i, 2) for i in range(11))  # 0.30 ... 0.80, the best matmuls' ceiling
 RING_STEPS = (0.0, 25e-6, 50e-6, 100e-6, 150e-6, 200e-6, 300e-6, 400e-6, 600e-6, 800e-6)
 _PROBE = 1e-3  # seconds of per_micro_batch_s at which the slope is read
 
@@ -61,24 +60,22 @@ def fit_parameters(tables: list[PublishedTable] | None = None, base: TimeParamet
     """Fit :attr:`TimeParameters.fitted` on ``tables`` (default: every table whose role is ``fit``)."""
     tables = [t for t in TABLES.values() if t.role == "fit"] if tables is None else tables
     best = None
-    for efficiency in GEMM_EFFICIENCIES:
-        for ring in RING_STEPS:
-            zero = base.with_fit("fit", gemm_efficiency=efficiency, ring_step_s=ring, per_micro_batch_s=0.0,
-                                 per_step_s=0.0)
-            at_zero = _times(tables, zero)
-            probed = _times(tables, zero.with_fit("fit", per_micro_batch_s=_PROBE))
-            base_s = [f.predicted / 1e3 for f in at_zero]
-            slope = [(p.predicted - f.predicted) / 1e3 / _PROBE for p, f in zip(probed, at_zero)]
-            target = [f.published / 1e3 for f in at_zero]
-            per_micro_batch, per_step = _nonnegative_least_squares(base_s, slope, target)
-            predicted = [b + per_micro_batch * s + per_step for b, s in zip(base_s, slope)]
-            error = (sum((p / t - 1) ** 2 for p, t in zip(predicted, target)) / len(target)) ** 0.5
-            if best is None or error < best[0]:
-                best = (error, efficiency, ring, per_micro_batch, per_step)
-    error, efficiency, ring, per_micro_batch, per_step = best
+    for ring in RING_STEPS:
+        zero = base.with_fit("fit", ring_step_s=ring, per_micro_batch_s=0.0, per_step_s=0.0)
+        at_zero = _times(tables, zero)
+        probed = _times(tables, zero.with_fit("fit", per_micro_batch_s=_PROBE))
+        base_s = [f.predicted / 1e3 for f in at_zero]
+        slope = [(p.predicted - f.predicted) / 1e3 / _PROBE for p, f in zip(probed, at_zero)]
+        target = [f.published / 1e3 for f in at_zero]
+        per_micro_batch, per_step = _nonnegative_least_squares(base_s, slope, target)
+        predicted = [b + per_micro_batch * s + per_step for b, s in zip(base_s, slope)]
+        error = (sum((p / t - 1) ** 2 for p, t in zip(predicted, target)) / len(target)) ** 0.5
+        if best is None or error < best[0]:
+            best = (error, ring, per_micro_batch, per_step)
+    error, ring, per_micro_batch, per_step = best
     names = ", ".join(t.key for t in tables)
-    params = base.with_fit(f"fitted on {names}", gemm_efficiency=efficiency, ring_step_s=ring,
-                           per_micro_batch_s=per_micro_batch, per_step_s=per_step)
+    params = base.with_fit(f"fitted on {names}", ring_step_s=ring, per_micro_batch_s=per_micro_batch,
+                           per_step_s=per_step)
     return FitResult(params, tuple(t.key for t in tables), error)
 
 

@@ -25,7 +25,8 @@ __all__ = ["FlopsBreakdown", "flops_config", "micro_batch_flops", "moe_routed_to
 
 def flops_config(spec: ModelSpec, tensor_parallel: int = 1, seq_length: int = 4096) -> SimpleNamespace:
     """``SimpleNamespace(model=..., peft=None)`` with every ``cfg.model`` field ``flop_utils``
-    reads for a GQA / MoE / Gated-DeltaNet stack with a ViT (no MTP, no MLA, no sliding window)."""
+    reads for a GQA / MoE / Gated-DeltaNet stack with a ViT and the spec's MTP layers (no MLA, no sliding
+    window)."""
     vision = spec.vision
     linear = spec.linear_attention_freq
     model = SimpleNamespace(
@@ -36,7 +37,7 @@ def flops_config(spec: ModelSpec, tensor_parallel: int = 1, seq_length: int = 40
         num_moe_experts=spec.num_moe_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_router_topk=spec.moe_router_topk or 1, moe_layer_freq=1,
         moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
-        mtp_num_layers=None, gated_linear_unit=True, multi_latent_attention=False,
+        mtp_num_layers=spec.mtp_num_layers or None, gated_linear_unit=True, multi_latent_attention=False,
         attention_output_gate=spec.attention_output_gate, window_size=None,
         experimental_attention_variant="gated_delta_net" if linear is not None else None,
         linear_attention_freq=list(linear) if isinstance(linear, tuple) else linear,

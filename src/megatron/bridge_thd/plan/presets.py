@@ -68,6 +68,7 @@ class ModelSpec:
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     linear_conv_kernel_dim: int = 4
+    mtp_num_layers: int = 0  # multi-token prediction layers (a recipe setting: Megatron-Bridge's mtp_num_layers)
     notes: str = field(default="", compare=False)
 
     @property
