@@ -13,6 +13,7 @@ import pytest
 from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, balance_plan, get_preset
 from megatron.bridge_thd.plan.cli import main
 from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec
+from megatron.bridge_thd.batching.step_time import RateCurve, TimeParameters
 from megatron.bridge_thd.plan.roofline import GPU
 
 warnings.simplefilter("ignore")
@@ -26,12 +27,16 @@ H, Q, KV, F, L, V = 8, 8, 4, 16, 2, 128
 PER_SLOT = 6 * H * 3 * F * L + 6 * L * (H * (Q + 2 * KV) + Q * H) + 6 * H * V  # fwd + bwd FLOPs per token slot
 PER_SQUARED = 6 * L * Q  # fwd + bwd FLOPs per unit of sum s^2 (causal attention core)
 PEAK = 1e15
-# Memory never binds (bandwidth ~ infinite) and MFU 1: a micro-batch takes exactly its FLOPs / PEAK.
-COMPUTE_ONLY = GPU("compute-only", PEAK, 1e30, 80e9)
+# Memory and links never bind (bandwidth ~ infinite), GEMMs at the peak, and attention at rates whose forward (a
+# third of the trainer's attention FLOPs, at PEAK) and backward (2.5 x the forward's FLOPs at 1.25 PEAK: two thirds
+# of the trainer's) sum to FLOPs / PEAK, no fixed costs: a micro-batch takes exactly its FLOPs / PEAK.
+COMPUTE_ONLY = GPU("compute-only", PEAK, 1e30, 80e9, 1e30)
+_FLAT, _FLAT_BACKWARD = RateCurve(((1, PEAK),)), RateCurve(((1, 1.25 * PEAK),))
+EXACT = TimeParameters(_FLAT, _FLAT_BACKWARD, _FLAT, _FLAT_BACKWARD, gemm_efficiency=1.0)
 
 
 def _seconds(slots: int, lengths) -> float:
-    """A micro-batch's roofline time by hand: (linear in slots + attention in sum s^2) / peak."""
+    """A micro-batch's time by hand on the compute-only machine: (linear in slots + attention in sum s^2) / peak."""
     return (PER_SLOT * slots + PER_SQUARED * sum(s * s for s in lengths)) / PEAK
 
 
@@ -45,7 +50,7 @@ def _text(*lengths) -> SampleLengths:
 
 
 def _settings(micro_batch_size=2, gpus=2, micro_batches=1, seq_length=8, pp=1, overhead_s=0.0):
-    return PlanSettings(seq_length, micro_batch_size, Parallel(pp=pp, gpus=gpus), micro_batches, COMPUTE_ONLY, 1.0,
+    return PlanSettings(seq_length, micro_batch_size, Parallel(pp=pp, gpus=gpus), micro_batches, COMPUTE_ONLY, EXACT,
                         overhead_s)
 
 

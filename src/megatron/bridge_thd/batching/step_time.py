@@ -41,7 +41,8 @@ from megatron.bridge_thd.batching.cost import SampleCost
 
 __all__ = ["Link", "Machine", "MACHINES", "get_machine", "RateCurve", "TimeParameters", "PUBLISHED", "FITTED",
            "ModelShape",
-           "SampleWork", "RowTime", "row_time", "sample_work", "frame_lengths", "model_shape"]
+           "SampleWork", "RowTime", "row_time", "sample_work", "frame_lengths", "model_shape", "load_time_parameters",
+           "time_parameters_to_dict"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ _NVLINK4 = Link(370e9, 10e-6)  # NCCL-measured on H100 SXM NVLink 4 (450 GB/s pe
 _NDR = Link(48e9, 20e-6)  # NDR InfiniBand, 400 Gb/s per GPU
 MACHINES = {m.name: m for m in (
     Machine("h100-sxm", 989e12, 3.35e12, 80e9, _NVLINK4, _NDR),
+    Machine("h100-pcie", 756e12, 2.0e12, 80e9, Link(115e9, 10e-6), _NDR, gpus_per_node=2),
+    Machine("l40s", 362e12, 0.864e12, 48e9, Link(25e9, 10e-6), Link(24e9, 20e-6)),
     Machine("h200", 989e12, 4.8e12, 141e9, _NVLINK4, _NDR),
     Machine("b200", 2250e12, 8.0e12, 180e9, Link(740e9, 10e-6), _NDR),
     Machine("a100-80gb", 312e12, 2.0e12, 80e9, Link(230e9, 10e-6), Link(24e9, 20e-6)),
@@ -357,3 +360,59 @@ def model_shape(model) -> ModelShape:
         moe_layers=spec.num_layers if spec.is_moe else 0,
         activation_bytes_per_token=_activation_bytes_per_token(spec, layer_bytes_per_token, output_bytes_per_token),
         activation_bytes_per_patch=vision_bytes_per_patch(spec))
+
+
+_CURVES = ("attention_forward", "attention_backward", "vision_attention_forward", "vision_attention_backward")
+_SCALARS = ("gemm_efficiency", "per_micro_batch_s", "ring_step_s", "per_step_s")
+
+
+def time_parameters_to_dict(params: TimeParameters) -> dict:
+    """``params`` as the JSON object :func:`load_time_parameters` reads (curves as ``[[length, flop_per_s], ...]``)."""
+    out = {"source": params.source, "fitted": list(params.fitted)}
+    out.update({name: getattr(params, name) for name in _SCALARS})
+    out.update({name: [list(p) for p in getattr(params, name).points] for name in _CURVES})
+    return out
+
+
+def load_time_parameters(path, base: TimeParameters | None = None) -> TimeParameters:
+    """The time parameters in the JSON file ``path`` (what ``benchmarks/gpu_calibrate.py`` writes on a GPU): every
+    field it gives replaces ``base``'s (default :data:`FITTED`); a field it leaves out keeps ``base``'s.
+
+    Raises:
+        ValueError: the file is missing or not JSON, or a field is not what it must be (naming the file and field).
+    """
+    import json
+    from pathlib import Path
+
+    base = FITTED if base is None else base
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--time-params {path}: no such file; write it with benchmarks/gpu_calibrate.py") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--time-params {path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--time-params {path}: expected a JSON object of parameters")
+    unknown = set(data) - set(_CURVES) - set(_SCALARS) - {"source", "fitted"}
+    if unknown:
+        raise ValueError(f"--time-params {path}: unknown field(s) {sorted(unknown)}; known: "
+                         f"{', '.join(_SCALARS + _CURVES)}")
+    changes = {}
+    for name in _SCALARS:
+        if name in data:
+            value = data[name]
+            if not isinstance(value, (int, float)) or value < 0 or (name == "gemm_efficiency" and not 0 < value <= 1):
+                raise ValueError(f"--time-params {path}: field {name!r} must be a number >= 0"
+                                 f"{' and <= 1' if name == 'gemm_efficiency' else ''}, got {value!r}")
+            changes[name] = float(value)
+    for name in _CURVES:
+        if name in data:
+            points = data[name]
+            if (not isinstance(points, list) or not points or any(
+                    not isinstance(p, list) or len(p) != 2 or not all(isinstance(v, (int, float)) and v > 0 for v in p)
+                    for p in points) or [p[0] for p in points] != sorted({p[0] for p in points})):
+                raise ValueError(f"--time-params {path}: field {name!r} must be [[length, flop_per_s], ...] with "
+                                 "positive numbers, lengths strictly ascending")
+            changes[name] = RateCurve(tuple((int(n), float(r)) for n, r in points))
+    fitted = tuple(data.get("fitted", base.fitted))
+    return replace(base, source=str(data.get("source", f"{path}")), fitted=fitted, **changes)

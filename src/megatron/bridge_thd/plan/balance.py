@@ -24,11 +24,11 @@ is dropped). Each sample is truncated to ``seq_length`` as the step truncates it
   balance does not depend on ``row_buckets``. ``bshd`` has no packed figures: it lays out exactly
   ``micro_batch_size`` samples per micro-batch and ``configure`` refuses global-batch packing with it.
 
-Time: each micro-batch's FLOPs by :func:`~.flops.micro_batch_flops` (its sample count, slots,
-``sum s^2`` and patches) and its roofline time by :func:`~.roofline.step_seconds` (one micro-batch,
-no bubble, no overhead); a rank's time is the sum over its micro-batches times the 1F1B bubble
-``1 + (pp - 1) / micro_batches`` plus the fixed overhead; the **step time is the slowest rank's**
-(every rank waits for it at the gradient all-reduce), averaged over the steps. Per-rank cost
+Time: each micro-batch's seconds by the time model (:mod:`.step_model`, docs/time-model.md: the row its layout
+lays out, its samples' lengths and frames); a rank's time is the sum over its micro-batches; the **step time is the
+slowest rank's** (every rank waits for it at the gradient sync) times the 1F1B bubble
+``1 + (pp - 1) / micro_batches``, plus what a step spends once (the weight sync, the fitted per-step cost) and any
+extra overhead, averaged over the steps. Per-rank cost
 max / mean is :func:`~megatron.bridge_thd.batching.placement_stats`'s ``rank_imbalance`` with the
 same per-sample cost, averaged over the steps.
 
@@ -44,11 +44,9 @@ from functools import lru_cache
 from megatron.bridge_thd import layouts
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.estimate import PlanSettings
-from megatron.bridge_thd.plan.flops import flops_config, micro_batch_flops
 from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, MicroBatch, layout_stats
-from megatron.bridge_thd.plan.memory import GraphMemory, activation_bytes, cuda_graph_bytes, parameter_counts
+from megatron.bridge_thd.plan.memory import GraphMemory, activation_bytes, cuda_graph_bytes
 from megatron.bridge_thd.plan.presets import ModelSpec
-from megatron.bridge_thd.plan.roofline import step_seconds
 from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
 from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS
 
@@ -69,6 +67,7 @@ class Step:
     lengths: tuple[int, ...]
     patches: tuple[int, ...]
     patches_squared: tuple[float, ...]
+    frames: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class PlacementEstimate:
     ``row_length``: ``thd_static``'s row (slots; packed: the longest of :attr:`BalancePlan.static_rows`),
     None otherwise; ``slots``: mean token slots per micro-batch (packed ``thd_static``: the row each
     takes); ``padding``: 1 - real tokens / slots over all steps; ``rank_cost_imbalance`` /
-    ``rank_time_imbalance``: per-rank cost (``sample_cost``) / roofline time, max over mean, averaged
+    ``rank_time_imbalance``: per-rank cost (``sample_cost``) / time (the time model), max over mean, averaged
     over the steps; ``step_s``: the slowest rank's time, averaged over the steps; ``samples_per_s``:
     ``global_batch_size / step_s``; ``activation_peak``: bytes per GPU of the largest micro-batch;
     ``refused``: why the placement is not available for this layout (then every figure is NaN)."""
@@ -157,6 +156,7 @@ def plan_steps(samples: SampleLengths, global_batch_size: int, seq_length: int) 
     """Consecutive global batches of ``samples`` (the remainder dropped), each sample truncated to
     ``seq_length`` (refused where that would cut an image, as the step refuses it)."""
     from megatron.bridge_thd.batching.cost import image_patches
+    from megatron.bridge_thd.batching.step_time import frame_lengths
 
     check_seq_length(samples, seq_length)
     steps = []
@@ -164,7 +164,7 @@ def plan_steps(samples: SampleLengths, global_batch_size: int, seq_length: int) 
         idx = range(k * global_batch_size, (k + 1) * global_batch_size)
         patches, squared = image_patches([samples.grids[i] for i in idx])
         steps.append(Step(tuple(min(samples.tokens[i], seq_length) for i in idx), tuple(patches.tolist()),
-                          tuple(squared.tolist())))
+                          tuple(squared.tolist()), tuple(frame_lengths(samples.grids[i]) for i in idx)))
     return steps
 
 
@@ -250,11 +250,11 @@ def _refused(layout: str, placement: str, why: str) -> PlacementEstimate:
 
 
 def _estimate(layout: str, placement: str, steps: list[Step], assignments, costs, *, static_rows, row_use: list[int],
-              micro_seconds, settings: PlanSettings, align: int, bubble: float, row_length: int | None,
+              micro_seconds, model, micro_batches: int, settings: PlanSettings, align: int, row_length: int | None,
               global_batch_size: int) -> PlacementEstimate:
     """One layout under one placement over the steps: each micro-batch's slots (``static_rows``: the shortest of
-    the packed ``thd_static`` rows that holds it, counted in ``row_use``), roofline time and activations; the
-    slowest rank per step."""
+    the packed ``thd_static`` rows that holds it, counted in ``row_use``), its time (the time model) and
+    activations; the slowest rank per step (:meth:`~.step_model.StepModel.step`)."""
     from megatron.bridge_thd.batching.policy import placement_stats
 
     par = settings.parallel
@@ -273,14 +273,15 @@ def _estimate(layout: str, placement: str, steps: list[Step], assignments, costs
                     row_use[bucket] += 1
                     mb_slots = layouts.static_row_length(len(lengths), seq_length=settings.seq_length, align=align,
                                                          row_length=static_rows[bucket])
-                t, act = micro_seconds(len(lengths), mb_slots, squared, patches)
+                frames = tuple(s.frames[i] for i in members) if s.frames else ()
+                t, act = micro_seconds(layout, lengths, frames, mb_slots, patches)
                 seconds += t
                 peak = max(peak, act)
                 slots += mb_slots
                 real += sum(lengths)
                 count += 1
-            rank_times.append(seconds * bubble + settings.overhead_s)
-        step_times.append(max(rank_times))
+            rank_times.append(seconds)
+        step_times.append(model.step(rank_times, micro_batches) + settings.overhead_s)
         time_ratios.append(_ratio(rank_times))
         cost_ratios.append(placement_stats(assignment, list(s.lengths), costs=step_costs).rank_imbalance)
     step_s = sum(step_times) / len(step_times)
@@ -317,15 +318,13 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
     rows = static_rows_for_steps(steps, row=row, row_buckets=row_buckets, dp=par.dp, micro_batch_size=mbs,
                                  num_micro_batches=n_mb, align=align, cost=cost, seed=seed)
     row_use = [0] * len(rows)
-    cfg = flops_config(spec, par.tp, settings.seq_length)
-    weight_bytes = 2 * sum(parameter_counts(spec).values()) / (par.tp * par.pp)
-    bubble = 1 + (par.pp - 1) / n_mb
+    model = settings.step_model(spec)
 
     @lru_cache(maxsize=None)
-    def micro_seconds(batch_size: int, slots: int, squared: int, patches: int) -> tuple[float, float]:
-        flops = micro_batch_flops(cfg, batch_size, slots, squared, patches).total
+    def micro_seconds(layout: str, lengths: tuple[int, ...], frames, slots: int, patches: int) -> tuple[float, float]:
         act = activation_bytes(spec, par, slots, patches, n_mb).total
-        return step_seconds(flops / (par.tp * par.cp * par.pp), weight_bytes, act, settings.gpu, settings.mfu), act
+        row = slots if layout == "thd_static" else None
+        return model.micro_batch(layout, lengths, frames, row).total, act
 
     costs = [cost(list(s.lengths), list(s.patches), list(s.patches_squared)).tolist() for s in steps]
     placed = {}  # (placement, row_length) -> per step assignment, shared by layouts with the same row
@@ -346,7 +345,7 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
             static_rows = rows if (placement == "packed" and layout == "thd_static") else None
             out[layout][placement] = _estimate(
                 layout, placement, steps, placed[key], costs, static_rows=static_rows, row_use=row_use,
-                micro_seconds=micro_seconds, settings=settings, align=align, bubble=bubble,
+                micro_seconds=micro_seconds, model=model, micro_batches=n_mb, settings=settings, align=align,
                 row_length=(rows[-1] if static_rows else capacity) if layout == "thd_static" else None,
                 global_batch_size=global_batch_size)
     try:

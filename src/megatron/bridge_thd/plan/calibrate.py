@@ -1,85 +1,81 @@
-"""Calibration against the one public measurement: Qwen3.5-VL 2B SFT on cord_v2, 8 x H100,
-seq_length 2048, TP = CP = PP = EP = 1 (DP 8), one micro-batch per GPU per step:
+"""``bridge-thd plan --calibrate``: the time model against published GPU measurements (docs/time-model.md).
 
-* MBS 2: 363 ms/iter padded (bshd), 342 ms/iter THD;
-* MBS 4: padded out of memory, THD 505 ms/iter;
-* THD at MBS 4 gives +44% samples/s over the best BSHD configuration (MBS 2).
-
-:func:`calibration_report` prints the planner's ratios for that setting with the receipt
-distribution: first with the default roofline (assumed MFU, no overhead), then with a fixed
-per-step overhead and an effective MFU fitted to the two THD points (MBS 2 and 4), which leaves the
-padded MBS 2 time as a held-out check.
+Prints the parameter table (each value and where it comes from: a published measurement, a spec sheet, or the fit),
+the fit table reproduced with the fitted parameters, and every held-out table predicted from them beside the
+published figures, each judged against the bar (:data:`~.published.RATIO_BAR`, :data:`~.published.TIME_BAR`); then
+PR 3838's memory: the four runs' peak per GPU by the memory model (:mod:`.peak_memory`) against what ran and what
+ran out of memory. Every figure printed is a model's figure.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from megatron.bridge_thd.batching.step_time import FITTED, TimeParameters
+from megatron.bridge_thd.plan.published import TABLES, Figure, pr3838_memory
 
-from megatron.bridge_thd.plan.estimate import PlanSettings, plan
-from megatron.bridge_thd.plan.layouts import Parallel
-from megatron.bridge_thd.plan.presets import get_preset
-from megatron.bridge_thd.plan.samples import receipt_lengths
+__all__ = ["PARAMETER_SOURCES", "parameter_table", "figures_table", "calibration_report"]
 
-__all__ = ["MEASURED_MS", "calibration_plans", "fit_overhead_mfu", "calibration_report"]
-
-MEASURED_MS = {("bshd", 2): 363.0, ("thd", 2): 342.0, ("bshd", 4): None, ("thd", 4): 505.0}
-
-
-def calibration_plans(num_samples: int = 1024, seed: int = 0, mfu: float = 0.40, overhead_s: float = 0.0):
-    """``{mbs: Plan}`` for MBS 2 and 4 in the public setting."""
-    spec = get_preset("qwen3.5-vl-2b")
-    samples = receipt_lengths(num_samples, seed)
-    base = PlanSettings(seq_length=2048, micro_batch_size=2, parallel=Parallel(gpus=8), mfu=mfu, overhead_s=overhead_s)
-    return {mbs: plan(spec, samples, replace(base, micro_batch_size=mbs)) for mbs in (2, 4)}
+PARAMETER_SOURCES = {
+    "attention_forward": "published: cuDNN causal forward, H100 SXM, head dim 128 (FlashAttention-3 paper's figures)",
+    "attention_backward": "derived: the cuDNN backward scaled by the forward's causal / non-causal ratio",
+    "vision_attention_forward": "published: cuDNN non-causal forward (FlashAttention-3 paper's figures)",
+    "vision_attention_backward": "published: cuDNN backward (FlashAttention-3 paper's figures)",
+    "gemm_efficiency": "published: H100 SXM bf16 matmul, 789-798 TFLOP/s at 4096^2-8192^2 (of 989)",
+    "per_micro_batch_s": "fitted",
+    "ring_step_s": "fitted",
+    "per_step_s": "fitted",
+}
 
 
-def fit_overhead_mfu(plans) -> tuple[float, float]:
-    """(overhead_s, mfu) so that the THD MBS 2 and MBS 4 predictions equal the measurements
-    (compute-bound roofline: t = overhead + flops_per_gpu / (peak * mfu))."""
-    t2, t4 = MEASURED_MS[("thd", 2)] / 1e3, MEASURED_MS[("thd", 4)] / 1e3
-    c2, c4 = (plans[m].layouts["thd"].step_s - plans[m].settings.overhead_s for m in (2, 4))
-    scale = (t4 - t2) / (c4 - c2)  # measured seconds per predicted compute second
-    return t2 - scale * c2, plans[2].settings.mfu / scale
+def _value(params: TimeParameters, name: str) -> str:
+    value = getattr(params, name)
+    if hasattr(value, "points"):
+        return ", ".join(f"{n}: {r / 1e12:.0f}" for n, r in value.points) + " TFLOP/s"
+    if name.endswith("_s"):
+        return f"{value * 1e3:.3f} ms"
+    return f"{value:.2f}"
 
 
-def _rows(plans) -> list[str]:
-    out = []
-    for mbs, p in plans.items():
-        for layout in ("bshd", "thd"):
-            e, measured = p.layouts[layout], MEASURED_MS[(layout, mbs)]
-            m = "OOM" if measured is None else f"{measured:.0f}"
-            out.append(f"| {mbs} | {layout} | {e.step_s * 1e3:.0f} | {m} | {e.memory_peak / 2**30:.1f}"
-                       f"{'' if e.fits else ' (OOM)'} |")
-    return out
+def parameter_table(params: TimeParameters = FITTED) -> str:
+    """The parameters as a Markdown table: name, value, source (``fitted`` names what :mod:`.fit` chose)."""
+    rows = ["| parameter | value | source |", "|---|---|---|"]
+    for name, source in PARAMETER_SOURCES.items():
+        rows.append(f"| `{name}` | {_value(params, name)} | "
+                    f"{f'fitted ({params.source})' if name in params.fitted else source} |")
+    return "\n".join(rows)
 
 
-def _ratios(plans) -> str:
-    p2, p4 = plans[2], plans[4]
-    bshd2, thd2, thd4 = MEASURED_MS[("bshd", 2)], MEASURED_MS[("thd", 2)], MEASURED_MS[("thd", 4)]
-    best_bshd = max((p.layouts["bshd"] for p in plans.values() if p.layouts["bshd"].fits),
-                    key=lambda e: e.samples_per_s, default=p2.layouts["bshd"])
-    gain = p4.layouts["thd"].samples_per_s / best_bshd.samples_per_s - 1
-    return (f"MBS 2 padded/THD time ratio: predicted {p2.speedup():.3f}, measured {bshd2 / thd2:.3f}; "
-            f"THD MBS 4 / MBS 2 time: predicted {p4.layouts['thd'].step_s / p2.layouts['thd'].step_s:.3f}, "
-            f"measured {thd4 / thd2:.3f}; THD MBS 4 samples/s over best fitting BSHD: predicted {gain:+.0%}, "
-            f"measured {(4 / thd4) / (2 / bshd2) - 1:+.0%} (the measured best BSHD is MBS 2, since MBS 4 ran out of "
-            f"memory; against padded MBS 2 the planner predicts "
-            f"{p4.layouts['thd'].samples_per_s / p2.layouts['bshd'].samples_per_s - 1:+.0%})")
+def figures_table(figures: list[Figure]) -> str:
+    """Published beside predicted, with the error and the verdict against the bar (ratios 15%, named-GPU times
+    25%; a time on an unnamed GPU is reported, not judged)."""
+    rows = ["| figure | published | predicted | error | within the bar |", "|---|---|---|---|---|"]
+    for f in figures:
+        fmt = ".0f" if f.unit == "ms" else ".3f"
+        verdict = ("yes" if f.within_bar else "**no**") if f.judged else "(not judged: GPU not named)"
+        rows.append(f"| {f.label} | {f.published:{fmt}} {f.unit} | {f.predicted:{fmt}} {f.unit} | {f.error:+.1%} | "
+                    f"{verdict} |")
+    return "\n".join(rows)
 
 
-def calibration_report(num_samples: int = 1024, seed: int = 0, mfu: float = 0.40) -> str:
-    """Markdown text: predicted vs measured step times, memory and the ratios (module docstring)."""
-    header = ["| MBS | layout | predicted ms | measured ms | predicted GiB/GPU |", "|---|---|---|---|---|"]
-    plans = calibration_plans(num_samples, seed, mfu)
-    lines = [f"Calibration: Qwen3.5-VL 2B, cord_v2-like receipts (n={num_samples}), 8xH100, seq_length 2048, DP8",
-             "", f"Roofline as is (MFU {mfu:.0%}, no fixed overhead):", *header, *_rows(plans), "", _ratios(plans)]
-    overhead, fitted_mfu = fit_overhead_mfu(plans)
-    if overhead >= 0 and 0 < fitted_mfu <= 1:
-        fitted = calibration_plans(num_samples, seed, fitted_mfu, overhead)
-        lines += ["", f"Fitted to the two THD points: fixed overhead {overhead * 1e3:.0f} ms/step, effective MFU "
-                  f"{fitted_mfu:.1%} (padded MBS 2 is then a held-out check):", *header, *_rows(fitted), "",
-                  _ratios(fitted)]
-    else:
-        lines += ["", f"A fit to the two THD points gives overhead {overhead * 1e3:.0f} ms, MFU {fitted_mfu:.1%}: "
-                  "outside the model's range, so the roofline form does not describe these timings."]
+def _memory_table() -> str:
+    rows = ["| run | on the GPU | predicted peak (GiB per GPU) | predicted |", "|---|---|---|---|"]
+    for (layout, mbs), (ran, estimate, capacity) in pr3838_memory().items():
+        fits = estimate.fits(capacity)
+        verdict = "fits" if fits else "does not fit"
+        right = fits == ran
+        rows.append(f"| {layout} MBS {mbs} | {'ran' if ran else 'out of memory'} | {estimate.total / 2**30:.1f} | "
+                    f"{verdict}{'' if right else ' (**wrong**)'} |")
+    return "\n".join(rows)
+
+
+def calibration_report(params: TimeParameters = FITTED) -> str:
+    """Markdown text: the parameters, the fit table, the held-out tables, PR 3838's memory (module docstring)."""
+    lines = ["The time model against published GPU measurements (a model's figures; docs/time-model.md)", "",
+             f"Parameters ({params.source}):", "", parameter_table(params)]
+    for role in ("fit", "held out"):
+        for table in (t for t in TABLES.values() if t.role == role):
+            lines += ["", f"{'Fit' if role == 'fit' else 'Held out'}: {table.title} ({table.source})", "",
+                      f"Stated: {table.setup}.", "", "Assumed: " + "; ".join(table.assumptions) + ".", "",
+                      figures_table(table.reproduce(params))]
+    lines += ["", "PR 3838's memory (the memory model, plan/peak_memory.py; the same assumed lengths):", "",
+              _memory_table()]
     return "\n".join(lines)

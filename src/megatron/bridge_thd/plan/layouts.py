@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.bridge_thd import layouts
+from megatron.bridge_thd.batching.step_time import frame_lengths
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
 
@@ -71,11 +72,13 @@ class Parallel:
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch: ``lengths`` real LLM tokens per sample (truncated), ``patches`` ViT
-    patches in it, ``truncated`` tokens cut by ``seq_length``."""
+    patches in it, ``truncated`` tokens cut by ``seq_length``, ``frames`` each sample's ViT frames
+    (patches per frame, :func:`megatron.bridge_thd.batching.step_time.frame_lengths`)."""
 
     lengths: tuple[int, ...]
     patches: int
     truncated: int
+    frames: tuple[tuple[int, ...], ...] = ()
 
 
 def micro_batches(samples: SampleLengths, micro_batch_size: int, seq_length: int) -> list[MicroBatch]:
@@ -99,7 +102,8 @@ def micro_batches(samples: SampleLengths, micro_batch_size: int, seq_length: int
         idx = range(k * micro_batch_size, (k + 1) * micro_batch_size)
         raw = [samples.tokens[i] for i in idx]
         lengths = tuple(min(n, seq_length) for n in raw)
-        batches.append(MicroBatch(lengths, sum(samples.patches(i) for i in idx), sum(raw) - sum(lengths)))
+        batches.append(MicroBatch(lengths, sum(samples.patches(i) for i in idx), sum(raw) - sum(lengths),
+                                  tuple(frame_lengths(samples.grids[i]) for i in idx)))
     return batches
 
 

@@ -59,10 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=8, help="total GPUs (DP = gpus / (tp*cp*pp))")
     p.add_argument("--no-sequence-parallel", action="store_true", help="TP without sequence parallelism")
     p.add_argument("--gpu", default="h100-sxm", help="GPU for the roofline (--list-models)")
-    p.add_argument("--mfu", type=float, default=0.40, help="assumed model FLOPs utilisation (default 0.40)")
-    p.add_argument("--overhead-ms", type=float, default=0.0, help="fixed per-step overhead (default 0)")
+    p.add_argument("--time-params", metavar="JSON",
+                   help="the time model's parameters measured on your GPU (benchmarks/gpu_calibrate.py writes them); "
+                   "default: published rates and the parameters fitted on published step times (docs/time-model.md)")
+    p.add_argument("--overhead-ms", type=float, default=0.0,
+                   help="extra fixed per-step overhead beyond the time model's (default 0)")
     p.add_argument("--png", help="write the figure here (needs matplotlib)")
-    p.add_argument("--calibrate", action="store_true", help="print the Qwen3.5-VL 2B / cord_v2 / 8xH100 calibration")
+    p.add_argument("--calibrate", action="store_true",
+                   help="the time model against published GPU measurements: the fit table and the held-out tables, "
+                   "predicted beside published (docs/time-model.md)")
     p.add_argument("--dynamic-cp", type=int, default=None, metavar="TOKENS",
                    help="compare static CP 1, 2, 4, ... with a CP size per sample at TOKENS tokens of a sample per rank "
                    "(Megatron-Core's max_seqlen_per_dp_cp_rank) instead of the layouts (docs/dynamic-cp.md); without "
@@ -120,7 +125,7 @@ def run(args) -> str:
                 f"{args.micro_batch_size * micro_batches * parallel.dp}; give one of them")
         micro_batches = implied
     settings = PlanSettings(args.seq_length, args.micro_batch_size, parallel, micro_batches or 1,
-                            get_gpu(args.gpu), args.mfu, args.overhead_ms / 1e3)
+                            get_gpu(args.gpu), time_parameters(args), args.overhead_ms / 1e3)
     global_batch_size = args.global_batch_size or args.micro_batch_size * (micro_batches or 1) * parallel.dp
     refused, row_buckets = planner_refusals(spec, settings, global_batch_size, args.row_buckets)
     result = plan(spec, samples, settings)
@@ -136,6 +141,14 @@ def run(args) -> str:
         except ImportError as error:
             text += f"\n{error}"
     return text
+
+
+def time_parameters(args):
+    """The time model's parameters for ``args``: ``--time-params`` over the fitted ones, or the fitted ones."""
+    from megatron.bridge_thd.batching.step_time import FITTED, get_machine, load_time_parameters
+
+    get_machine(args.gpu)  # the time model knows this GPU (ValueError naming the known ones otherwise)
+    return load_time_parameters(args.time_params) if args.time_params else FITTED
 
 
 def _dynamic_cp(args, spec) -> str:
@@ -208,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             elif args.calibrate:
                 from megatron.bridge_thd.plan.calibrate import calibration_report
 
-                print(calibration_report(args.num_samples, args.seed, args.mfu))
+                print(calibration_report())
             else:
                 print(run(args))
     except ValueError as error:

@@ -25,7 +25,8 @@ from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec, get_preset, 
 from megatron.bridge_thd.plan.step_model import sync_seconds
 
 __all__ = ["Figure", "PublishedTable", "TABLES", "get_table", "RATIO_BAR", "TIME_BAR", "dp_balanced_packs",
-           "lognormal_lengths"]
+           "lognormal_lengths", "cord_v2_lengths", "pr3838_memory", "PlacedRow", "static_cp_rows", "balanced_cp_rows",
+           "rows_seconds"]
 
 RATIO_BAR = 0.15  # a held-out speed-up ratio within 15% of the published one
 TIME_BAR = 0.25  # a held-out absolute step time within 25% where the GPU is named
@@ -286,6 +287,27 @@ def _verl(params: TimeParameters) -> list[Figure]:
         dynamic += rows_seconds(shape, dynamic_rows, machine, params, world=_VERL_GPUS, ep=8) + fixed
     return [Figure("dynamic CP over static CP4, tokens/s", _VERL_MEASURED[1] / _VERL_MEASURED[0], static / dynamic,
                    "x")]
+
+
+def pr3838_memory(num_samples: int = 2048, seed: int = 0) -> dict:
+    """PR 3838's four runs by the memory model (:func:`~.peak_memory.peak_memory_bytes`) on the reproduction's
+    lengths: ``{(layout, mbs): (ran on the GPU, MemoryEstimate of the largest micro-batch, GPU bytes)}``."""
+    from megatron.bridge_thd.plan.peak_memory import peak_memory_bytes
+
+    spec = replace(get_preset("qwen3.5-vl-2b"), mtp_num_layers=1)
+    machine, seq_length, parallel = get_machine("h100-sxm"), 2048, Parallel(gpus=8)
+    works = [w if w.tokens <= seq_length else SampleWork(seq_length, w.patches, w.frames)
+             for w in cord_v2_lengths(num_samples, seed)]
+    out = {}
+    for (layout, mbs), published in _PR3838_MEASURED.items():
+        estimates = []
+        for start in range(0, len(works) - mbs + 1, mbs):
+            batch = works[start:start + mbs]
+            slots = mbs * seq_length  # force-pad: both layouts hold seq_length slots per sample
+            estimates.append(peak_memory_bytes(spec, parallel, slots_per_rank=slots,
+                                               patches=sum(w.patches for w in batch), mtp_layers=1))
+        out[(layout, mbs)] = (published is not None, max(estimates, key=lambda e: e.total), machine.memory_bytes)
+    return out
 
 
 MEGATRON_DCP = PublishedTable(

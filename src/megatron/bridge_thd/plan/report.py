@@ -20,7 +20,9 @@ def _header(p: Plan) -> list[str]:
         f"SP {'on' if par.sp else 'off'}; thd slot alignment {par.thd_alignment()}, bshd width multiple "
         f"{par.bshd_divisor()}{' (forced to seq_length: PP>1 or EP>1)' if par.bshd_forced() else ''}",
         f"GPU {s.gpu.name} ({s.gpu.bf16_flops / 1e12:.0f} TFLOP/s bf16, {s.gpu.hbm_bytes_per_s / 1e12:.2f} TB/s, "
-        f"{s.gpu.memory_bytes / 1e9:.0f} GB), assumed MFU {s.mfu:.0%}, fixed overhead {s.overhead_s * 1e3:.0f} ms/step",
+        f"{s.gpu.memory_bytes / 1e9:.0f} GB); step times from the time model ({s.time.source}; a model's figures, "
+        f"fitted: {', '.join(s.time.fitted)}; docs/time-model.md)"
+        + (f", extra overhead {s.overhead_s * 1e3:.0f} ms/step" if s.overhead_s else ""),
         f"real tokens per micro-batch {p.real_tokens:,.0f} (truncated by seq_length: {p.truncated_tokens} tokens in all); "
         f"model states {p.state_bytes / GIB:.1f} GiB/GPU + {s.reserved_bytes / GIB:.1f} GiB reserved",
         "",
@@ -136,7 +138,7 @@ def format_balance(b) -> str:
         f"{b.num_micro_batches} micro-batch(es) x micro_batch_size {s.micro_batch_size}; {b.steps} step(s) of "
         f"consecutive samples; cost per sample: Megatron-Bridge's FLOPs terms ({b.cost_name})",
         f"thd_static row: in-batch micro_batch_size * seq_length = {b.capacity:,} slots; global-batch packing {rows}. "
-        "Step time: the slowest DP rank's summed micro-batch times (roofline), averaged over the steps",
+        "Step time: the slowest DP rank's summed micro-batch times (the time model, docs/time-model.md), averaged over the steps",
         "",
     ]
     return "\n".join(header + [balance_table(b), "", balance_summary(b), graph_memory_summary(b)])

@@ -6,7 +6,8 @@ A micro-batch in a layout becomes the row the time model prices:
 * ``bshd``: every sample padded to the batch's width ``W`` (:func:`megatron.bridge_thd.layouts.bshd_width`): GEMMs
   on ``B x W`` slots and each sample's attention over ``W`` tokens, pads included (the kernel sees them);
 * ``thd``: the samples' real lengths, each aligned as the step aligns it;
-* ``thd_static``: the real samples plus the row's padding tail as one segment of its own.
+* ``thd_static``: the real samples plus the row's padding tail, which the GEMMs process and attention skips (the
+  real ``cu_seqlens`` stop before it).
 
 Per step: the micro-batches of a rank back to back, the 1F1B bubble ``(pp - 1) / m`` of them, and once per step the
 data-parallel gradient sync and the optimizer (:func:`sync_seconds`), fully exposed because Megatron-Bridge's VLM
@@ -61,10 +62,13 @@ class StepModel:
     seq_length: int
     sync_s: float
 
-    def rows(self, layout: str, lengths: Sequence[int], frames: Sequence[Sequence[int]]) -> list[SampleWork]:
+    def rows(self, layout: str, lengths: Sequence[int], frames: Sequence[Sequence[int]],
+             row_length: int | None = None) -> list[SampleWork]:
         """The row the time model prices for a micro-batch of ``lengths`` (truncated LLM tokens per sample) whose
-        samples have ``frames`` (each sample's ViT frames' patches) in ``layout``."""
+        samples have ``frames`` (each sample's ViT frames' patches) in ``layout`` (``row_length``: a
+        ``thd_static`` row's slots when not the in-batch default)."""
         par = self.parallel
+        frames = list(frames) or [()] * len(lengths)
         works = [SampleWork(int(n), sum(f), tuple(f)) for n, f in zip(lengths, frames)]
         if layout == "bshd":
             width = layouts.bshd_width(max(lengths), seq_length=self.seq_length, tp=par.tp, cp=par.cp, pp=par.pp,
@@ -75,15 +79,15 @@ class StepModel:
         if layout == "thd_static":
             align = par.thd_alignment()
             used = layouts.thd_slots(lengths, align)
-            row = layouts.static_row_length(len(lengths), seq_length=self.seq_length, align=align)
-            return works + ([SampleWork(row - used)] if row > used else [])
+            row = row_length or layouts.static_row_length(len(lengths), seq_length=self.seq_length, align=align)
+            return works + ([SampleWork(row - used, attended=False)] if row > used else [])
         raise ValueError(f"layout {layout!r} is not known; valid layouts: bshd, thd, thd_static")
 
     def micro_batch(self, layout: str, lengths: Sequence[int], frames: Sequence[Sequence[int]],
-                    row: Sequence[SampleWork] | None = None) -> RowTime:
-        """Seconds per rank of one micro-batch (``row``: the priced row when the caller laid it out itself)."""
+                    row_length: int | None = None) -> RowTime:
+        """Seconds per rank of one micro-batch (:meth:`rows`)."""
         par = self.parallel
-        works = list(row) if row is not None else self.rows(layout, lengths, frames)
+        works = self.rows(layout, lengths, frames, row_length)
         align = par.thd_alignment() if layout != "bshd" else 1
         return row_time(self.shape, works, self.machine, self.params, cp=par.cp, tp=par.tp, ep=par.ep, align=align)
 
