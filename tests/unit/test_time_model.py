@@ -174,3 +174,48 @@ def test_published_rates_are_the_defaults_of_the_fitted_set():
     assert FITTED.gemm_efficiency == PUBLISHED.gemm_efficiency == 0.80
     assert set(FITTED.fitted) == {"per_micro_batch_s", "ring_step_s", "per_step_s"}
     assert get_machine("h100-sxm").bf16_flops == 989e12 and not math.isnan(FITTED.per_step_s)
+
+
+# --- the GPU calibration script (its plumbing on the CPU) and bridge-thd plan --rank ----------------------------
+
+
+def _calibration_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_calibrate.py"
+    spec = importlib.util.spec_from_file_location("gpu_calibrate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_calibration_script_writes_a_file_the_planner_reads(tmp_path, capsys):
+    script = _calibration_script()
+    out = tmp_path / "params.json"
+    assert script.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    params = load_time_parameters(out)
+    assert [n for n, _ in params.attention_forward.points] == [32, 64]  # what it measured, not the published curve
+    assert params.per_step_s == FITTED.per_step_s and params.fitted == FITTED.fitted  # what it cannot measure
+    assert "gpu_calibrate" in params.source
+    if not __import__("torch").cuda.is_available():
+        assert script.main(["--out", str(out)]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_rank_lists_what_fits_best_first_with_the_balance_plans_figures():
+    from megatron.bridge_thd.plan import PlanSettings, balance_plan, get_preset, receipt_lengths
+    from megatron.bridge_thd.plan.answer import rank_candidates
+
+    spec, samples = get_preset("qwen3-vl-2b"), receipt_lengths(64)
+    base = PlanSettings(2048, 1, Parallel(gpus=4))
+    candidates = rank_candidates(spec, samples, base, 16, micro_batch_sizes=(1, 2), row_buckets=(1,), cps=(1, 2))
+    fitting = [c for c in candidates if c.fits]
+    assert fitting and all(c.memory_bytes <= base.gpu.memory_bytes for c in fitting)
+    assert [c.samples_per_s for c in fitting] == sorted((c.samples_per_s for c in fitting), reverse=True)
+    best = fitting[0]
+    from dataclasses import replace as _replace
+
+    settings = _replace(base, micro_batch_size=best.micro_batch_size, parallel=Parallel(cp=best.cp, gpus=4))
+    again = balance_plan(spec, samples, settings, 16, row_buckets=1).layouts[best.layout][best.placement]
+    assert again.step_s == pytest.approx(best.step_s)

@@ -393,7 +393,7 @@ def load_time_parameters(path, base: TimeParameters | None = None) -> TimeParame
         raise ValueError(f"--time-params {path}: not valid JSON (line {error.lineno}: {error.msg})") from None
     if not isinstance(data, dict):
         raise ValueError(f"--time-params {path}: expected a JSON object of parameters")
-    unknown = set(data) - set(_CURVES) - set(_SCALARS) - {"source", "fitted"}
+    unknown = set(data) - set(_CURVES) - set(_SCALARS) - {"source", "fitted", "measured"}  # measured: the raw figures
     if unknown:
         raise ValueError(f"--time-params {path}: unknown field(s) {sorted(unknown)}; known: "
                          f"{', '.join(_SCALARS + _CURVES)}")

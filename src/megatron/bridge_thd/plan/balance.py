@@ -79,7 +79,8 @@ class PlacementEstimate:
     takes); ``padding``: 1 - real tokens / slots over all steps; ``rank_cost_imbalance`` /
     ``rank_time_imbalance``: per-rank cost (``sample_cost``) / time (the time model), max over mean, averaged
     over the steps; ``step_s``: the slowest rank's time, averaged over the steps; ``samples_per_s``:
-    ``global_batch_size / step_s``; ``activation_peak``: bytes per GPU of the largest micro-batch;
+    ``global_batch_size / step_s``; ``activation_peak``: bytes per GPU of the largest micro-batch, whose slots and
+    patches are ``largest_micro_batch``;
     ``refused``: why the placement is not available for this layout (then every figure is NaN)."""
 
     layout: str
@@ -93,6 +94,7 @@ class PlacementEstimate:
     samples_per_s: float
     activation_peak: float
     refused: str = ""
+    largest_micro_batch: tuple[int, int] = (0, 0)  # (slots, patches) of the micro-batch with the most activations
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,7 @@ def _estimate(layout: str, placement: str, steps: list[Step], assignments, costs
 
     par = settings.parallel
     step_times, time_ratios, cost_ratios, slots, real, count, peak = [], [], [], 0, 0, 0, 0.0
+    largest = (0, 0)
     for s, assignment, step_costs in zip(steps, assignments, costs):
         rank_times = []
         for rank in assignment:
@@ -276,7 +279,8 @@ def _estimate(layout: str, placement: str, steps: list[Step], assignments, costs
                 frames = tuple(s.frames[i] for i in members) if s.frames else ()
                 t, act = micro_seconds(layout, lengths, frames, mb_slots, patches)
                 seconds += t
-                peak = max(peak, act)
+                if act > peak:
+                    peak, largest = act, (mb_slots, patches)
                 slots += mb_slots
                 real += sum(lengths)
                 count += 1
@@ -287,7 +291,7 @@ def _estimate(layout: str, placement: str, steps: list[Step], assignments, costs
     step_s = sum(step_times) / len(step_times)
     return PlacementEstimate(layout, placement, row_length, slots / count, 1 - real / slots,
                              sum(cost_ratios) / len(cost_ratios), sum(time_ratios) / len(time_ratios), step_s,
-                             global_batch_size / step_s, peak)
+                             global_batch_size / step_s, peak, largest_micro_batch=largest)
 
 
 def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings, global_batch_size: int | None = None,

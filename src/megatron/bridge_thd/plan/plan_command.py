@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: published rates and the parameters fitted on published step times (docs/time-model.md)")
     p.add_argument("--overhead-ms", type=float, default=0.0,
                    help="extra fixed per-step overhead beyond the time model's (default 0)")
+    p.add_argument("--rank", action="store_true",
+                   help="every layout, placement, micro-batch size, static CP size and thd_static row buckets that fits, "
+                   "by predicted samples/s, with step time and peak memory per GPU (needs --global-batch-size)")
     p.add_argument("--png", help="write the figure here (needs matplotlib)")
     p.add_argument("--calibrate", action="store_true",
                    help="the time model against published GPU measurements: the fit table and the held-out tables, "
@@ -127,6 +130,8 @@ def run(args) -> str:
     settings = PlanSettings(args.seq_length, args.micro_batch_size, parallel, micro_batches or 1,
                             get_gpu(args.gpu), time_parameters(args), args.overhead_ms / 1e3)
     global_batch_size = args.global_batch_size or args.micro_batch_size * (micro_batches or 1) * parallel.dp
+    if args.rank:
+        return _rank(args, spec, samples, settings)
     refused, row_buckets = planner_refusals(spec, settings, global_batch_size, args.row_buckets)
     result = plan(spec, samples, settings)
     text = format_plan(result, balance_plan(spec, samples, settings, args.global_batch_size, seed=args.seed,
@@ -141,6 +146,20 @@ def run(args) -> str:
         except ImportError as error:
             text += f"\n{error}"
     return text
+
+
+def _rank(args, spec, samples, settings) -> str:
+    """``--rank``: every candidate that fits, best first (plan/answer.py)."""
+    from megatron.bridge_thd.plan.answer import format_candidates, rank_candidates
+
+    if args.global_batch_size is None:
+        raise ValueError("--rank: give --global-batch-size (the candidates vary the micro-batch size and CP size at "
+                         "a fixed global batch)")
+    candidates = rank_candidates(spec, samples, settings, args.global_batch_size, seed=args.seed)
+    return (f"bridge-thd plan --rank: {spec.name}, {samples.source}, {len(samples)} samples, global batch "
+            f"{args.global_batch_size}, {settings.parallel.gpus} x {settings.gpu.name}, TP {settings.parallel.tp}, "
+            f"PP {settings.parallel.pp}, EP {settings.parallel.ep}, seq_length {settings.seq_length}\n\n"
+            + format_candidates(candidates, settings))
 
 
 def time_parameters(args):
