@@ -298,23 +298,24 @@ def _as_cp_rows(rows: Sequence[_Row]) -> tuple[CPRow, ...]:
 
 
 def _reason(placement_rows: Sequence[_Row], busy: Sequence[float], world: int, target: float) -> str:
-    """Why busy max / mean is above ``target`` (empty when it is not): the busiest rank's longest row, when one row
-    alone takes most of a mean rank's time, else the step's coarseness."""
+    """Why busy max / mean is above ``target`` (empty when it is not): one sample that alone takes most of a mean
+    rank's time, or rows too few and coarse for the ranks."""
     mean = sum(busy) / world
     ratio = max(busy) / mean if mean else 1.0
     if ratio <= target:
         return ""
     worst = max(range(world), key=lambda r: (busy[r], -r))
-    mine = [row for row in placement_rows if worst in row.ranks]
-    longest = max(mine, key=lambda row: row.seconds)
-    if longest.seconds >= target * mean * 0.5:
+    longest = max((row for row in placement_rows if worst in row.ranks), key=lambda row: row.seconds)
+    head = f"busy max / mean {ratio:.3f} > {target}"
+    if len(longest.samples) == 1 and longest.seconds >= 0.5 * mean:
         where = "all the world's" if len(longest.ranks) == world else f"its {len(longest.ranks)}"
-        return (f"busy max / mean {ratio:.3f} > {target}: samples {sorted(longest.samples)} take "
-                f"{longest.seconds * 1e3:.1f} ms on {where} ranks, {longest.seconds / mean:.0%} of a mean rank's "
-                f"{mean * 1e3:.1f} ms; one row dominates the step (widening the busiest rank's rows did not shorten "
-                "the step)")
-    return (f"busy max / mean {ratio:.3f} > {target}: the best placement found for {len(placement_rows)} rows on "
-            f"{world} ranks (rank {worst} busiest); the step's samples are too few or too coarse to balance further")
+        return (f"{head}: sample {longest.samples[0]} alone takes {longest.seconds * 1e3:.1f} ms on {where} ranks, "
+                f"{longest.seconds / mean:.0%} of a mean rank's {mean * 1e3:.1f} ms: one sample dominates the step, "
+                "and widening it did not shorten the step")
+    return (f"{head}: the step's {sum(len(row.samples) for row in placement_rows)} samples make "
+            f"{len(placement_rows)} rows, too coarse for {world} ranks (rank {worst}'s longest row takes "
+            f"{longest.seconds / mean:.0%} of a mean rank's {mean * 1e3:.1f} ms); no shorter step spreads them "
+            "more evenly")
 
 
 def place_by_time(works: Sequence[SampleWork], *, world: int, max_tokens_per_rank: int, pricer: RowPricer,
