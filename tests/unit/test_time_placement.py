@@ -170,3 +170,20 @@ def test_the_setting_is_validated():
                     global_batch_packing=GlobalBatchPacking(cost_model="qwen3-vl-8b"))
     assert DynamicCP(64, placement="time", gpu="h100-sxm", model="no-such-model").resource_problems()[0].startswith(
         "dynamic_cp.model:")
+
+
+def test_the_rules_take_the_cost_model_as_the_time_placements_model():
+    """global_batch_packing.cost_model is refused with Megatron-Core's scheduler (it has nothing to apply to) and read
+    as the time model's model by placement 'time'."""
+    from megatron.bridge_thd import rules
+    from megatron.bridge_thd.rules import CONFIGURE, Setup
+    from megatron.bridge_thd.settings import DynamicCP, GlobalBatchPacking, PackingSettings
+
+    def found(dynamic_cp):
+        settings = PackingSettings(dynamic_cp=dynamic_cp, global_batch_packing=GlobalBatchPacking(cost_model="qwen3-vl-8b"))
+        return rules.problems(Setup(layout="thd", settings=settings, seq_lengths=(8192, 8192), dataloader_type="single"),
+                              CONFIGURE)
+
+    refused = found(DynamicCP(256))
+    assert len(refused) == 1 and "global_batch_packing.cost_model='qwen3-vl-8b'" in refused[0]
+    assert found(DynamicCP(256, placement="time", gpu="h100-sxm")) == []
