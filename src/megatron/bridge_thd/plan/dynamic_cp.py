@@ -167,6 +167,6 @@ def format_cp_comparison(estimates: list[CPEstimate], *, max_tokens_per_rank: in
         sizes = ", ".join(f"CP {k}: {n}" for k, n in e.cp_sizes)
         step = f"{e.step_s * 1e3:,.1f}" + (f" ({e.unbarred_s * 1e3:,.1f} without the barriers between groups)"
                                            if e.unbarred_s is not None else "")
-        busy = f"{e.imbalance:.3f}" + (f" ({e.unbalanced_steps} steps above 1.05)" if e.unbalanced_steps else "")
+        busy = f"{e.imbalance:.3f}" + (f" (steps above 1.05: {e.unbalanced_steps})" if e.unbalanced_steps else "")
         rows.append(f"| {e.name} | {step} | {busy} | {e.peak_tokens:,} | {e.padding:.1%} | {sizes} |")
     return "\n".join(rows)
