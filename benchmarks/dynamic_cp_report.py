@@ -1,15 +1,18 @@
-"""Static context parallelism against a CP size per sample on a long-tailed video mix (docs/dynamic-cp.md).
+"""Static context parallelism against a CP size per sample on a long-tailed video mix and a long-tailed text mix, at
+8, 32 and 64 GPUs (docs/dynamic-cp.md).
 
-For each case (model, tokens of a sample per rank), on 8 x H100 SXM (TP 1, PP 1) with steps of 64 samples drawn
-from the synthetic video mix (``megatron.bridge_thd.plan.video_mix``: 25% videos of 4 s to 6.4 min, the rest
-receipts; an assumption, not a measured data set): static CP 1 / 2 / 4 / 8 with global-batch packing, and CP per
-sample placed by Megatron-Core's ``BalancedCPScheduler`` (``megatron.bridge_thd.batching.dynamic_cp``). Per way: the
-planner's step time (roofline at 40% MFU plus a K/V communication model at NVLink bandwidth, no overlap), per-rank
-busy time max / mean, each rank's peak activation tokens, padding and the CP sizes used
-(``megatron.bridge_thd.plan.dynamic_cp``). No timing is measured: the figures are the planner's model.
+For each case (mix, GPUs), qwen3-vl-8b on H100 SXM (8 per node: CP groups above 8 cross nodes; TP 1, PP 1) at 16,384
+tokens of a sample per rank, steps of 4 samples per GPU: static CP 1, 2, 4, ... up to the world with global-batch
+packing, CP per sample placed by Megatron-Core's ``BalancedCPScheduler`` (groups behind barriers) and by ours
+(``batching.time_placement.place_by_time``). Every way's rows are priced by the time model
+(``batching.step_time.row_time``, its published and fitted parameters as they stand, docs/time-model.md) and run as
+the schedule runs them (``plan.dynamic_cp``). Per way: step time, per-rank busy time max / mean, each rank's peak
+activation tokens, padding and the CP sizes used. No timing is measured: the figures are the time model's.
 
-The values go to ``benchmarks/results/dynamic_cp.json``; the docs block ``dynamic-cp`` is rendered from it by
-:func:`render` (``scripts/readme_figures.py``).
+The mixes are synthetic (``plan.video_mix``: 25% videos of 4 s to 6.4 min, the rest receipts; ``plan.text_mix``:
+lognormal lengths, median 1,500, 1 to 32,768 tokens): an assumption, not a measured data set. The values go to
+``benchmarks/results/dynamic_cp.json``; the docs block ``dynamic-cp`` is rendered from it by :func:`render`
+(``scripts/readme_figures.py``).
 
     .venv/bin/python benchmarks/dynamic_cp_report.py [--json PATH]
 """
@@ -19,45 +22,62 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "dynamic_cp.json"
-CASES = (("qwen3-vl-2b", 16384), ("qwen3-vl-8b", 16384), ("qwen3-vl-8b", 32768))
-SETTING = dict(num_samples=512, video_share=0.25, seed=0, gpus=8, gpu="h100-sxm", global_batch_size=64, mfu=0.40)
+MIXES = ("video", "text")
+GPUS = (8, 32, 64)
+SETTING = dict(model="qwen3-vl-8b", max_tokens_per_rank=16384, gpu="h100-sxm", samples_per_gpu=4, steps=3,
+               video_share=0.25, seed=0)
+
+
+def _mix(name: str, num_samples: int):
+    from megatron.bridge_thd.plan.text_mix import text_mix_lengths
+    from megatron.bridge_thd.plan.video_mix import video_mix_lengths
+
+    if name == "video":
+        return video_mix_lengths(num_samples, video_share=SETTING["video_share"], seed=SETTING["seed"])
+    return text_mix_lengths(num_samples, seed=SETTING["seed"])
 
 
 def measure() -> dict:
+    from megatron.bridge_thd.batching.step_time import PUBLISHED
     from megatron.bridge_thd.plan.dynamic_cp import compare_cp
-    from megatron.bridge_thd.plan.presets import get_preset
-    from megatron.bridge_thd.plan.roofline import get_gpu
-    from megatron.bridge_thd.plan.video_mix import video_mix_lengths
 
-    samples = video_mix_lengths(SETTING["num_samples"], video_share=SETTING["video_share"], seed=SETTING["seed"])
-    tokens = sorted(samples.tokens)
     cases = []
-    for model, limit in CASES:
-        estimates = compare_cp(get_preset(model), samples, gpus=SETTING["gpus"], global_batch_size=SETTING[
-            "global_batch_size"], max_tokens_per_rank=limit, gpu=get_gpu(SETTING["gpu"]), mfu=SETTING["mfu"])
-        cases.append(dict(model=model, max_tokens_per_rank=limit,
-                          estimates=[dataclasses.asdict(e) for e in estimates]))
-    return dict(setting=SETTING, source=samples.source,
-                lengths=dict(median=tokens[len(tokens) // 2], p90=tokens[int(0.9 * len(tokens))], max=tokens[-1],
-                             over_10k=sum(n > 10_000 for n in tokens)),
-                cases=cases)
+    for mix in MIXES:
+        for gpus in GPUS:
+            batch = SETTING["samples_per_gpu"] * gpus
+            samples = _mix(mix, batch * SETTING["steps"])
+            tokens = sorted(samples.tokens)
+            started = time.perf_counter()
+            estimates = compare_cp(SETTING["model"], samples, gpus=gpus, global_batch_size=batch,
+                                   max_tokens_per_rank=SETTING["max_tokens_per_rank"], gpu=SETTING["gpu"])
+            cases.append(dict(mix=mix, gpus=gpus, global_batch_size=batch, source=samples.source,
+                              seconds=round(time.perf_counter() - started, 1),
+                              lengths=dict(samples=len(tokens), median=tokens[len(tokens) // 2],
+                                           p90=tokens[int(0.9 * len(tokens))], max=tokens[-1],
+                                           over_limit=sum(n > SETTING["max_tokens_per_rank"] for n in tokens)),
+                              estimates=[dataclasses.asdict(e) for e in estimates]))
+    return dict(setting=SETTING, parameters=PUBLISHED.source, cases=cases)
 
 
 def render(results: dict) -> str:
     from megatron.bridge_thd.plan.dynamic_cp import CPEstimate, format_cp_comparison
 
-    s, lengths = results["setting"], results["lengths"]
-    lines = [f"{results['source']}: {s['num_samples']} samples (median {lengths['median']:,} tokens, 90th percentile "
-             f"{lengths['p90']:,}, longest {lengths['max']:,}; {lengths['over_10k']} over 10,000), steps of "
-             f"{s['global_batch_size']} on {s['gpus']} x {s['gpu']}, MFU {s['mfu']:.0%}."]
+    s = results["setting"]
+    lines = [f"{s['model']} on {s['gpu']} (8 per node), at most {s['max_tokens_per_rank']:,} tokens of a sample per "
+             f"rank, steps of {s['samples_per_gpu']} samples per GPU, {s['steps']} steps per case; every row priced "
+             f"by the time model ({results['parameters']}): a model's figures, not a measurement."]
     for case in results["cases"]:
+        n = case["lengths"]
         estimates = [CPEstimate(**{**e, "cp_sizes": tuple(tuple(pair) for pair in e["cp_sizes"])})
                      for e in case["estimates"]]
-        lines += ["", f"**{case['model']}**", "", format_cp_comparison(estimates,
-                                                                       max_tokens_per_rank=case["max_tokens_per_rank"])]
+        lines += ["", f"**{case['mix']} mix, {case['gpus']} GPUs** ({case['source']}: {n['samples']} samples, median "
+                      f"{n['median']:,} tokens, 90th percentile {n['p90']:,}, longest {n['max']:,}; "
+                      f"{n['over_limit']} over the limit; steps of {case['global_batch_size']})", "",
+                  format_cp_comparison(estimates, max_tokens_per_rank=s["max_tokens_per_rank"])]
     return "\n".join(lines)
 
 

@@ -26,6 +26,26 @@ LAYOUTS = [
 ]
 
 
+# The placements the equality tests run: Megatron-Core's scheduler, and ours on the time model (qwen3-vl-8b's shape
+# on an H100: at these tiny lengths it gives every rank rows of CP 4, 2 and 1 in one group, in one global order).
+PLACEMENTS = ("megatron", "time")
+TIME_MODEL = ("qwen3-vl-8b", "h100-sxm")
+
+
+def place(step_samples, placement: str = "megatron"):
+    """The step's placement by ``placement`` (:data:`PLACEMENTS`), from the samples' lengths."""
+    lengths = [len(s) for s in step_samples]
+    if placement == "megatron":
+        from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
+
+        return place_with_cp_per_sample(lengths, world=WORLD, max_tokens_per_rank=MAX_TOKENS_PER_RANK)
+    from megatron.bridge_thd.batching.step_time import SampleWork
+    from megatron.bridge_thd.batching.time_placement import RowPricer, place_by_time
+
+    return place_by_time([SampleWork(n) for n in lengths], world=WORLD, max_tokens_per_rank=MAX_TOKENS_PER_RANK,
+                         pricer=RowPricer.of(*TIME_MODEL))
+
+
 def samples():
     return [sample_from_layout(layout, seed=i) for i, layout in enumerate(LAYOUTS)]
 
@@ -46,8 +66,9 @@ def bridge_batch(samples) -> dict:
     }
 
 
-def run_hybrid_step(model, step_samples) -> dict:
-    """On every rank of a hybrid-CP world: the step's rows through Megatron-Core's ``forward_backward_no_pipelining``
+def run_hybrid_step(model, step_samples, placement: str = "megatron") -> dict:
+    """On every rank of a hybrid-CP world: the step's rows (placed by ``placement``, :func:`place`) through
+    Megatron-Core's ``forward_backward_no_pipelining``
     (dispatching to its hybrid-CP schedule) with our forward step, then the loss sum, token count and gradients
     summed over the world (what per-token loss and DDP sum). ``calls``: the ``PackedSeqParams`` of each forward."""
     from functools import partial
@@ -55,14 +76,12 @@ def run_hybrid_step(model, step_samples) -> dict:
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
     from megatron.bridge_thd.qwen3_vl_step import forward_step
     from megatron.bridge_thd_cpu.parity import gradients
     from megatron.bridge_thd_cpu.standalone import minimal_state
 
     model.model_type = ModelType.encoder_or_decoder  # what Megatron-Bridge's get_model sets, the schedule reads
-    placement = place_with_cp_per_sample([len(s) for s in step_samples], world=WORLD,
-                                         max_tokens_per_rank=MAX_TOKENS_PER_RANK)
+    placement = place(step_samples, placement)
     item = placement.schedule_item(torch.distributed.get_rank(),
                                    lambda row: bridge_batch([step_samples[i] for i in row.samples]))
     state = minimal_state(seq_length=SEQ_LENGTH, micro_batch_size=1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from _real_model import FakeGroup
 from _cp_per_sample import cp1_reference as _cp1_reference
-from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, run_hybrid_step
+from _cp_per_sample import MAX_TOKENS_PER_RANK, PLACEMENTS, SEQ_LENGTH, WORLD, place, run_hybrid_step
 from _cp_per_sample import samples as _samples
 
 from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
@@ -52,11 +52,20 @@ def test_the_step_is_the_one_the_issue_asks_for():
     assert placement.rows[6].samples == (3, 7)
 
 
-def hybrid_worker(state_dict, samples):
+def test_the_time_placement_runs_several_cp_sizes_in_one_group():
+    """Ours on the time model: one group (no barrier), every rank a row of CP 4, then 2, then 1, the rows of
+    different sizes interleaved in one global order."""
+    placement = place(_samples(), "time")
+    assert placement.groups == 1
+    for rank in range(WORLD):
+        assert [row.cp_size for row in placement.rows_of(rank)] == [4, 2, 1], rank
+
+
+def hybrid_worker(state_dict, samples, placement="megatron"):
     """Every rank: the step's rows through Megatron-Core's hybrid-CP schedule, then the sums over the world."""
     model = build_qwen3_vl(_hybrid_config(), seed=0)
     model.load_state_dict(state_dict)
-    result = run_hybrid_step(model, samples)
+    result = run_hybrid_step(model, samples, placement)
     calls = result.pop("calls")
     return dict(result, row_cp_sizes=[int(p.local_cp_size) for p in calls],
                 groups=[None if p.cp_group is None else torch.distributed.get_process_group_ranks(p.cp_group)
@@ -72,15 +81,22 @@ def cp1_reference():
     return _cp1_reference(lambda: build_qwen3_vl(_config(), seed=0))
 
 
-def test_cp_per_sample_equals_cp1_on_the_real_model(cp1_reference):
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_cp_per_sample_equals_cp1_on_the_real_model(cp1_reference, placement):
     state_dict, expected = cp1_reference
-    ranks = run_on_gloo(hybrid_worker, state_dict, _samples(), dp=WORLD, hybrid_cp=True, timeout=600)
+    placed = place(_samples(), placement)
+    ranks = run_on_gloo(hybrid_worker, state_dict, _samples(), placement, dp=WORLD, hybrid_cp=True, timeout=600)
     assert expected["num_tokens"] > 0
     for rank, got in enumerate(ranks):
-        # Each rank ran its rows with their CP sizes and Megatron-Core's groups, one forward per row.
-        pair = [0, 1] if rank < 2 else [2, 3]
-        assert got["row_cp_sizes"] == [4, 2, 1], rank
-        assert got["groups"] == [[0, 1, 2, 3], pair, None], rank
+        # Each rank ran its rows with their CP sizes and Megatron-Core's groups, one forward per row, in order.
+        mine = placed.rows_of(rank)
+        assert got["row_cp_sizes"] == [row.cp_size for row in mine], rank
+        assert got["groups"] == [list(row.ranks) if row.cp_size > 1 else None for row in mine], rank
+        assert got["row_slots"] == [row.slots for row in mine], rank
+        if placement == "megatron":
+            pair = [0, 1] if rank < 2 else [2, 3]
+            assert got["row_cp_sizes"] == [4, 2, 1], rank
+            assert got["groups"] == [[0, 1, 2, 3], pair, None], rank
         # Every slot aligned for the row's CP size: 2k (the long video: 166 -> 168).
         assert got["row_slots"][0] == 168 and all(s % (2 * k) == 0 or k == 1
                                                   for s, k in zip(got["row_slots"], got["row_cp_sizes"])), rank

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, bridge_batch, run_hybrid_step, samples
+from _cp_per_sample import MAX_TOKENS_PER_RANK, PLACEMENTS, SEQ_LENGTH, WORLD, bridge_batch, place, run_hybrid_step, samples
 
-from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
 from megatron.bridge_thd.moe_padding import with_padding_mask
 from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd_cpu.parity import gradients, step_run, worst_relative_gradient_error
@@ -41,7 +40,7 @@ def _counts(model) -> torch.Tensor:
     return torch.stack([layer.mlp.router.local_tokens_per_expert.clone() for layer in model.language_model.decoder.layers])
 
 
-def moe_worker(state_dict, step_samples):
+def moe_worker(state_dict, step_samples, placement="megatron"):
     """Every rank: the wrapped MoE model, the step's rows through Megatron-Core's hybrid-CP schedule; the sums over
     the world, the expert-bias counts summed over the world, and the routers' TP x CP group sizes they ran with."""
     model = build_qwen3_vl(_config(hybrid_context_parallel=True, max_seqlen_per_dp_cp_rank=MAX_TOKENS_PER_RANK,
@@ -51,7 +50,7 @@ def moe_worker(state_dict, step_samples):
     routers = [layer.mlp.router for layer in model.language_model.decoder.layers]
     group_sizes = []
     routers[0].register_forward_pre_hook(lambda module, args: group_sizes.append(module.tp_cp_group.size()))
-    result = run_hybrid_step(model, step_samples)
+    result = run_hybrid_step(model, step_samples, placement)
     counts = _counts(model)
     torch.distributed.all_reduce(counts)
     result.pop("calls")
@@ -60,13 +59,23 @@ def moe_worker(state_dict, step_samples):
 
 
 @pytest.fixture(scope="module")
-def per_row_reference():
-    """Each row of the placement alone at CP = 1 on one process (the same weights): loss, tokens and gradients
-    summed over the rows, and the expert-bias counts summed."""
+def per_row_references():
+    """By placement, computed once each: :func:`_per_row_reference`."""
+    return {}
+
+
+@pytest.fixture
+def per_row_reference(per_row_references):
+    """Megatron-Core's placement's reference (the aux-loss tests read its weights)."""
+    return per_row_references.setdefault("megatron", _per_row_reference("megatron"))
+
+
+def _per_row_reference(placed_by: str):
+    """Each row of the placement (by ``placed_by``) alone at CP = 1 on one process (the same weights): loss,
+    tokens and gradients summed over the rows, the expert-bias counts summed, and the placement."""
     init_single_process_groups()
     step_samples = samples()
-    placement = place_with_cp_per_sample([len(s) for s in step_samples], world=WORLD,
-                                         max_tokens_per_rank=MAX_TOKENS_PER_RANK)
+    placement = place(step_samples, placed_by)
     with cpu_stack():
         model = build_qwen3_vl(_config(), seed=0)
         state_dict = {name: value.clone() if value is not None else None for name, value in model.state_dict().items()}
@@ -77,16 +86,22 @@ def per_row_reference():
             run.loss.backward()
             loss, tokens = loss + float(run.loss), tokens + int(run.num_tokens)
         return state_dict, dict(loss=loss, num_tokens=tokens, grads=gradients(model), counts=_counts(model),
-                                rows=len(placement.rows))
+                                rows=len(placement.rows), placement=placement, placed_by=placed_by)
 
 
-def test_cp_per_sample_moe_equals_each_row_at_cp1(per_row_reference):
-    state_dict, expected = per_row_reference
+@pytest.mark.parametrize("placed_by", PLACEMENTS)
+def test_cp_per_sample_moe_equals_each_row_at_cp1(per_row_references, placed_by):
+    if placed_by not in per_row_references:
+        per_row_references[placed_by] = _per_row_reference(placed_by)
+    state_dict, expected = per_row_references[placed_by]
     assert expected["rows"] == 7 and expected["num_tokens"] > 0
-    ranks = run_on_gloo(moe_worker, state_dict, samples(), dp=WORLD, hybrid_cp=True, timeout=600)
+    ranks = run_on_gloo(moe_worker, state_dict, samples(), expected["placed_by"], dp=WORLD, hybrid_cp=True,
+                        timeout=600)
     for rank, got in enumerate(ranks):
-        # The routers reduced over the row's ranks: 4, then 2, then 1; and were given back their own group.
-        assert got["group_sizes"] == [4, 2, 1] and got["restored"], rank
+        # The routers reduced over the row's ranks: 4, then 2, then 1 (both placements give every rank these sizes,
+        # in this order); and were given back their own group.
+        assert got["group_sizes"] == [row.cp_size for row in expected["placement"].rows_of(rank)] == [4, 2, 1], rank
+        assert got["restored"], rank
         assert torch.equal(got["counts"], expected["counts"]), rank
         assert got["num_tokens"] == expected["num_tokens"], rank
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6), rank

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 from _real_model import FakeGroup
 from _cp_per_sample import cp1_reference as _cp1_reference
-from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, run_hybrid_step, samples
+from _cp_per_sample import MAX_TOKENS_PER_RANK, PLACEMENTS, SEQ_LENGTH, WORLD, place, run_hybrid_step, samples
 
 from megatron.bridge_thd.cp_per_sample import bound_cp_group, find_cp_group_holders
 from megatron.bridge_thd_cpu.parity import worst_relative_gradient_error
@@ -46,7 +46,7 @@ def _build(config):
     return model
 
 
-def hybrid_worker(state_dict, step_samples):
+def hybrid_worker(state_dict, step_samples, placement="megatron"):
     """Every rank: the step's rows through Megatron-Core's hybrid-CP schedule, then the sums over the world; what
     each GDN layer ran with."""
     model = _build(_hybrid_config())
@@ -57,7 +57,7 @@ def hybrid_worker(state_dict, step_samples):
     for m in gdn:
         m.register_forward_pre_hook(lambda module, args: gdn_calls.append(
             (module.cp_size, module.pg_collection.cp.size(), module.gated_delta_rule is built[0][2])))
-    result = run_hybrid_step(model, step_samples)
+    result = run_hybrid_step(model, step_samples, placement)
     calls = result.pop("calls")
     return dict(result, row_cp_sizes=[int(p.local_cp_size) for p in calls], gdn_calls=gdn_calls,
                 holders_restored=all(getattr(h, n) is model.pg_collection.cp
@@ -71,9 +71,14 @@ def cp1_reference():
     return _cp1_reference(lambda: _build(_config()))
 
 
-def test_cp_per_sample_equals_cp1_on_qwen35(cp1_reference):
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_cp_per_sample_equals_cp1_on_qwen35(cp1_reference, placement):
+    """Both placements give every rank rows of CP 4, 2 and 1, in this order (test_cp_per_sample.py checks it for
+    the time model's)."""
     state_dict, expected = cp1_reference
-    ranks = run_on_gloo(hybrid_worker, state_dict, samples(), dp=WORLD, hybrid_cp=True, timeout=600)
+    assert all([row.cp_size for row in place(samples(), placement).rows_of(rank)] == [4, 2, 1]
+               for rank in range(WORLD))
+    ranks = run_on_gloo(hybrid_worker, state_dict, samples(), placement, dp=WORLD, hybrid_cp=True, timeout=600)
     assert expected["num_tokens"] > 0
     for rank, got in enumerate(ranks):
         assert got["row_cp_sizes"] == [4, 2, 1], rank

@@ -1,46 +1,49 @@
 """The planner's comparison of static context parallelism with a CP size per sample (``plan/dynamic_cp.py``) and
-the synthetic video mix it draws (``plan/video_mix.py``); docs/dynamic-cp.md."""
+the synthetic mixes it draws (``plan/video_mix.py``, ``plan/text_mix.py``); docs/dynamic-cp.md."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron.bridge_thd.batching.cost import sample_cost
-from megatron.bridge_thd.plan.dynamic_cp import compare_cp, format_cp_comparison
+from megatron.bridge_thd.batching.step_time import PUBLISHED, SampleWork, get_machine, model_shape, row_time
+from megatron.bridge_thd.plan.dynamic_cp import MEGATRON, OURS, compare_cp, format_cp_comparison
 from megatron.bridge_thd.plan.plan_command import main
 from megatron.bridge_thd.plan.presets import get_preset
-from megatron.bridge_thd.plan.roofline import get_gpu
 from megatron.bridge_thd.plan.samples import SampleLengths
+from megatron.bridge_thd.plan.text_mix import TEXT_MIX, text_mix_lengths
 from megatron.bridge_thd.plan.video_mix import VIDEO_GEOMETRY, video_mix_lengths
 
 SPEC = get_preset("qwen3-vl-2b")
-GPU = get_gpu("h100-sxm")
+GPU = "h100-sxm"
 
 
 def _text(*tokens) -> SampleLengths:
     return SampleLengths(tuple(tokens), tuple(() for _ in tokens), source="test")
 
 
+def _row(tokens, cp):
+    return row_time(model_shape(SPEC), [SampleWork(n) for n in tokens], get_machine(GPU), PUBLISHED, cp=cp,
+                    align=2 * cp if cp > 1 else 1).total
+
+
 def test_equal_samples_give_the_times_the_model_defines():
     """8 text samples of 1,000 tokens, 2 ranks, 1,000 tokens per rank, one step of 8.
 
-    Static CP 1: 2 replicas, 4 one-sample rows each: 4 sample-times per step, balanced. Static CP 2: 1 replica, rows
-    of 2,000 slots (2 samples, each aligned to 4 = 1,000), each row half the FLOPs per rank plus the K/V exchange of
-    its 2 samples: the step is the same compute plus 8 samples' exchange. CP per sample: every sample fits one rank
-    (1,000 slots, aligned to 2 x 2), so all take CP 1."""
+    Static CP 1: 2 replicas, 4 one-sample rows each: 4 row times per step, balanced. Static CP 2: 1 replica, rows
+    of 2,000 slots (2 samples, each aligned to 4 = 1,000), 4 rows at CP 2. Both priced by ``row_time``, plus the
+    per-step fixed cost. CP per sample: every sample fits one rank (1,000 slots), so Megatron-Core's scheduler gives
+    all CP 1; ours is never slower than it."""
     samples = _text(*[1000] * 8)
-    static_1, static_2, per_sample = compare_cp(SPEC, samples, gpus=2, global_batch_size=8, max_tokens_per_rank=1000,
-                                                gpu=GPU, mfu=0.5)
-    sample_s = float(sample_cost(SPEC)([1000])[0]) / (GPU.bf16_flops * 0.5)
-    full_attention = SPEC.linear_layer_pattern().count(0)
-    kv_bytes = 2 * SPEC.num_query_groups * SPEC.kv_channels * 2 * full_attention  # K and V, bf16, per token
-    exchange_s = 3 * 1000 * (2 - 1) / 2 * kv_bytes / GPU.link_bytes_per_s  # per sample on 2 ranks
-    assert static_1.fits and static_1.step_s == pytest.approx(4 * sample_s, rel=1e-12)
+    static_1, static_2, megatron, ours = compare_cp(SPEC, samples, gpus=2, global_batch_size=8,
+                                                    max_tokens_per_rank=1000, gpu=GPU)
+    per_step = PUBLISHED.per_step_s
+    assert static_1.fits and static_1.step_s == pytest.approx(4 * _row([1000], 1) + per_step, rel=1e-12)
     assert static_1.imbalance == pytest.approx(1.0) and static_1.peak_tokens == 1000 and static_1.padding == 0
-    assert static_2.fits and static_2.step_s == pytest.approx(4 * sample_s + 8 * exchange_s, rel=1e-12)
+    assert static_2.fits and static_2.step_s == pytest.approx(4 * _row([1000, 1000], 2) + per_step, rel=1e-12)
     assert static_2.peak_tokens == 1000  # a 2,000-slot row, half on each rank
-    assert per_sample.fits and per_sample.cp_sizes == ((1, 8),)
-    assert per_sample.step_s >= 4 * sample_s * (1 - 1e-12)  # 8 sample-times on 2 ranks: at best 4 each
+    assert megatron.name == MEGATRON and megatron.fits and megatron.cp_sizes == ((1, 8),)
+    assert ours.name == OURS and ours.fits and ours.step_s <= megatron.step_s
+    assert ours.peak_tokens <= 1000
 
 
 def test_a_sample_longer_than_a_ways_ranks_hold_does_not_fit_it():
@@ -50,8 +53,8 @@ def test_a_sample_longer_than_a_ways_ranks_hold_does_not_fit_it():
     # 5,000 tokens need 4 x 1,500 (CP 4); CP 1 and 2 hold 1,500 / 3,000.
     assert not by_name["static CP 1"].fits and not by_name["static CP 2"].fits
     assert "5000-token sample" in by_name["static CP 1"].why
-    assert by_name["static CP 4"].fits and by_name["CP per sample"].fits
-    assert dict(by_name["CP per sample"].cp_sizes)[4] >= 1  # the long one on all four ranks
+    assert by_name["static CP 4"].fits and by_name[MEGATRON].fits and by_name[OURS].fits
+    assert dict(by_name[MEGATRON].cp_sizes)[4] >= 1 and dict(by_name[OURS].cp_sizes)[4] >= 1
     longer = compare_cp(SPEC, _text(7000, 100, 100, 100), gpus=4, global_batch_size=4, max_tokens_per_rank=1500,
                         gpu=GPU)
     assert not any(e.fits for e in longer)
@@ -91,10 +94,26 @@ def test_the_video_mix_is_what_its_docstring_says():
     assert max(samples.tokens) > 10_000  # long-tailed: videos of minutes
 
 
+def test_the_text_mix_is_what_its_docstring_says():
+    samples = text_mix_lengths(20_000, seed=1)
+    assert samples == text_mix_lengths(20_000, seed=1) and not any(samples.grids)
+    median, sigma, low, high = TEXT_MIX
+    tokens = sorted(samples.tokens)
+    assert low <= tokens[0] and tokens[-1] <= high
+    assert abs(tokens[len(tokens) // 2] - median) < 0.05 * median
+    assert 0.02 < sum(n > 16384 for n in tokens) / len(tokens) < 0.05  # "about 3% over 16,384"
+    assert 0.005 < tokens.count(high) / len(tokens) < 0.015  # "1% at the cap"
+
+
 def test_the_command_prints_the_comparison_and_names_its_options(capsys):
     assert main(["--dynamic-cp", "16384", "--num-samples", "64", "--global-batch-size", "32", "--model",
                  "qwen3-vl-2b"]) == 0
     out = capsys.readouterr().out
-    assert "synthetic video mix" in out and "| CP per sample |" in out and "| static CP 8 |" in out
+    assert "synthetic video mix" in out and f"| {MEGATRON} |" in out and f"| {OURS} |" in out
+    assert "| static CP 8 |" in out
+    assert main(["--dynamic-cp", "16384", "--num-samples", "64", "--global-batch-size", "32", "--text-mix"]) == 0
+    assert "synthetic long-tailed text mix" in capsys.readouterr().out
     assert main(["--dynamic-cp", "16384", "--cp", "2"]) == 2
     assert "--dynamic-cp" in capsys.readouterr().err
+    assert main(["--dynamic-cp", "16384", "--gpu", "l40s"]) == 2
+    assert "time model" in capsys.readouterr().err

@@ -202,7 +202,9 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
     setup = read_setup(cfg, layout, cuda_graphs, settings=record)
 
     problems = configure_problems(setup) + _record_problems(sections.dataset) + (
-        record.global_batch_packing.resource_problems() if record.global_batch_packing is not None else [])
+        record.global_batch_packing.resource_problems() if record.global_batch_packing is not None else []) + (
+        record.dynamic_cp.resource_problems(record.global_batch_packing.cost_model)
+        if record.dynamic_cp is not None and record.global_batch_packing is not None else [])
     changes, notes = _plan_changes(setup, sections, record)
     overrides = _explicit_overrides(changes) + _settings_overrides(sections.dataset, record)
     if not force:

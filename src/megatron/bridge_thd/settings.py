@@ -24,7 +24,7 @@ from megatron.bridge_thd.layouts import LAYOUT_NAMES
 
 __all__ = ["PackingSettings", "GlobalBatchPacking", "DynamicCP", "settings_of", "holds_settings", "hand_set_values", "field_names",
            "SETTINGS_ATTRIBUTE", "OVERLONG_POLICIES",
-           "LENGTH_FALLBACKS", "DEFAULT_ROW_BUCKETS", "HAND_SET_ATTRIBUTES"]
+           "LENGTH_FALLBACKS", "DEFAULT_ROW_BUCKETS", "DYNAMIC_CP_PLACEMENTS", "HAND_SET_ATTRIBUTES"]
 
 # Where configure stores the record: an attribute of cfg.dataset.
 SETTINGS_ATTRIBUTE = "bridge_thd"
@@ -34,6 +34,8 @@ OVERLONG_POLICIES = ("truncate", "drop", "refuse")
 LENGTH_FALLBACKS = (None, "pad_token")
 # Rows a thd_static run under global-batch packing may use when row_buckets is left unset.
 DEFAULT_ROW_BUCKETS = 4
+# Who places a step under a CP size per sample (DynamicCP.placement); the first is the default.
+DYNAMIC_CP_PLACEMENTS = ("megatron", "time")
 
 
 @dataclass(frozen=True)
@@ -107,24 +109,65 @@ class GlobalBatchPacking:
 @dataclass(frozen=True)
 class DynamicCP:
     """A context-parallel size per sample (``PackingSettings.dynamic_cp``; docs/dynamic-cp.md): Megatron-Core's hybrid
-    context parallelism. Each step's samples are placed by its ``BalancedCPScheduler`` on aligned blocks of 1, 2, 4,
-    ... DP x CP ranks, packed per block into THD rows, and run by its hybrid-CP schedule.
+    context parallelism. Each step's samples are placed on aligned blocks of 1, 2, 4, ... DP x CP ranks, packed per
+    block into THD rows, and run by Megatron-Core's hybrid-CP schedule.
 
     Attributes:
         max_tokens_per_rank: the most tokens of one sample a rank holds (Megatron-Core's
-            ``max_seqlen_per_dp_cp_rank``): a sample of ``n`` tokens runs on the smallest power of two of ranks
-            ``k`` with ``n <= k * max_tokens_per_rank`` (raised where the scheduler would leave a rank idle), and a
+            ``max_seqlen_per_dp_cp_rank``): a sample of ``n`` tokens runs on a power of two of ranks ``k`` with
+            ``n <= k * max_tokens_per_rank`` (at least the smallest such; larger where the placement chooses), and a
             row on ``k`` ranks holds at most ``k * max_tokens_per_rank`` slots. An even int >= 2.
+        placement: who places each step: ``"megatron"`` (the default: Megatron-Core's ``BalancedCPScheduler``, by
+            ``s^2 / k``, groups behind barriers; needs nothing else) or ``"time"`` (ours,
+            ``batching.time_placement.place_by_time``: CP sizes, blocks and rows chosen to minimise the step's time
+            as the time model prices it, one group without barriers; needs ``model`` and ``gpu``).
+        model: ``"time"``: the model the rows are priced for, as ``global_batch_packing.cost_model`` takes it (a
+            planner preset name, a ``config.json`` path or a ``plan.presets.ModelSpec``); None reads
+            ``global_batch_packing.cost_model``.
+        gpu: ``"time"``: the GPU the rows are priced on (``batching.step_time.MACHINES``: ``"h100-sxm"``, ...).
     """
 
     max_tokens_per_rank: int
+    placement: str = "megatron"
+    model: Any = None
+    gpu: str | None = None
 
     def problems(self) -> list[str]:
-        """What is wrong with the value itself (naming the setting and what to set); empty when nothing is."""
+        """What is wrong with the values themselves (naming the setting and what to set); empty when nothing is."""
+        from megatron.bridge_thd.batching.step_time import MACHINES
+
+        problems = []
         value = self.max_tokens_per_rank
         if not is_int_at_least(value, 2) or value % 2:
-            return [f"dynamic_cp.max_tokens_per_rank: {value!r}; expected an even int >= 2 (the most tokens of one "
-                    "sample a rank holds; every row is cut in 2 x CP chunks)"]
+            problems.append(f"dynamic_cp.max_tokens_per_rank: {value!r}; expected an even int >= 2 (the most tokens "
+                            "of one sample a rank holds; every row is cut in 2 x CP chunks)")
+        if self.placement not in DYNAMIC_CP_PLACEMENTS:
+            problems.append(f"dynamic_cp.placement: {self.placement!r}; expected one of "
+                            f"{', '.join(map(repr, DYNAMIC_CP_PLACEMENTS))} (Megatron-Core's scheduler, or ours on the "
+                            "time model)")
+        elif self.placement == "time" and self.gpu is None:
+            problems.append(f"dynamic_cp.gpu: placement 'time' prices each row on the run's GPU; set gpu to one of "
+                            f"{', '.join(map(repr, MACHINES))}, or placement='megatron'")
+        if self.gpu is not None and str(self.gpu).strip().lower() not in MACHINES:
+            problems.append(f"dynamic_cp.gpu: {self.gpu!r} has no time model; expected one of "
+                            f"{', '.join(map(repr, MACHINES))}")
+        if self.placement == "megatron" and (self.gpu is not None or self.model is not None):
+            problems.append("dynamic_cp.model / dynamic_cp.gpu: set, but placement 'megatron' (Megatron-Core's "
+                            "scheduler) does not read them; set placement='time', or unset them")
+        return problems
+
+    def resource_problems(self, cost_model: Any = None) -> list[str]:
+        """``"time"``: whether the time model can read the model (``model``, else ``cost_model``, the run's
+        ``global_batch_packing.cost_model``), checked once where the setting is made (``configure``)."""
+        model = self.model if self.model is not None else cost_model
+        if self.placement != "time" or model is None:
+            return []
+        from megatron.bridge_thd.batching.step_time import model_shape
+
+        try:
+            model_shape(model)
+        except (ValueError, OSError) as error:
+            return [f"dynamic_cp.model: {error}"]
         return []
 
 
@@ -177,6 +220,11 @@ class PackingSettings:
             if batching is None:
                 problems.append("dynamic_cp: places each step from its samples' lengths, which global-batch packing "
                                 "scans; set global_batch_packing too (configure sets its default)")
+            elif (self.dynamic_cp.placement == "time" and self.dynamic_cp.model is None
+                  and batching.cost_model is None):
+                problems.append("dynamic_cp.model: placement 'time' prices each row with the run's model; set "
+                                "dynamic_cp.model or global_batch_packing.cost_model (a preset name such as "
+                                "'qwen3-vl-8b', a config.json path or a ModelSpec), or placement='megatron'")
         if problems:
             raise ValueError("dataset.bridge_thd (megatron.bridge_thd's settings):\n- " + "\n- ".join(problems))
 

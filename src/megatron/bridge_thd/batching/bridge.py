@@ -355,16 +355,20 @@ def _rebuilt(loader, dataset, batch_sampler, collate_fn):
                       multiprocessing_context=loader.multiprocessing_context, timeout=loader.timeout, **extra)
 
 
-def cp_rows_loader(plan: LoaderPlan, *, max_tokens_per_rank: int, global_batch_size: int, log: bool = True):
+def cp_rows_loader(plan: LoaderPlan, *, dynamic_cp, global_batch_size: int, cost_model=None, tp: int = 1,
+                   ep: int = 1, log: bool = True):
     """Megatron-Bridge's loader rebuilt for a CP size per sample (:mod:`.cp_rows`): one item per step, this rank's
-    rows of Megatron-Core's placement, each collated whole by the loader's collate (same dataset, workers, pinned
-    memory, prefetch). A drawn sample longer than the whole DP x CP world holds is refused here, before training.
-    Its log numbers the steps as the trainer does, from the sampler's resume point (``global_batch_size``: the
-    loader's samples per step)."""
-    from megatron.bridge_thd.batching.cp_rows import CPRowSampler, RowCollate, RowDataset
+    rows of the step's placement (``dynamic_cp``, a :class:`~megatron.bridge_thd.settings.DynamicCP`: Megatron-Core's
+    scheduler or ours on the time model, for ``cost_model`` / ``tp`` / ``ep``, chosen once here), each collated whole
+    by the loader's collate (same dataset, workers, pinned memory, prefetch). A drawn sample longer than the whole DP
+    x CP world holds is refused here, before training. Its log numbers the steps as the trainer does, from the
+    sampler's resume point (``global_batch_size``: the loader's samples per step)."""
+    from megatron.bridge_thd.batching.cp_rows import CPRowSampler, RowCollate, RowDataset, StepPlacer
     from megatron.bridge_thd.batching.dynamic_cp import check_fits_the_world
     from megatron.bridge_thd.batching.sampler import cycles, rank_samplers
 
+    max_tokens_per_rank = dynamic_cp.max_tokens_per_rank
+    placer = StepPlacer.of(dynamic_cp, world=plan.dp_size, cost_model=cost_model, tp=tp, ep=ep)
     loader, inner = plan.loader, plan.sampler
     if len(plan.draws):
         drawn = plan.draws.reshape(-1).unique()
@@ -372,7 +376,7 @@ def cp_rows_loader(plan: LoaderPlan, *, max_tokens_per_rank: int, global_batch_s
                              max_tokens_per_rank=max_tokens_per_rank, setting="dynamic_cp.max_tokens_per_rank",
                              names=[f"dataset sample {i} of the {plan.label} loader" for i in drawn.tolist()])
     sampler = CPRowSampler(rank_samplers(inner, plan.dp_size), rank=plan.dp_rank, num_micro_batches=plan.num_micro_batches,
-                           sizes=plan.sizes, max_tokens_per_rank=max_tokens_per_rank, cycle=cycles(inner),
+                           sizes=plan.sizes, placer=placer, cycle=cycles(inner),
                            label=plan.label, log=log, first_step=inner.consumed_samples // global_batch_size + 1)
     return _rebuilt(loader, RowDataset(loader.dataset), sampler, RowCollate(loader.collate_fn))
 
@@ -469,8 +473,11 @@ def _wrap(original):
         if not plans:
             return loaders
         if run_settings.dynamic_cp is not None:
-            built = {plan.label: cp_rows_loader(plan, max_tokens_per_rank=run_settings.dynamic_cp.max_tokens_per_rank,
-                                                global_batch_size=groups[plan.label][1], log=settings.log)
+            tp = getattr(cfg.model, "tensor_model_parallel_size", 1) or 1
+            ep = getattr(cfg.model, "expert_model_parallel_size", 1) or 1
+            built = {plan.label: cp_rows_loader(plan, dynamic_cp=run_settings.dynamic_cp,
+                                                global_batch_size=groups[plan.label][1], cost_model=settings.cost_model,
+                                                tp=tp, ep=ep, log=settings.log)
                      for plan in plans}
             return built.get("train"), built.get("valid"), built.get("test")
         align = _alignment(cfg)

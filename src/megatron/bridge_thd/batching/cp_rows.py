@@ -6,8 +6,10 @@ Bridge's own pieces, as global-batch packing builds its loaders (:mod:`.bridge`)
 
 * the steps and their samples are the ones Megatron-Bridge's sampler draws (copies of it, one per DP x CP rank,
   :func:`.sampler.step_draws`), from its resume point;
-* each step is placed by :func:`.dynamic_cp.place_with_cp_per_sample` (Megatron-Core's ``BalancedCPScheduler``) from
-  the scanned lengths, identically on every rank, so no rank sends another a sample;
+* each step is placed from the scanned sizes by the run's :class:`StepPlacer`, chosen once from
+  ``DynamicCP.placement``: :func:`.dynamic_cp.place_with_cp_per_sample` (Megatron-Core's ``BalancedCPScheduler``) or
+  :func:`.time_placement.place_by_time` (the time model), identically on every rank, so no rank sends another a
+  sample;
 * every rank loads the **whole** samples of its rows through Megatron-Bridge's dataset and collates each row with
   its collate (tokens, labels, masks, pixels, grids: a sample moves with everything it owns), in the loader's
   workers, with its pinned memory.
@@ -24,12 +26,12 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
+from megatron.bridge_thd.batching.dynamic_cp import DynamicCPPlacement, place_with_cp_per_sample
 from megatron.bridge_thd.batching.sampler import step_draws
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
 from megatron.bridge_thd.overlong import IndexedSample, OverlongCollate
 
-__all__ = ["RowKey", "CPRowSampler", "RowDataset", "RowCollate"]
+__all__ = ["RowKey", "StepPlacer", "CPRowSampler", "RowDataset", "RowCollate"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,45 @@ class RowKey:
     groups: tuple[tuple[tuple[int, ...], ...], ...]
 
 
+@dataclass(frozen=True)
+class StepPlacer:
+    """How the run places each step under a CP size per sample, decided once (:meth:`of`); the per-step path only
+    calls it.
+
+    Attributes:
+        world: the DP x CP world size.
+        max_tokens_per_rank: ``DynamicCP.max_tokens_per_rank``.
+        pricer: the time model (``placement="time"``: :func:`.time_placement.place_by_time`), or None (Megatron-Core's
+            ``BalancedCPScheduler``).
+    """
+
+    world: int
+    max_tokens_per_rank: int
+    pricer: object = None
+
+    @classmethod
+    def of(cls, settings, *, world: int, cost_model=None, tp: int = 1, ep: int = 1) -> "StepPlacer":
+        """The placer ``settings`` (a :class:`~megatron.bridge_thd.settings.DynamicCP`) names on a world of
+        ``world`` DP x CP ranks; ``cost_model``: ``global_batch_packing.cost_model`` (read when ``settings.model`` is
+        None); ``tp`` / ``ep``: the run's tensor- and expert-parallel sizes (the time model's)."""
+        if settings.placement == "megatron":
+            return cls(world, settings.max_tokens_per_rank)
+        from megatron.bridge_thd.batching.time_placement import RowPricer
+
+        model = settings.model if settings.model is not None else cost_model
+        return cls(world, settings.max_tokens_per_rank, RowPricer.of(model, settings.gpu, tp=tp, ep=ep))
+
+    def __call__(self, lengths, patches=None, patches_squared=None) -> DynamicCPPlacement:
+        """One step's placement from its samples' sizes: ``(n,)`` tokens, ViT patches and patches^2 summed over each
+        sample's images (``SampleSizes.take``)."""
+        if self.pricer is None:
+            return place_with_cp_per_sample(lengths, world=self.world, max_tokens_per_rank=self.max_tokens_per_rank)
+        from megatron.bridge_thd.batching.time_placement import place_by_time, works_from_sizes
+
+        return place_by_time(works_from_sizes(lengths, patches, patches_squared), world=self.world,
+                             max_tokens_per_rank=self.max_tokens_per_rank, pricer=self.pricer)
+
+
 class CPRowSampler:
     """Yields, per step, this rank's :class:`RowKey` s: the samples of every row the rank runs.
 
@@ -57,8 +98,8 @@ class CPRowSampler:
         rank: this rank's DP x CP index.
         num_micro_batches: micro-batches per rank per step in Megatron-Bridge's own placement (a step draws
             ``num_micro_batches * micro_batch_size`` samples per rank).
-        sizes: every dataset sample's sizes (the lengths placed by).
-        max_tokens_per_rank: ``DynamicCP.max_tokens_per_rank``.
+        sizes: every dataset sample's sizes (the sizes placed by).
+        placer: the run's :class:`StepPlacer` (its world is ``len(samplers)``).
         cycle: the loop re-iterates this loader (:func:`.sampler.cycles`).
         label: which loader (errors, log).
         log: one line per step on global rank 0.
@@ -70,10 +111,12 @@ class CPRowSampler:
     """
 
     def __init__(self, samplers: Sequence, *, rank: int, num_micro_batches: int, sizes: SampleSizes,
-                 max_tokens_per_rank: int, cycle: bool = False, label: str = "train", log: bool = True,
+                 placer: StepPlacer, cycle: bool = False, label: str = "train", log: bool = True,
                  first_step: int = 1):
+        if placer.world != len(samplers):
+            raise ValueError(f"CPRowSampler: the placer's world ({placer.world}) is not the {len(samplers)} samplers")
         self.samplers, self.rank, self.num_micro_batches = list(samplers), rank, num_micro_batches
-        self.sizes, self.max_tokens_per_rank, self.cycle = sizes, max_tokens_per_rank, cycle
+        self.sizes, self.placer, self.cycle = sizes, placer, cycle
         self.label, self.log, self.step = label, log, first_step
 
     def __len__(self) -> int:
@@ -81,16 +124,17 @@ class CPRowSampler:
 
     def keys(self, drawn: list[int]) -> list[RowKey]:
         """This rank's keys for one step's draws."""
-        lengths = self.sizes.take(torch.tensor(drawn, dtype=torch.int64))[0].tolist()
-        placement = place_with_cp_per_sample(lengths, world=len(self.samplers),
-                                             max_tokens_per_rank=self.max_tokens_per_rank)
+        lengths, patches, squared = (t.tolist() for t in self.sizes.take(torch.tensor(drawn, dtype=torch.int64)))
+        placement = self.placer(lengths, patches, squared)
         groups = tuple(tuple(tuple(ids) for ids in ranks) for ranks in placement.row_id_groups())
         if self.log and is_global_rank_zero():
             sizes = placement.cp_size_of()
+            priced = ("" if placement.step_s is None else f"; priced {placement.step_s * 1e3:.1f} ms, busy max / mean "
+                      f"{placement.imbalance:.3f}" + (f" ({placement.reason})" if placement.reason else ""))
             logger.info(
-                "bridge_thd CP per sample (%s): step %d: %d samples in %d rows, %d groups; samples per CP size %s",
-                self.label, self.step, len(drawn), len(placement.rows), placement.groups,
-                {k: list(sizes.values()).count(k) for k in sorted(set(sizes.values()))})
+                "bridge_thd CP per sample (%s): step %d: %d samples in %d rows, %d groups; samples per CP size %s "
+                "(placement %s%s)", self.label, self.step, len(drawn), len(placement.rows), placement.groups,
+                {k: list(sizes.values()).count(k) for k in sorted(set(sizes.values()))}, placement.placed_by, priced)
         self.step += 1
         return [RowKey(drawn[sample], row_id, groups) for row_id, row in enumerate(placement.rows)
                 if self.rank in row.ranks for sample in row.samples]

@@ -22,7 +22,7 @@ from typing import Sequence
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.packing import round_up
 
-__all__ = ["CPRow", "DynamicCPPlacement", "cp_slots", "check_fits_the_world", "place_with_cp_per_sample",
+__all__ = ["CPRow", "DynamicCPPlacement", "cp_slots", "row_alignment", "timeline", "check_fits_the_world", "place_with_cp_per_sample",
            "TooLongForTheWorld"]
 
 
@@ -61,14 +61,32 @@ class DynamicCPPlacement:
     """A step's rows under CP per sample (:func:`place_with_cp_per_sample`).
 
     Attributes:
-        rows: every row, by group, then by first rank.
+        rows: every row, in the order the ranks run them: by group, then (Megatron-Core's scheduler) by first rank,
+            or (:func:`~megatron.bridge_thd.batching.time_placement.place_by_time`) by when the row starts.
         world: the DP x CP world size.
         max_tokens_per_rank: the per-rank token limit the scheduler placed by.
+        placed_by: ``"megatron"`` (``BalancedCPScheduler``) or ``"time"`` (the time model).
+        busy: ``(world,)`` each rank's seconds of row time as the time model prices it, where the placement was
+            priced (``"time"``), else empty.
+        step_s: the step's seconds as priced (rows back to back, a row starting when all its ranks are free,
+            barriers between groups), or None.
+        reason: why busy max / mean is above the placement's target, empty when it is not (or was not priced).
     """
 
     rows: tuple[CPRow, ...]
     world: int
     max_tokens_per_rank: int
+    placed_by: str = "megatron"
+    busy: tuple[float, ...] = ()
+    step_s: float | None = None
+    reason: str = ""
+
+    @property
+    def imbalance(self) -> float | None:
+        """Per-rank busy time max / mean, where priced."""
+        if not self.busy or not sum(self.busy):
+            return None
+        return max(self.busy) / (sum(self.busy) / len(self.busy))
 
     @property
     def groups(self) -> int:
@@ -122,7 +140,7 @@ def cp_slots(length: int, world: int) -> int:
     return round_up(length, 2 * world) if world > 1 else length
 
 
-def _row_alignment(cp_size: int) -> int:
+def row_alignment(cp_size: int) -> int:
     """THD alignment of a row run by ``cp_size`` ranks (``2 * cp_size`` under CP; TP 1, no SP / FP8)."""
     return 2 * cp_size if cp_size > 1 else 1
 
@@ -167,7 +185,7 @@ def _blocks(rank_samples: Sequence[Sequence[int]], group: int) -> list[tuple[tup
 def _rows_of_block(group: int, block: tuple[int, ...], samples: list[int], lengths: Sequence[int],
                    capacity: int) -> list[CPRow]:
     """A block's samples in rows of at most ``capacity`` slots: first fit, in decreasing slots (ties by position)."""
-    align = _row_alignment(len(block))
+    align = row_alignment(len(block))
     slots = {sample: round_up(int(lengths[sample]), align) for sample in samples}
     rows: list[list[int]] = []
     used: list[int] = []
@@ -185,6 +203,31 @@ def _rows_of_block(group: int, block: tuple[int, ...], samples: list[int], lengt
             rows.append([sample])
             used.append(slots[sample])
     return [CPRow(group, block, tuple(sorted(row)), total) for row, total in zip(rows, used)]
+
+
+def timeline(rows: Sequence[CPRow], world: int, seconds) -> tuple[float, list[float]]:
+    """The step as the hybrid-CP schedule runs ``rows``: each rank runs its rows in order, a row starts when all its
+    ranks are free, and every group starts when the previous one has ended on every rank (the barrier).
+
+    Args:
+        rows: the rows in run order (their ``group`` ascending).
+        world: the DP x CP world size.
+        seconds: ``CPRow -> float``, the row's seconds on each of its ranks.
+
+    Returns:
+        ``(step seconds, (world,) busy seconds per rank)``.
+    """
+    free, busy, group = [0.0] * world, [0.0] * world, None
+    for row in rows:
+        if group is not None and row.group != group:
+            free = [max(free)] * world
+        group = row.group
+        took = seconds(row)
+        finish = max(free[rank] for rank in row.ranks) + took
+        for rank in row.ranks:
+            free[rank] = finish
+            busy[rank] += took
+    return max(free, default=0.0), busy
 
 
 def check_fits_the_world(lengths: Sequence[int], *, world: int, max_tokens_per_rank: int,

@@ -72,9 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the time model against published GPU measurements: the fit table and the held-out tables, "
                    "predicted beside published (docs/time-model.md)")
     p.add_argument("--dynamic-cp", type=int, default=None, metavar="TOKENS",
-                   help="compare static CP 1, 2, 4, ... with a CP size per sample at TOKENS tokens of a sample per rank "
-                   "(Megatron-Core's max_seqlen_per_dp_cp_rank) instead of the layouts (docs/dynamic-cp.md); without "
-                   "--lengths it draws the synthetic video mix (plan/video_mix.py)")
+                   help="compare static CP 1, 2, 4, ... with a CP size per sample (Megatron-Core's scheduler and ours "
+                   "on the time model) at TOKENS tokens of a sample per rank (Megatron-Core's max_seqlen_per_dp_cp_rank) "
+                   "instead of the layouts, every way priced by the time model (docs/dynamic-cp.md); without --lengths "
+                   "it draws the synthetic video mix (plan/video_mix.py)")
+    p.add_argument("--text-mix", action="store_true",
+                   help="with --dynamic-cp: draw the synthetic long-tailed text mix (plan/text_mix.py) instead")
     return p
 
 
@@ -171,23 +174,33 @@ def time_parameters(args):
 
 
 def _dynamic_cp(args, spec) -> str:
-    """``--dynamic-cp TOKENS``: static CP against a CP size per sample (plan/dynamic_cp.py)."""
+    """``--dynamic-cp TOKENS``: static CP against a CP size per sample by Megatron-Core's scheduler and by ours, every
+    way priced by the time model (plan/dynamic_cp.py); ``--text-mix``: the synthetic text mix instead of the video
+    mix."""
+    from megatron.bridge_thd.batching.step_time import MACHINES
     from megatron.bridge_thd.plan.dynamic_cp import compare_cp, format_cp_comparison
-    from megatron.bridge_thd.plan.roofline import get_gpu
     from megatron.bridge_thd.plan.samples import load_lengths
+    from megatron.bridge_thd.plan.text_mix import text_mix_lengths
     from megatron.bridge_thd.plan.video_mix import video_mix_lengths
 
     check_int("--dynamic-cp", args.dynamic_cp, 2)
     if args.pp != 1 or args.cp != 1:
         raise ValueError("--dynamic-cp: compares CP sizes itself on a DP x CP world of --gpus / --tp ranks; leave --cp "
                          "and --pp at 1 (Megatron-Core's CP per sample runs without pipeline parallelism)")
-    samples = (load_lengths(args.lengths, spec.vision.spatial_merge_size) if args.lengths
-               else video_mix_lengths(args.num_samples, seed=args.seed))
+    if args.gpu not in MACHINES:
+        raise ValueError(f"--gpu {args.gpu}: --dynamic-cp prices rows with the time model, which knows "
+                         f"{', '.join(MACHINES)}")
+    if args.lengths:
+        samples = load_lengths(args.lengths, spec.vision.spatial_merge_size)
+    elif args.text_mix:
+        samples = text_mix_lengths(args.num_samples, seed=args.seed)
+    else:
+        samples = video_mix_lengths(args.num_samples, seed=args.seed)
     global_batch_size = args.global_batch_size or args.micro_batch_size * (args.micro_batches or 1) * args.gpus
     estimates = compare_cp(spec, samples, gpus=args.gpus, tp=args.tp, global_batch_size=global_batch_size,
-                           max_tokens_per_rank=args.dynamic_cp, gpu=get_gpu(args.gpu), mfu=args.mfu)
+                           max_tokens_per_rank=args.dynamic_cp, gpu=args.gpu)
     return (f"{spec.name}, {samples.source}: {len(samples.tokens)} samples, steps of {global_batch_size}, "
-            f"{args.gpus} x {args.gpu} (TP {args.tp}), MFU {args.mfu:.0%}\n\n"
+            f"{args.gpus} x {args.gpu} (TP {args.tp}), the time model's published parameters (docs/time-model.md)\n\n"
             + format_cp_comparison(estimates, max_tokens_per_rank=args.dynamic_cp))
 
 

@@ -103,18 +103,22 @@ def _hybrid_cp_loaders(s: Setup) -> list[str]:
 
 @rule(CONFIGURE, STEP)
 def _dynamic_cp_placement(s: Setup) -> list[str]:
-    """``dynamic_cp`` places each step with Megatron-Core's scheduler: rows whose length follows their samples and
-    their CP group, placed by the scheduler's cost, so global-batch packing's fixed rows and cost model have nothing to
-    apply to. Its scan settings (``lengths_file``, ``sizes_cache``) are used."""
+    """``dynamic_cp`` places each step itself (Megatron-Core's scheduler, or ours on the time model): rows whose length
+    follows their samples and their CP group, so global-batch packing's fixed rows have nothing to apply to, nor its
+    cost model to Megatron-Core's scheduler (``placement="time"`` reads it as the model it prices rows for, when
+    ``dynamic_cp.model`` is unset). Its scan settings (``lengths_file``, ``sizes_cache``) are used."""
     batching = s.global_batch
     if s.settings.dynamic_cp is None or batching is None:
         return []
+    names = ("row_length", "row_buckets") + (() if s.settings.dynamic_cp.placement == "time" else ("cost_model",))
     set_values = [f"global_batch_packing.{name}={getattr(batching, name)!r}"
-                  for name in ("row_length", "row_buckets", "cost_model") if getattr(batching, name) is not None]
+                  for name in names if getattr(batching, name) is not None]
     if not set_values:
         return []
-    return [f"dynamic_cp: {', '.join(set_values)}; with a CP size per sample Megatron-Core's scheduler places each step "
-            "in rows that follow their samples' CP groups, so fixed rows and a cost model do not apply; unset them"]
+    return [f"dynamic_cp: {', '.join(set_values)}; with a CP size per sample the placement "
+            f"(dynamic_cp.placement={s.settings.dynamic_cp.placement!r}) puts each step in rows that follow their "
+            "samples' CP groups, so fixed rows do not apply, nor a cost model to Megatron-Core's scheduler (placement "
+            "'time' reads it as its model); unset them"]
 
 
 @rule(CONFIGURE, STEP)
