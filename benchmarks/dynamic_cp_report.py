@@ -42,7 +42,7 @@ def _mix(name: str, num_samples: int):
 
 
 def measure() -> dict:
-    from megatron.bridge_thd.batching.step_time import PUBLISHED
+    from megatron.bridge_thd.batching.step_time import FITTED
     from megatron.bridge_thd.plan.dynamic_cp import compare_cp
 
     cases = []
@@ -60,7 +60,7 @@ def measure() -> dict:
                                            p90=tokens[int(0.9 * len(tokens))], max=tokens[-1],
                                            over_limit=sum(n > SETTING["max_tokens_per_rank"] for n in tokens)),
                               estimates=[dataclasses.asdict(e) for e in estimates]))
-    return dict(setting=SETTING, parameters=PUBLISHED.source, cases=cases)
+    return dict(setting=SETTING, parameters=FITTED.source, cases=cases)
 
 
 def render(results: dict) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.bridge_thd.batching.step_time import PUBLISHED, SampleWork, get_machine, model_shape, row_time
+from megatron.bridge_thd.batching.step_time import FITTED, SampleWork, get_machine, model_shape, row_time
 from megatron.bridge_thd.plan.dynamic_cp import MEGATRON, OURS, compare_cp, format_cp_comparison
 from megatron.bridge_thd.plan.plan_command import main
 from megatron.bridge_thd.plan.presets import get_preset
@@ -22,7 +22,7 @@ def _text(*tokens) -> SampleLengths:
 
 
 def _row(tokens, cp):
-    return row_time(model_shape(SPEC), [SampleWork(n) for n in tokens], get_machine(GPU), PUBLISHED, cp=cp,
+    return row_time(model_shape(SPEC), [SampleWork(n) for n in tokens], get_machine(GPU), FITTED, cp=cp,
                     align=2 * cp if cp > 1 else 1).total
 
 
@@ -36,7 +36,7 @@ def test_equal_samples_give_the_times_the_model_defines():
     samples = _text(*[1000] * 8)
     static_1, static_2, megatron, ours = compare_cp(SPEC, samples, gpus=2, global_batch_size=8,
                                                     max_tokens_per_rank=1000, gpu=GPU)
-    per_step = PUBLISHED.per_step_s
+    per_step = FITTED.per_step_s
     assert static_1.fits and static_1.step_s == pytest.approx(4 * _row([1000], 1) + per_step, rel=1e-12)
     assert static_1.imbalance == pytest.approx(1.0) and static_1.peak_tokens == 1000 and static_1.padding == 0
     assert static_2.fits and static_2.step_s == pytest.approx(4 * _row([1000, 1000], 2) + per_step, rel=1e-12)
@@ -64,16 +64,21 @@ def test_a_sample_longer_than_a_ways_ranks_hold_does_not_fit_it():
 
 
 def test_a_video_takes_less_row_time_than_one_image_of_its_patches():
-    """The row times' FLOPs (``sample_cost`` on ``image_patches``): a video of 4 frames of 16 x 16 patches costs
-    ``per_patch_squared * 256^2 * 3`` less than an image of 32 x 32 (the same 1,024 patches and tokens), its
-    attention being within each frame (4 * 256^2 against 1,024^2)."""
-    from megatron.bridge_thd.plan.dynamic_cp import _RowTime
+    """The row time's vision tower attends within each frame: a video of 4 frames of 16 x 16 patches takes less than
+    an image of 32 x 32 (the same 1,024 patches and tokens) by exactly its attention over one 1,024-patch frame less
+    four 256-patch frames, and the same everything else."""
+    from megatron.bridge_thd.batching.step_time import sample_work
 
-    samples = SampleLengths((600, 600), (((4, 16, 16),), ((1, 32, 32),)), source="test")
-    cost = sample_cost(SPEC)
-    video, image = _RowTime(SPEC, samples, GPU, 0.5, 1).flops
-    assert image - video == pytest.approx(cost.per_patch_squared * (1024**2 - 4 * 256**2), rel=1e-9)
-    assert video < image
+    shape, machine = model_shape(SPEC), get_machine(GPU)
+    video = row_time(shape, [sample_work(600, [(4, 16, 16)])], machine, FITTED)
+    image = row_time(shape, [sample_work(600, [(1, 32, 32)])], machine, FITTED)
+
+    def attention(patches):  # one frame's ViT attention: its vision time less its patches' GEMMs alone
+        return (row_time(shape, [SampleWork(600, patches, (patches,))], machine, FITTED).vision
+                - row_time(shape, [SampleWork(600, patches, ())], machine, FITTED).vision)
+
+    assert image.vision - video.vision == pytest.approx(attention(1024) - 4 * attention(256), rel=1e-9)
+    assert video.vision < image.vision and video.gemm == image.gemm
 
 
 def test_the_world_must_be_a_power_of_two():
@@ -115,5 +120,5 @@ def test_the_command_prints_the_comparison_and_names_its_options(capsys):
     assert "synthetic long-tailed text mix" in capsys.readouterr().out
     assert main(["--dynamic-cp", "16384", "--cp", "2"]) == 2
     assert "--dynamic-cp" in capsys.readouterr().err
-    assert main(["--dynamic-cp", "16384", "--gpu", "l40s"]) == 2
+    assert main(["--dynamic-cp", "16384", "--gpu", "v100"]) == 2
     assert "time model" in capsys.readouterr().err

@@ -15,8 +15,9 @@ of the FLOPs), so this model prices what a GPU measurably spends beyond FLOPs:
   vision model builds its ``cu_seqlens``) at the non-causal kernel rate for the frame's length; under CP the tower is
   split over the row's ranks;
 * **the CP ring exchange**: per full-attention layer ``k - 1`` steps forward and ``k - 1`` backward, each taking the
-  larger of its attention compute and ``latency + bytes / bandwidth`` (K and V of one chunk forward; K, V and their
-  gradients backward), over NVLink when the CP group stays in a node, over the network when it spans nodes;
+  larger of the row's attention compute for the step and ``ring_step_s + latency + bytes / bandwidth`` (the whole
+  row's chunk of K and V forward; K, V and their gradients backward: Transformer Engine's THD ring sends the row's
+  chunk in one message a step), over NVLink when the CP group stays in a node, over the network when it spans nodes;
 * **element-wise kernels**: the activations a token and a patch leave for backward, written once and read twice
   (forward and backward) at the HBM bandwidth;
 * **MoE dispatch** (EP > 1): the all-to-all of each routed token's hidden state, dispatch and combine, forward and
@@ -184,8 +185,8 @@ PUBLISHED = TimeParameters(
 # The fitted parameters as ``megatron.bridge_thd.plan.fit.fit_parameters`` returns them on the fit tables (Megatron-LM's
 # dynamic-CP example; docs/time-model.md), what the planner and the placements use unless given others. A test checks
 # that the fit still returns them.
-FITTED = PUBLISHED.with_fit("fitted on megatron-lm-dynamic-cp", ring_step_s=5e-05, per_micro_batch_s=0.0,
-                            per_step_s=0.15015407574856443)
+FITTED = PUBLISHED.with_fit("fitted on megatron-lm-dynamic-cp", ring_step_s=0.0012, per_micro_batch_s=0.0,
+                            per_step_s=0.07998764391911385)
 
 
 @dataclass(frozen=True)
@@ -273,16 +274,17 @@ def _attention_seconds(flops: float, length: float, forward: RateCurve, backward
     return forward_flops / forward(length), 2.5 * forward_flops / backward(length)
 
 
-def _ring_exposed(shape: ModelShape, params: TimeParameters, machine: Machine, tokens: int,
+def _ring_exposed(shape: ModelShape, params: TimeParameters, machine: Machine, slots: int,
                   attention_s: tuple[float, float], cp: int, tp: int) -> float:
-    """Seconds the CP ring adds over the attention compute for one sample of ``tokens`` at CP ``cp``: per
-    full-attention layer ``cp - 1`` steps forward (K, V of a chunk) and ``cp - 1`` backward (K, V and dK, dV),
-    each the larger of its share of the layer's attention compute and ``ring_step_s`` + the link's time for its
+    """Seconds the CP ring adds over the attention compute of a row of ``slots`` at CP ``cp``. Transformer Engine's
+    THD ring exchanges the whole row's chunk in each step: per full-attention layer ``cp - 1`` steps forward (the
+    chunk's K, V) and ``cp - 1`` backward (K, V and dK, dV), each the larger of its share of the layer's attention
+    compute (the row's, forward and backward apart: ``attention_s``) and ``ring_step_s`` + the link's time for its
     bytes; returned is the excess over the compute."""
     if cp == 1 or shape.full_attention_layers == 0:
         return 0.0
     link = machine.link(cp, tp)
-    chunk_kv = tokens / cp * shape.kv_bytes_per_token / tp
+    chunk_kv = slots / cp * shape.kv_bytes_per_token / tp
     forward_step, backward_step = (seconds / shape.full_attention_layers / cp for seconds in attention_s)
     exposed = (cp - 1) * (max(forward_step, params.ring_step_s + link.seconds(chunk_kv)) - forward_step
                           + max(backward_step, params.ring_step_s + link.seconds(2 * chunk_kv)) - backward_step)
@@ -312,13 +314,14 @@ def row_time(shape: ModelShape, samples: Sequence[SampleWork], machine: Machine,
     text_flops = cost.per_token * slots / ranks
     vision_flops = cost.per_patch * patches / ranks
     gemm = max(text_flops / peak, weights)
-    attention = ring = 0.0
+    forward = backward = 0.0
     for w in (w for w in samples if w.attended):
         segment = w.tokens / (2 * cp) if cp > 1 else w.tokens
         seconds = _attention_seconds(cost.per_token_squared * w.tokens ** 2 / ranks, segment,
                                      params.attention_forward, params.attention_backward)
-        attention += sum(seconds)
-        ring += _ring_exposed(shape, params, machine, w.tokens, seconds, cp, tp)
+        forward, backward = forward + seconds[0], backward + seconds[1]
+    attention = forward + backward
+    ring = _ring_exposed(shape, params, machine, slots, (forward, backward), cp, tp)
     vision = vision_flops / peak + sum(sum(_attention_seconds(
         cost.per_patch_squared * f * f / ranks, f, params.vision_attention_forward, params.vision_attention_backward))
         for w in samples for f in w.frames)

@@ -55,7 +55,7 @@ class RowPricer:
     Attributes:
         shape: :func:`~megatron.bridge_thd.batching.step_time.model_shape` of the model.
         machine: the GPU and its node (:func:`~megatron.bridge_thd.batching.step_time.get_machine`).
-        params: the time model's rates (:data:`~megatron.bridge_thd.batching.step_time.PUBLISHED` by default).
+        params: the time model's parameters (:data:`~megatron.bridge_thd.batching.step_time.FITTED` by default).
         tp, ep: the run's tensor- and expert-parallel sizes (the DP x CP world is ``gpus / tp``).
     """
 
@@ -69,9 +69,9 @@ class RowPricer:
     def of(cls, model: Any, gpu: str, *, tp: int = 1, ep: int = 1,
            params: TimeParameters | None = None) -> "RowPricer":
         """``model`` as ``model_shape`` takes it (a preset name, a ``config.json`` path, a ``ModelSpec``), ``gpu`` a
-        known machine name; ``params`` None reads the time model's current published parameters."""
+        known machine name; ``params`` None: the time model's fitted parameters (``step_time.FITTED``)."""
         return cls(step_time.model_shape(model), step_time.get_machine(gpu),
-                   params if params is not None else step_time.PUBLISHED, tp, ep)
+                   params if params is not None else step_time.FITTED, tp, ep)
 
     def parts(self, works: Sequence[SampleWork], cp: int) -> step_time.RowTime:
         """One micro-batch (forward and backward) of a row of ``works`` at CP ``cp``, aligned ``2 cp``, by part."""

@@ -140,7 +140,7 @@ def compare_cp(model: Any, samples: SampleLengths, *, gpus: int, tp: int = 1, gl
     Args:
         model: a planner preset name, a ``config.json`` path or a ``ModelSpec`` (``step_time.model_shape``).
         gpu: a machine of the time model (``step_time.MACHINES``); 8 GPUs a node (CP groups above cross nodes).
-        params: the time model's parameters; None: its published ones.
+        params: the time model's parameters; None: the fitted ones (``step_time.FITTED``).
     """
     world = gpus // tp
     if world < 1 or world * tp != gpus or world & (world - 1):

@@ -16,7 +16,7 @@ from megatron.bridge_thd.plan.published import TABLES, Figure, PublishedTable
 
 __all__ = ["RING_STEPS", "FitResult", "fit_parameters", "judge"]
 
-RING_STEPS = (0.0, 25e-6, 50e-6, 100e-6, 150e-6, 200e-6, 300e-6, 400e-6, 600e-6, 800e-6)
+RING_STEPS = (0.0, 25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 400e-6, 600e-6, 800e-6, 1.2e-3, 1.6e-3, 2.4e-3, 3.2e-3, 4.8e-3)
 _PROBE = 1e-3  # seconds of per_micro_batch_s at which the slope is read
 
 

@@ -198,9 +198,10 @@ def _dynamic_cp(args, spec) -> str:
         samples = video_mix_lengths(args.num_samples, seed=args.seed)
     global_batch_size = args.global_batch_size or args.micro_batch_size * (args.micro_batches or 1) * args.gpus
     estimates = compare_cp(spec, samples, gpus=args.gpus, tp=args.tp, global_batch_size=global_batch_size,
-                           max_tokens_per_rank=args.dynamic_cp, gpu=args.gpu)
+                           max_tokens_per_rank=args.dynamic_cp, gpu=args.gpu,
+                           params=time_parameters(args))
     return (f"{spec.name}, {samples.source}: {len(samples.tokens)} samples, steps of {global_batch_size}, "
-            f"{args.gpus} x {args.gpu} (TP {args.tp}), the time model's published parameters (docs/time-model.md)\n\n"
+            f"{args.gpus} x {args.gpu} (TP {args.tp}), the time model ({time_parameters(args).source}; docs/time-model.md)\n\n"
             + format_cp_comparison(estimates, max_tokens_per_rank=args.dynamic_cp))
 
 
