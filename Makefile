@@ -47,6 +47,7 @@ bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/global_batch_step_time.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/global_batch_scale.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/dynamic_cp_report.py
+	$(PYTHON) $(QUIET_IMPORTS) benchmarks/time_model_report.py
 	$(PYTHON) $(QUIET_IMPORTS) scripts/readme_figures.py
 
 # Re-run the demo and rewrite every README figure block from the scripts that produce it.

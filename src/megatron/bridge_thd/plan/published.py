@@ -26,7 +26,7 @@ from megatron.bridge_thd.plan.step_model import sync_seconds
 
 __all__ = ["Figure", "PublishedTable", "TABLES", "get_table", "RATIO_BAR", "TIME_BAR", "dp_balanced_packs",
            "lognormal_lengths", "cord_v2_lengths", "pr3838_memory", "PlacedRow", "static_cp_rows", "balanced_cp_rows",
-           "rows_seconds"]
+           "rows_seconds", "SENSITIVITY", "reproduce_with"]
 
 RATIO_BAR = 0.15  # a held-out speed-up ratio within 15% of the published one
 TIME_BAR = 0.25  # a held-out absolute step time within 25% where the GPU is named
@@ -207,13 +207,13 @@ _PR3838_MEASURED = {("bshd", 2): 363.0, ("thd", 2): 342.0, ("bshd", 4): None, ("
 _PR3838_DOCUMENT_TOKENS = 1000  # "documents of ~1000 tokens" (PR 3481, the same author, the same recipe family)
 
 
-def cord_v2_lengths(count: int, seed: int = 0) -> list[SampleWork]:
+def cord_v2_lengths(count: int, seed: int = 0, mean_tokens: int = _PR3838_DOCUMENT_TOKENS) -> list[SampleWork]:
     """cord_v2 as the reproduction assumes it: the planner's synthetic receipts (:func:`~.samples.receipt_lengths`),
-    each sample's text and image height scaled by one factor so the mean sample is ``_PR3838_DOCUMENT_TOKENS``."""
+    each sample's text and image height scaled by one factor so the mean sample is ``mean_tokens``."""
     from megatron.bridge_thd.plan.samples import receipt_lengths
 
     receipts = receipt_lengths(count, seed)
-    factor = _PR3838_DOCUMENT_TOKENS / (sum(receipts.tokens) / count)
+    factor = mean_tokens / (sum(receipts.tokens) / count)
     works = []
     for tokens, grids in zip(receipts.tokens, receipts.grids):
         (t, h, w), = grids
@@ -231,12 +231,12 @@ def _force_padded(works: Sequence[SampleWork], layout: str, seq_length: int) -> 
     return [x for w in works for x in (w, SampleWork(seq_length - w.tokens, attended=False)) if x.tokens > 0]
 
 
-def _pr3838(params: TimeParameters) -> list[Figure]:
+def _pr3838(params: TimeParameters, mean_tokens: int = _PR3838_DOCUMENT_TOKENS) -> list[Figure]:
     spec = replace(get_preset("qwen3.5-vl-2b"), mtp_num_layers=1)
     shape, machine, seq_length = model_shape(spec), get_machine("h100-sxm"), 2048
     fixed = sync_seconds(spec, Parallel(gpus=8), machine) + params.per_step_s
     works = [w if w.tokens <= seq_length else SampleWork(seq_length, w.patches, w.frames)
-             for w in cord_v2_lengths(2048, seed=0)]
+             for w in cord_v2_lengths(2048, seed=0, mean_tokens=mean_tokens)]
     predicted = {}
     for (layout, mbs) in _PR3838_MEASURED:
         gbs, times = 8 * mbs, []
@@ -266,23 +266,25 @@ _VERL_GPUS, _VERL_GLOBAL_BATCH, _VERL_STEPS = 8, 64, 23
 
 
 @lru_cache(maxsize=None)
-def _verl_steps() -> tuple[tuple[list[PlacedRow], list[PlacedRow]], ...]:
-    lengths = lognormal_lengths(_VERL_STEPS * _VERL_GLOBAL_BATCH, mean=2048, sigma=1.5, low=1024, high=16384)
+def _verl_steps(mean: int = 2048, sigma: float = 1.5, global_batch: int = _VERL_GLOBAL_BATCH
+                ) -> tuple[tuple[list[PlacedRow], list[PlacedRow]], ...]:
+    lengths = lognormal_lengths(_VERL_STEPS * global_batch, mean=mean, sigma=sigma, low=1024, high=16384)
     steps = []
     for step in range(_VERL_STEPS):
-        works = [sample_work(n) for n in lengths[step * _VERL_GLOBAL_BATCH:(step + 1) * _VERL_GLOBAL_BATCH]]
+        works = [sample_work(n) for n in lengths[step * global_batch:(step + 1) * global_batch]]
         steps.append((static_cp_rows(works, cp=4, dp=_VERL_GPUS // 4, capacity=4 * 4096),
                       balanced_cp_rows(works, world=_VERL_GPUS, max_tokens_per_rank=4096)))
     return tuple(steps)
 
 
-def _verl(params: TimeParameters) -> list[Figure]:
+def _verl(params: TimeParameters, mean: int = 2048, sigma: float = 1.5,
+          global_batch: int = _VERL_GLOBAL_BATCH) -> list[Figure]:
     spec = replace(get_preset("qwen3-vl-30b-a3b"), vision=VisionSpec(depth=0, hidden_size=16, num_heads=1,
                                                                      intermediate_size=16, out_hidden_size=2048))
     shape, machine = model_shape(spec), get_machine("h100-sxm")
     fixed = sync_seconds(spec, Parallel(cp=4, ep=8, gpus=_VERL_GPUS), machine) + params.per_step_s
     static = dynamic = 0.0
-    for static_rows, dynamic_rows in _verl_steps():
+    for static_rows, dynamic_rows in _verl_steps(mean, sigma, global_batch):
         static += rows_seconds(shape, static_rows, machine, params, world=_VERL_GPUS, ep=8) + fixed
         dynamic += rows_seconds(shape, dynamic_rows, machine, params, world=_VERL_GPUS, ep=8) + fixed
     return [Figure("dynamic CP over static CP4, tokens/s", _VERL_MEASURED[1] / _VERL_MEASURED[0], static / dynamic,
@@ -366,6 +368,24 @@ VERL_6555 = PublishedTable(
     role="held out", reproduce=_verl)
 
 TABLES: dict[str, PublishedTable] = {t.key: t for t in (MEGATRON_DCP, PR3838, VERL_6555)}
+
+
+# Each held-out table's reproduction under other values of what its source leaves unstated (docs/time-model.md,
+# "How much the assumptions move it"): (table key, the assumption, {value label: keyword arguments}).
+SENSITIVITY = (
+    ("megatron-bridge-pr3838", "cord_v2's mean sample (tokens)",
+     {"700": dict(mean_tokens=700), "1000 (used)": dict(mean_tokens=1000), "1300": dict(mean_tokens=1300)}),
+    ("verl-pr6555", "lengths: lognormal mean, sigma (in 1K-16K)",
+     {"1536, 1.5": dict(mean=1536), "2048, 1.5 (used)": dict(mean=2048), "3072, 1.5": dict(mean=3072),
+      "2048, 1.0": dict(sigma=1.0)}),
+    ("verl-pr6555", "global batch (samples)",
+     {"32": dict(global_batch=32), "64 (used)": dict(global_batch=64), "128": dict(global_batch=128)}),
+)
+
+
+def reproduce_with(key: str, params: TimeParameters, **assumptions) -> list[Figure]:
+    """Table ``key`` reproduced under other ``assumptions`` (:data:`SENSITIVITY`)."""
+    return {"megatron-bridge-pr3838": _pr3838, "verl-pr6555": _verl}[key](params, **assumptions)
 
 
 def get_table(key: str) -> PublishedTable:
