@@ -3,10 +3,11 @@
 For a model preset (or a Hugging Face config.json), a per-sample length distribution and a
 parallel layout, estimate per packing layout (``bshd``, ``thd``, ``thd_static``) the token slots,
 attention work, trainer FLOPs (Megatron-Bridge's own formula), MoE routing, activation and
-model-state memory per GPU, and a roofline step time; and per layout the step time of the slowest
+model-state memory per GPU, and the time model's step time (docs/time-model.md); and per layout the step time of the slowest
 DP rank with Megatron-Bridge's in-batch placement and with global-batch packing (:mod:`.balance`,
 docs/batching.md). Modules: :mod:`.presets`, :mod:`.samples`, :mod:`.layouts`, :mod:`.flops`,
-:mod:`.memory`, :mod:`.roofline`, :mod:`.estimate`, :mod:`.balance`, :mod:`.report`, :mod:`.plot`,
+:mod:`.memory`, :mod:`.peak_memory`, :mod:`.roofline`, :mod:`.step_model`, :mod:`.published`, :mod:`.fit`,
+:mod:`.estimate`, :mod:`.balance`, :mod:`.answer`, :mod:`.report`, :mod:`.plot`,
 :mod:`.calibrate`, :mod:`.plan_command` (``bridge-thd plan``), :mod:`.cli` (``bridge-thd``, its
 commands), :mod:`.scan` (``bridge-thd scan``: a recipe's dataset as a lengths file).
 

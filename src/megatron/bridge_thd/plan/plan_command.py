@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--gpus", type=int, default=8, help="total GPUs (DP = gpus / (tp*cp*pp))")
     p.add_argument("--no-sequence-parallel", action="store_true", help="TP without sequence parallelism")
-    p.add_argument("--gpu", default="h100-sxm", help="GPU for the roofline (--list-models)")
+    p.add_argument("--gpu", default="h100-sxm", help="GPU of the time model and the memory check (--list-models)")
     p.add_argument("--time-params", metavar="JSON",
                    help="the time model's parameters measured on your GPU (benchmarks/gpu_calibrate.py writes them); "
                    "default: published rates and the parameters fitted on published step times (docs/time-model.md)")

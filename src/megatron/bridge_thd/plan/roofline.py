@@ -1,25 +1,14 @@
-"""Roofline step time on a named GPU.
-
-``t_step = max(t_compute, t_memory) * bubble + overhead`` per GPU, with
-
-* ``t_compute = FLOPs_per_gpu / (peak_bf16 * mfu)``: the micro-batches' model FLOPs (the trainer's
-  formula, fwd + bwd) divided over the tp * cp * pp ranks that share them (EP ranks each carry
-  their own micro-batch);
-* ``t_memory = (3 * weight_bytes + 3 * activation_bytes) / hbm_bandwidth``: weights read in
-  forward, backward-data and backward-weight; activations written once, read twice;
-* ``bubble = 1 + (pp - 1) / micro_batches`` (1F1B) and a fixed ``overhead`` (optimizer step,
-  DP all-reduce not overlapped, data loading, launch latency; 0 unless given).
-
-The MFU is an assumption (default 0.40, typical of well-tuned Megatron bf16 runs of mid-sized
-models); the speed-up of one layout over another is independent of it while compute-bound and
-without overhead.
+"""The GPUs the planner knows by name: their bf16 peak, HBM bandwidth, capacity and in-node link (``--gpu``,
+``--list-models``). Step times come from the time model (:mod:`megatron.bridge_thd.batching.step_time`,
+docs/time-model.md), which has its own measured links for these names; this table is what the planner's memory
+checks and listings read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GPU", "GPUS", "get_gpu", "step_seconds"]
+__all__ = ["GPU", "GPUS", "get_gpu"]
 
 
 @dataclass(frozen=True)
@@ -52,19 +41,3 @@ def get_gpu(name: str) -> GPU:
     if key not in GPUS:
         raise ValueError(f"GPU {name!r} is not known; valid GPUs: {', '.join(GPUS)}")
     return GPUS[key]
-
-
-def step_seconds(flops_per_gpu: float, weight_bytes: float, activation_bytes: float, gpu: GPU, mfu: float,
-                 pp: int = 1, micro_batches: int = 1, overhead_s: float = 0.0) -> float:
-    """Roofline step time in seconds (module docstring).
-
-    Args:
-        flops_per_gpu: model FLOPs of this GPU's share of the step.
-        weight_bytes: bf16 weight bytes on this GPU; activation_bytes: per micro-batch.
-    """
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu: expected 0 < mfu <= 1, got {mfu!r}")
-    compute = flops_per_gpu / (gpu.bf16_flops * mfu)
-    memory = micro_batches * (3 * weight_bytes + 3 * activation_bytes) / gpu.hbm_bytes_per_s
-    bubble = 1 + (pp - 1) / micro_batches
-    return max(compute, memory) * bubble + overhead_s

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hf-config", help="a Hugging Face config.json for the prediction instead of a preset")
     p.add_argument("--gpus", type=_positive("gpus"), default=None,
                    help="GPUs of the run for the prediction (default: the recipe name's N in '_Ngpu_', else 8)")
-    p.add_argument("--gpu", default="h100-sxm", help="GPU for the planner's roofline (bridge-thd plan --list-models)")
+    p.add_argument("--gpu", default="h100-sxm", help="GPU for the planner's time model (bridge-thd plan --list-models)")
     p.add_argument("--no-plan", action="store_true", help="skip the planner's prediction")
     p.add_argument("--cpu-tiny", action="store_true",
                    help="on this machine: the test bed's local cord_v2-shaped data and tiny Qwen3-VL processor "
