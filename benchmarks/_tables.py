@@ -26,3 +26,19 @@ def cpu_name() -> str:
     except OSError:
         pass
     return f"{platform.processor() or platform.machine()}, {count} logical CPUs"
+
+
+def report_main(doc: str, default_json, measure, render, argv=None) -> None:
+    """A report's command line: ``--json PATH`` (default ``default_json``), run ``measure()``, write its results there,
+    print ``render(results)``."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--json", type=Path, default=Path(default_json))
+    args = parser.parse_args(argv)
+    results = measure()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    print(render(results))

@@ -19,9 +19,7 @@ lognormal lengths, median 1,500, 1 to 32,768 tokens): an assumption, not a measu
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -82,13 +80,9 @@ def render(results: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    results = measure()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=1) + "\n")
-    print(render(results))
+    from _tables import report_main
+
+    report_main(__doc__, RESULTS, measure, render, argv)
 
 
 if __name__ == "__main__":

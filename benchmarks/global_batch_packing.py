@@ -42,7 +42,7 @@ Tables:
 (d) ``assign``'s wall time for one 4096-sample global batch (DP 8 x 128 micro-batches of 4), thd row and
     static row, and VERL's ``get_seqlen_balanced_partitions`` on the same lengths: median of repeats
     (this CPU, one process).
-(e) The planner's predicted step time (``plan.balance.balance_plan``, 8 x H100 SXM roofline, MFU 40%):
+(e) The planner's predicted step time (``plan.balance.balance_plan``, 8 x H100 SXM, the time model, docs/time-model.md):
     the slowest DP rank's time, with and without global-batch packing, per layout (``thd_static``
     packed with one row, ``row_buckets=1``, as in (a)).
 (f) ``thd_static`` padding with K static rows (``row_buckets``), K = 1, 2, 4, 8 (the runtime's default is 4):
@@ -512,7 +512,7 @@ def render(results: dict) -> str:
     out += ["", "Median of the repeats after one warm-up call; wall time of one process on this CPU"
             + (f" (1-minute load average when timed: {loads}; other processes shared the machine)" if loads else "")
             + ".", "",
-            "## (e) The planner's step time, 8 x H100 SXM (roofline, MFU 40%; slowest DP rank, mean over steps)", "",
+            "## (e) The planner's step time, 8 x H100 SXM (the time model, a model's figures; slowest DP rank, mean over steps)", "",
             "8B: TP1 DP8; 30B-A3B: EP8 DP8 (bshd forced to seq_length). ms per step; bshd has no packed figure "
             "(configure refuses global-batch packing with it).", ""]
 
@@ -786,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
                        "global_batch_sizes": list(gbs_values), "models": list(models), "quick": args.quick,
                        "padding_goal": PADDING_GOAL, "imbalance_goal": IMBALANCE_GOAL,
                        "verl_max_token_len": "micro_batch_size * seq_length",
-                       "planner": "plan.balance.balance_plan, h100-sxm, MFU 0.40, no overhead; 8B TP1 DP8, 30B-A3B EP8 DP8"},
+                       "planner": "plan.balance.balance_plan, h100-sxm, the time model (fitted parameters); 8B TP1 DP8, 30B-A3B EP8 DP8"},
         "verl": {"version": VERL_VERSION, "file": VERL_FILE, "status": status},
         "distributions": {}, "rows": [], "timing": {"cpu": cpu_name(), "runs": []},
     }

@@ -11,9 +11,7 @@ predicted figure is the time model's. The values go to ``benchmarks/results/time
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "time_model.json"
@@ -62,13 +60,9 @@ def render(results: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    results = measure()
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=1) + "\n")
-    print(render(results))
+    from _tables import report_main
+
+    report_main(__doc__, RESULTS, measure, render, argv)
 
 
 if __name__ == "__main__":
