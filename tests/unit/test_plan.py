@@ -204,6 +204,7 @@ def test_cli_prints_the_three_layouts(capsys, tmp_path):
     assert main(["--model", "qwen3-vl-8b", "--ep", "2"]) == 2  # dense model
 
 
+@pytest.mark.slow  # the fit table's placements: ~20 s
 def test_calibration_prints_the_parameters_the_fit_and_the_held_out_tables(capsys):
     assert main(["--calibrate"]) == 0
     out = capsys.readouterr().out

@@ -4,7 +4,8 @@ For a model, a lengths file (or the synthetic receipts), the GPUs and a global b
 layout (``bshd``, ``thd``, ``thd_static``) with Megatron-Bridge's in-batch placement and with global-batch packing,
 at each micro-batch size and each static CP size that divides the world, plus ``thd_static``'s row buckets. Each is
 priced by the time model (:mod:`.step_model`) and the memory model (:mod:`.peak_memory`: the largest micro-batch on
-a rank) and kept when it fits the GPU; the table lists them by predicted samples per second. Every time figure
+a rank) and kept when it fits the GPU; the table lists them by predicted samples per second. With a per-rank token
+limit (``--dynamic-cp TOKENS``), CP per sample joins them, placed by Megatron-Core's scheduler and by ours. Every time figure
 rests on the fitted parameters (:attr:`~megatron.bridge_thd.batching.step_time.TimeParameters.fitted`) and every
 memory figure on the assumed reserve: the table says so above itself.
 """
@@ -20,7 +21,7 @@ from megatron.bridge_thd.plan.peak_memory import peak_memory_bytes
 from megatron.bridge_thd.plan.presets import ModelSpec
 from megatron.bridge_thd.plan.samples import SampleLengths
 
-__all__ = ["Candidate", "rank_candidates", "format_candidates"]
+__all__ = ["Candidate", "rank_candidates", "cp_per_sample_candidates", "best_first", "format_candidates"]
 
 GIB = 2**30
 
@@ -87,7 +88,38 @@ def rank_candidates(spec: ModelSpec, samples: SampleLengths, base: PlanSettings,
                         out.append(Candidate(layout, placement, mbs, cp, buckets if static_packed else None,
                                              estimate.step_s, estimate.samples_per_s, memory,
                                              memory <= base.gpu.memory_bytes))
-    return sorted(out, key=lambda c: (not c.fits, -(c.samples_per_s if c.samples_per_s == c.samples_per_s else 0)))
+    return best_first(out)
+
+
+def best_first(candidates: list[Candidate]) -> list[Candidate]:
+    """Fitting candidates by samples/s, highest first, then the ones that do not fit or cannot run."""
+    return sorted(candidates, key=lambda c: (not c.fits, -(c.samples_per_s if c.samples_per_s == c.samples_per_s
+                                                            else 0)))
+
+
+def cp_per_sample_candidates(spec: ModelSpec, samples: SampleLengths, base: PlanSettings, global_batch_size: int,
+                             max_tokens_per_rank: int) -> list[Candidate]:
+    """CP per sample at ``max_tokens_per_rank`` tokens of a sample per rank, placed by Megatron-Core's scheduler and
+    by ours (:func:`~.dynamic_cp.compare_cp`, the same time model): ``cp`` is 0 (per sample), the memory is the
+    memory model's for the rank's largest row, counted without its vision activations (the comparison keeps no
+    patches per row)."""
+    from megatron.bridge_thd.plan.dynamic_cp import MEGATRON, OURS, compare_cp
+
+    par = base.parallel
+    estimates = compare_cp(spec, samples, gpus=par.gpus, tp=par.tp, global_batch_size=global_batch_size,
+                           max_tokens_per_rank=max_tokens_per_rank, gpu=base.gpu.name, params=base.time)
+    out = []
+    for e in (e for e in estimates if e.name in (MEGATRON, OURS)):
+        placement = "Megatron-Core's scheduler" if e.name == MEGATRON else "ours (time model)"
+        if not e.fits:
+            out.append(Candidate("thd", f"CP per sample, {placement}", 1, 0, None, *(float("nan"),) * 3, False,
+                                 e.why))
+            continue
+        memory = peak_memory_bytes(spec, Parallel(tp=par.tp, gpus=par.gpus), slots_per_rank=e.peak_tokens, patches=0,
+                                   mtp_layers=spec.mtp_num_layers).total
+        out.append(Candidate("thd", f"CP per sample, {placement}", 1, 0, None, e.step_s, global_batch_size / e.step_s,
+                             memory, memory <= base.gpu.memory_bytes))
+    return out
 
 
 def format_candidates(candidates: list[Candidate], settings: PlanSettings, *, limit: int = 20) -> str:
@@ -100,7 +132,8 @@ def format_candidates(candidates: list[Candidate], settings: PlanSettings, *, li
              "| # | layout | placement | MBS | CP | row buckets | step (ms) | samples/s | peak memory (GiB/GPU) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for k, c in enumerate(fitting[:limit], 1):
-        lines.append(f"| {k} | {c.layout} | {c.placement} | {c.micro_batch_size} | {c.cp} | "
+        lines.append(f"| {k} | {c.layout} | {c.placement} | {c.micro_batch_size if c.cp else '-'} | "
+                     f"{c.cp or 'per sample'} | "
                      f"{c.row_buckets if c.row_buckets is not None else ''} | {c.step_s * 1e3:,.0f} | "
                      f"{c.samples_per_s:,.1f} | {c.memory_bytes / GIB:.1f} |")
     rest = len(fitting) - limit

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra fixed per-step overhead beyond the time model's (default 0)")
     p.add_argument("--rank", action="store_true",
                    help="every layout, placement, micro-batch size, static CP size and thd_static row buckets that fits, "
-                   "by predicted samples/s, with step time and peak memory per GPU (needs --global-batch-size)")
+                   "by predicted samples/s, with step time and peak memory per GPU (needs --global-batch-size; with "
+                   "--dynamic-cp TOKENS, CP per sample too)")
     p.add_argument("--png", help="write the figure here (needs matplotlib)")
     p.add_argument("--calibrate", action="store_true",
                    help="the time model against published GPU measurements: the fit table and the held-out tables, "
@@ -107,7 +108,7 @@ def run(args) -> str:
     from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths
 
     spec = spec_from_hf_config(args.hf_config) if args.hf_config else get_preset(args.model)
-    if args.dynamic_cp is not None:
+    if args.dynamic_cp is not None and not args.rank:
         return _dynamic_cp(args, spec)
     samples = (load_lengths(args.lengths, spec.vision.spatial_merge_size) if args.lengths
                else receipt_lengths(args.num_samples, args.seed))
@@ -153,12 +154,16 @@ def run(args) -> str:
 
 def _rank(args, spec, samples, settings) -> str:
     """``--rank``: every candidate that fits, best first (plan/answer.py)."""
-    from megatron.bridge_thd.plan.answer import format_candidates, rank_candidates
+    from megatron.bridge_thd.plan.answer import best_first, cp_per_sample_candidates, format_candidates, rank_candidates
 
     if args.global_batch_size is None:
         raise ValueError("--rank: give --global-batch-size (the candidates vary the micro-batch size and CP size at "
                          "a fixed global batch)")
     candidates = rank_candidates(spec, samples, settings, args.global_batch_size, seed=args.seed)
+    if args.dynamic_cp is not None:
+        check_int("--dynamic-cp", args.dynamic_cp, 2)
+        candidates = best_first(candidates + cp_per_sample_candidates(spec, samples, settings, args.global_batch_size,
+                                                                      args.dynamic_cp))
     return (f"bridge-thd plan --rank: {spec.name}, {samples.source}, {len(samples)} samples, global batch "
             f"{args.global_batch_size}, {settings.parallel.gpus} x {settings.gpu.name}, TP {settings.parallel.tp}, "
             f"PP {settings.parallel.pp}, EP {settings.parallel.ep}, seq_length {settings.seq_length}\n\n"
