@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["SampleCost", "sample_cost", "image_patches"]
+__all__ = ["SampleCost", "sample_cost", "image_patches", "frame_lengths"]
 
 # Evaluation points: powers of two keep every term an exact integer in double precision, and
 # the patch points are multiples of any spatial_merge_size**2 (the merger floors patches / merge^2).
@@ -80,6 +80,12 @@ class SampleCost:
     def text_only(self) -> "SampleCost":
         """The same model with the vision tower's cost left out (what a text-only balancer sees)."""
         return SampleCost(self.per_token, self.per_token_squared, 0.0, 0.0, f"{self.name} (text only)")
+
+
+def frame_lengths(grids: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Each frame's ViT patches for a sample's ``(t, h, w)`` grids: ``t`` frames of ``h * w`` per grid, the segments
+    of the vision model's own ``cu_seqlens`` (``repeat_interleave(h * w, t)``)."""
+    return tuple(int(h) * int(w) for t, h, w in grids for _ in range(int(t)))
 
 
 def image_patches(grids: Sequence[Sequence[Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:

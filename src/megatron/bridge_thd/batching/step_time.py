@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from megatron.bridge_thd.batching.cost import SampleCost
+from megatron.bridge_thd.batching.cost import SampleCost, frame_lengths
 
 __all__ = ["Link", "Machine", "MACHINES", "get_machine", "RateCurve", "TimeParameters", "PUBLISHED", "FITTED",
            "ModelShape",
@@ -229,12 +229,6 @@ class SampleWork:
     patches: int = 0
     frames: tuple[int, ...] = ()
     attended: bool = True
-
-
-def frame_lengths(grids: Sequence[Sequence[int]]) -> tuple[int, ...]:
-    """Each frame's ViT patches for a sample's ``(t, h, w)`` grids: ``t`` frames of ``h * w`` per grid, the segments
-    of the vision model's own ``cu_seqlens`` (``repeat_interleave(h * w, t)``)."""
-    return tuple(int(h) * int(w) for t, h, w in grids for _ in range(int(t)))
 
 
 def sample_work(tokens: int, grids: Sequence[Sequence[int]] = ()) -> SampleWork:

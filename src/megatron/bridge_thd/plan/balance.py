@@ -157,8 +157,7 @@ def micro_batches_per_rank(global_batch_size, micro_batch_size: int, dp: int, nu
 def plan_steps(samples: SampleLengths, global_batch_size: int, seq_length: int) -> list[Step]:
     """Consecutive global batches of ``samples`` (the remainder dropped), each sample truncated to
     ``seq_length`` (refused where that would cut an image, as the step refuses it)."""
-    from megatron.bridge_thd.batching.cost import image_patches
-    from megatron.bridge_thd.batching.step_time import frame_lengths
+    from megatron.bridge_thd.batching.cost import frame_lengths, image_patches
 
     check_seq_length(samples, seq_length)
     steps = []

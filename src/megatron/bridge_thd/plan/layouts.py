@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.bridge_thd import layouts
-from megatron.bridge_thd.batching.step_time import frame_lengths
+from megatron.bridge_thd.batching.cost import frame_lengths
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
 
