@@ -245,3 +245,51 @@ def test_rank_with_a_token_limit_adds_cp_per_sample_by_both_placements(capsys):
     assert "| per sample |" in out
     assert main(["--model", "qwen3-vl-2b", "--rank"]) == 2
     assert "--global-batch-size" in capsys.readouterr().err
+
+
+# --- the planner fitted on a run log (plan/fit_log.py, bridge-thd plan --fit-log) --------------------------------
+
+
+def _record(iteration, slots, real, work, mbs_per_step=2, time=None, **sizes):
+    from megatron.bridge_thd.run_log import RunLogRecord
+
+    parallel = dict(tp=1, cp=1, pp=1, ep=1, dp=2) | sizes
+    return RunLogRecord(iteration=iteration, iteration_time_s=time, layout="thd", micro_batch_size=2,
+                        micro_batches_per_step=mbs_per_step, global_batch_size=2 * mbs_per_step * parallel["dp"],
+                        seq_length=4096, token_slots=slots, real_tokens=real, supervised_tokens=real // 2,
+                        attention_work=work, padded_slots=slots, truncated_tokens=0, vision_patches=0, **parallel)
+
+
+def test_the_fit_on_a_run_log_recovers_the_fixed_costs_it_was_made_with(tmp_path, capsys):
+    """A log whose iteration times are the model's own with per_step_s 0.2 s and per_micro_batch_s 15 ms: the fit
+    gives those back, with no error left."""
+    from dataclasses import replace as _replace
+
+    from megatron.bridge_thd.plan.fit_log import fit_run_log, variable_seconds
+    from megatron.bridge_thd.plan.plan_command import main
+    from megatron.bridge_thd.plan.presets import get_preset
+
+    spec, machine = get_preset("qwen3-vl-2b"), get_machine("h100-sxm")
+    truth = FITTED.with_fit("truth", per_step_s=0.2, per_micro_batch_s=0.015)
+    shape = model_shape(spec)
+    records = []
+    for k, (slots, real, work, mbs) in enumerate([(8192, 7000, 9e6, 2), (16384, 15000, 2.5e7, 4),
+                                                   (4096, 4000, 3e6, 1), (12288, 9000, 1.2e7, 3)], 1):
+        record = _record(k, slots, real, int(work), mbs)
+        sync = sync_seconds(spec, Parallel(gpus=2), machine)
+        records.append(_replace(record, iteration_time_s=variable_seconds(shape, record, machine, truth) + sync
+                                + 0.2 + 0.015 * mbs))
+    fit = fit_run_log(records, spec, machine, FITTED)
+    assert fit.params.per_step_s == pytest.approx(0.2, rel=1e-6)
+    assert fit.params.per_micro_batch_s == pytest.approx(0.015, rel=1e-6)
+    assert fit.after_error < 1e-9 < fit.before_error
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(r.to_json() for r in records) + "\n")
+    params = tmp_path / "params.json"
+    assert main(["--model", "qwen3-vl-2b", "--fit-log", str(path), "--write-params", str(params)]) == 0
+    assert "RMS error" in capsys.readouterr().out
+    assert load_time_parameters(params).per_step_s == pytest.approx(0.2, rel=1e-6)
+    untimed = tmp_path / "untimed.jsonl"
+    untimed.write_text(_record(1, 10, 10, 100).to_json() + "\n")
+    assert main(["--model", "qwen3-vl-2b", "--fit-log", str(untimed)]) == 2
+    assert "no iteration has a time" in capsys.readouterr().err

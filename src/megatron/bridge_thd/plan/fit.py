@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from megatron.bridge_thd.batching.step_time import PUBLISHED, TimeParameters
 from megatron.bridge_thd.plan.published import TABLES, Figure, PublishedTable
 
-__all__ = ["RING_STEPS", "FitResult", "fit_parameters", "judge"]
+__all__ = ["RING_STEPS", "FitResult", "fit_parameters", "judge", "nonnegative_least_squares"]
 
 RING_STEPS = (0.0, 25e-6, 50e-6, 100e-6, 200e-6, 300e-6, 400e-6, 600e-6, 800e-6, 1.2e-3, 1.6e-3, 2.4e-3, 3.2e-3, 4.8e-3)
 _PROBE = 1e-3  # seconds of per_micro_batch_s at which the slope is read
@@ -33,7 +33,7 @@ def _times(tables: list[PublishedTable], params: TimeParameters) -> list[Figure]
     return [f for table in tables for f in table.reproduce(params) if f.unit == "ms"]
 
 
-def _nonnegative_least_squares(base: list[float], slope: list[float], target: list[float]) -> tuple[float, float]:
+def nonnegative_least_squares(base: list[float], slope: list[float], target: list[float]) -> tuple[float, float]:
     """``(a, b) >= 0`` minimising ``sum ((base + a * slope + b - target) / target)^2``: the unconstrained solution,
     else the best with one of them at 0."""
     w = [1 / t for t in target]
@@ -67,7 +67,7 @@ def fit_parameters(tables: list[PublishedTable] | None = None, base: TimeParamet
         base_s = [f.predicted / 1e3 for f in at_zero]
         slope = [(p.predicted - f.predicted) / 1e3 / _PROBE for p, f in zip(probed, at_zero)]
         target = [f.published / 1e3 for f in at_zero]
-        per_micro_batch, per_step = _nonnegative_least_squares(base_s, slope, target)
+        per_micro_batch, per_step = nonnegative_least_squares(base_s, slope, target)
         predicted = [b + per_micro_batch * s + per_step for b, s in zip(base_s, slope)]
         error = (sum((p / t - 1) ** 2 for p, t in zip(predicted, target)) / len(target)) ** 0.5
         if best is None or error < best[0]:

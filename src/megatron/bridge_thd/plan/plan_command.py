@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-params", metavar="JSON",
                    help="the time model's parameters measured on your GPU (benchmarks/gpu_calibrate.py writes them); "
                    "default: published rates and the parameters fitted on published step times (docs/time-model.md)")
+    p.add_argument("--fit-log", metavar="JSONL",
+                   help="fit the time model's fixed costs on a run log (PackingSettings.run_log: one line per "
+                   "iteration) and say how well it predicted that run (docs/time-model.md)")
+    p.add_argument("--write-params", metavar="JSON", help="with --fit-log: write the fitted parameters here "
+                   "(the file --time-params reads)")
     p.add_argument("--overhead-ms", type=float, default=0.0,
                    help="extra fixed per-step overhead beyond the time model's (default 0)")
     p.add_argument("--rank", action="store_true",
@@ -108,6 +113,10 @@ def run(args) -> str:
     from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths
 
     spec = spec_from_hf_config(args.hf_config) if args.hf_config else get_preset(args.model)
+    if args.fit_log:
+        return _fit_log(args, spec)
+    if args.write_params:
+        raise ValueError("--write-params: only with --fit-log (the parameters it writes are the fit's)")
     if args.dynamic_cp is not None and not args.rank:
         return _dynamic_cp(args, spec)
     samples = (load_lengths(args.lengths, spec.vision.spatial_merge_size) if args.lengths
@@ -168,6 +177,27 @@ def _rank(args, spec, samples, settings) -> str:
             f"{args.global_batch_size}, {settings.parallel.gpus} x {settings.gpu.name}, TP {settings.parallel.tp}, "
             f"PP {settings.parallel.pp}, EP {settings.parallel.ep}, seq_length {settings.seq_length}\n\n"
             + format_candidates(candidates, settings))
+
+
+def _fit_log(args, spec) -> str:
+    """``--fit-log JSONL``: the fixed costs fitted on a run log (plan/fit_log.py), optionally written."""
+    import json
+
+    from megatron.bridge_thd.batching.step_time import get_machine, time_parameters_to_dict
+    from megatron.bridge_thd.plan.fit_log import fit_run_log, format_log_fit
+    from megatron.bridge_thd.run_log import read_run_log
+
+    try:
+        records = read_run_log(args.fit_log)
+    except FileNotFoundError:
+        raise ValueError(f"--fit-log {args.fit_log}: no such file; set PackingSettings.run_log in the run") from None
+    fit = fit_run_log(records, spec, get_machine(args.gpu), time_parameters(args), source=str(args.fit_log))
+    text = f"bridge-thd plan --fit-log {args.fit_log}: {spec.name} on {args.gpu}\n\n" + format_log_fit(fit)
+    if args.write_params:
+        with open(args.write_params, "w") as handle:
+            json.dump(time_parameters_to_dict(fit.params), handle, indent=1)
+        text += f"\nwrote {args.write_params}: bridge-thd plan --time-params {args.write_params} ..."
+    return text
 
 
 def time_parameters(args):
