@@ -208,7 +208,7 @@ def test_cli_prints_the_three_layouts(capsys, tmp_path):
 def test_calibration_prints_the_parameters_the_fit_and_the_held_out_tables(capsys):
     assert main(["--calibrate"]) == 0
     out = capsys.readouterr().out
-    assert "| `per_step_s` |" in out and "fitted (fitted on megatron-lm-dynamic-cp)" in out
+    assert "| `per_step_s` |" in out and "| fitted on megatron-lm-dynamic-cp |" in out
     assert "Fit: Megatron-LM's dynamic context parallelism example" in out
     assert "Held out: Megatron-Bridge PR 3838" in out and "Held out: verl PR 6555" in out
     assert "| MBS 2 THD | 342 ms |" in out and "| bshd MBS 4 | out of memory |" in out

@@ -40,7 +40,7 @@ def parameter_table(params: TimeParameters = FITTED) -> str:
     rows = ["| parameter | value | source |", "|---|---|---|"]
     for name, source in PARAMETER_SOURCES.items():
         rows.append(f"| `{name}` | {_value(params, name)} | "
-                    f"{f'fitted ({params.source})' if name in params.fitted else source} |")
+                    f"{params.source if name in params.fitted else source} |")
     return "\n".join(rows)
 
 
