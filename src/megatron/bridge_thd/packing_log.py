@@ -285,9 +285,11 @@ def _make_callback_class():
                 delattr(context.state, TOTALS_ATTRIBUTE)
 
         def _flush(self, state, iteration: int) -> None:
+            rows = self.totals.reduce(_reduction_group(state))
+            # Read after the reduction, which every rank of the group has joined: like Megatron-Bridge's read of
+            # the same timer behind a barrier, the time covers the slowest rank's step.
             seconds = _interval_seconds(state, self._since)
             self._since = time.perf_counter()
-            rows = self.totals.reduce(_reduction_group(state))
             if not rows or not any(row["micro_batches"] for row in rows):
                 return  # not our step: nothing was recorded
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
