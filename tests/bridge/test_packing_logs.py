@@ -114,3 +114,36 @@ def test_the_run_log_holds_one_line_per_iteration(ranks, workdir, key):
             figures["real_tokens"], figures["supervised_tokens"], figures["token_slots"])
         assert record.attention_work > 0 and record.iteration_time_s > 0
         assert (record.rank_cost_max_over_mean is not None) == (key == "global")
+
+
+# A CP size per sample (docs/dynamic-cp.md) on 4 ranks against the same samples at static CP = 1 (DP = 4): the
+# recipe's loader draws a step's samples per DP rank, so both runs train the same samples (as
+# tests/bridge/test_cp_per_sample_training.py uses it).
+CP_TOKENS_PER_RANK, CP_ITERATIONS = 240, 2
+
+
+@pytest.fixture(scope="module")
+def cp_ranks(workdir):
+    common = dict(train_iters=CP_ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
+                  seq_length=SEQ_LENGTH, eval_iters=0, checkpoint=False, count_tokens=False, tensorboard=True)
+    runs = [("dynamic", RECIPE, "thd", dict(common, dynamic_cp=CP_TOKENS_PER_RANK, run_name="packing-dynamic")),
+            ("static_cp1", RECIPE, "thd", dict(common, per_token_loss=True, run_name="packing-static_cp1"))]
+    return run_on_cpu(runs, workdir=workdir, world_size=4, timeout=540)
+
+
+def test_cp_per_sample_logs_its_rows_per_cp_size_and_each_rows_tokens_once(cp_ranks, workdir):
+    dynamic, static = _scalars(workdir, "dynamic"), _scalars(workdir, "static_cp1")
+    rows_logged = {}
+    for line in cp_ranks[0]["dynamic"]["placements"]:
+        match = re.search(r"\(train\): step (\d+): (\d+) samples in (\d+) rows", line)
+        if match:
+            rows_logged.setdefault(int(match.group(1)), int(match.group(3)))
+    sizes = [tag for tag in dynamic if tag.startswith("packing/cp_rows_")]
+    assert sizes and all(int(tag.rsplit("_", 1)[1]) in (1, 2, 4) for tag in sizes)
+    for iteration in range(1, CP_ITERATIONS + 1):
+        assert sum(dynamic[tag].get(iteration, 0) for tag in sizes) == rows_logged[iteration]
+        # Each row counted once over the DP x CP ranks: the real tokens of the same samples at static CP = 1.
+        for name in ("real_tokens", "supervised_tokens", "vision_patches"):
+            figure = f"packing/{name}_per_iteration"
+            assert dynamic[figure][iteration] == static[figure][iteration] > 0, name
+    assert not any(tag.startswith("packing/cp_rows_") for tag in static)
