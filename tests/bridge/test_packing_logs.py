@@ -1,9 +1,9 @@
 """The ``packing/*`` figures in Megatron-Bridge's own TensorBoard, through its callback path (docs/packing-logs.md).
 
-Megatron-Bridge 0.6.2's ``finetune()`` on the CPU at DP=2 over gloo (its Qwen3-VL recipe with the tiny model,
+Megatron-Bridge's ``finetune()`` on the CPU at DP=2 over gloo (its Qwen3-VL recipe with the tiny model,
 ``bridge_thd_testbed.training``), with a real TensorBoard ``SummaryWriter`` (``logger.tensorboard_dir``; the last
 rank writes, as Megatron-Bridge does) and ``logger.log_interval=1``. Two runs: ``thd``, and ``thd_static`` with
-global-batch packing. The event file is read back with TensorBoard's own reader, and every figure is checked
+global-batch packing; and, on 4 ranks, a CP size per sample against static CP = 1 on the same samples. The event file is read back with TensorBoard's own reader, and every figure is checked
 against what the test computes independently from each rank's micro-batches (the collate's 2D attention mask, the
 batch's ``loss_mask``, the slots the step processed), summed over the two ranks; the run log against the same.
 """
