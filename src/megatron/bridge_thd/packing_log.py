@@ -256,6 +256,7 @@ def _make_callback_class():
             self._since = 0.0
             self._run = None
             self._path = None
+            self._writes = False
 
         def on_train_start(self, context):
             from megatron.bridge_thd.settings import settings_of
