@@ -78,6 +78,8 @@ def _every_record() -> list[Patch]:
                          "batching.bridge.loader_patch"))
     records.append(Patch(types.ModuleType("megatron.bridge.models.qwen_vl.data.collate_fn"), "prepare_sequence_batch",
                          None, "overlong.collate_patch"))
+    records.append(Patch(types.ModuleType("megatron.bridge.training.pretrain"), "_pretrain", None,
+                         "packing_log.pretrain_patch"))
     from megatron.bridge_thd.pinning import visual_inputs_pin_patch
 
     records.append(visual_inputs_pin_patch())

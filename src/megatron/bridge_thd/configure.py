@@ -154,7 +154,8 @@ def is_explicit(obj: Any, name: str) -> bool:
 
 def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None, force: bool = False,
               global_batch_packing: Any = None, overlong_samples: str | None = None,
-              length_fallback: str | None = None, dynamic_cp: Any = None) -> Any:
+              length_fallback: str | None = None, dynamic_cp: Any = None, packing_log: bool | None = None,
+              run_log: str | None = None) -> Any:
     """Set ``cfg``'s packing flags for ``megatron.bridge_thd.qwen3_vl_step.forward_step``.
 
     Args:
@@ -182,6 +183,14 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
             step (``model.hybrid_context_parallel`` and its settings are set), on loaders global-batch packing builds
             (its default is set when ``global_batch_packing`` is not); ``False``: off; ``None``: keep what the dataset
             holds (unset: off).
+        packing_log: the ``packing/*`` figures in the run's loggers (docs/packing-logs.md); ``False``: off; ``None``:
+            keep what the dataset holds (unset: on, a no-op without a logger).
+        run_log: a path global rank 0 appends one JSON line per training iteration to (docs/packing-logs.md);
+            ``None``: keep what the dataset holds (unset: none).
+
+    For Megatron-Bridge's own config, Megatron-Bridge's ``_pretrain`` is wrapped once per process
+    (``packing_log.pretrain_patch``): the run's callbacks gain the packing figures' callback when the settings and
+    the configured loggers ask for it (decided once per run).
 
     ``layout`` and the three arguments are stored as one record, ``dataset.bridge_thd``
     (:class:`megatron.bridge_thd.settings.PackingSettings`, validated when made; docs/settings.md); hand-set
@@ -198,7 +207,8 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
     """
     _check_arguments(layout, cuda_graphs, force)
     sections = _sections(cfg)
-    record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples, length_fallback, dynamic_cp)
+    record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples, length_fallback, dynamic_cp,
+                       packing_log=packing_log, run_log=run_log)
     setup = read_setup(cfg, layout, cuda_graphs, settings=record)
 
     problems = configure_problems(setup) + _record_problems(sections.dataset) + (
@@ -216,6 +226,8 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
     changed = _apply(changes)
     if record.global_batch_packing is not None or type(cfg).__module__.startswith("megatron.bridge"):
         _wrap_loader_builder()
+    if type(cfg).__module__.startswith("megatron.bridge") and (record.packing_log or record.run_log):
+        _wrap_pretrain()
     _pin_visual_inputs(notes)
     _log(setup, changed, notes, overrides)
     return cfg
@@ -237,7 +249,8 @@ def _sections(cfg: Any) -> _Sections:
 
 
 def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_samples: str | None,
-              length_fallback: str | None, dynamic_cp: Any = None) -> PackingSettings:
+              length_fallback: str | None, dynamic_cp: Any = None, *, packing_log: bool | None = None,
+              run_log: str | None = None) -> PackingSettings:
     """The record ``configure`` stores, validated when made: ``layout`` and each argument given; a field not given
     keeps the stored record's value, else a hand-set attribute's (docs/settings.md), else the default. A hand-set
     value that differs from the result is an explicit setting :func:`_settings_overrides` refuses (``force`` lifts)."""
@@ -249,6 +262,10 @@ def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_sam
         given["overlong_samples"] = overlong_samples
     if length_fallback is not None:
         given["length_fallback"] = length_fallback
+    if packing_log is not None:
+        given["packing_log"] = packing_log
+    if run_log is not None:
+        given["run_log"] = run_log
     if global_batch_packing is not None:
         given["global_batch_packing"] = GlobalBatchPacking() if global_batch_packing is True else (
             global_batch_packing or None)
@@ -316,6 +333,15 @@ def _wrap_loader_builder() -> None:
     from megatron.bridge_thd.patches import apply_permanently
 
     apply_permanently(loader_patch())
+
+
+def _wrap_pretrain() -> None:
+    """Megatron-Bridge's ``_pretrain`` wrapped once per process (``packing_log.pretrain_patch``): a run whose settings
+    and loggers ask for the packing figures gets their callback."""
+    from megatron.bridge_thd.packing_log import pretrain_patch
+    from megatron.bridge_thd.patches import apply_permanently
+
+    apply_permanently(pretrain_patch())
 
 
 def _pin_visual_inputs(notes: list[str]) -> None:

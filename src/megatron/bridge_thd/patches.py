@@ -55,6 +55,10 @@ The patches (targets, where they are built and applied, why; one line each in do
   ``configure``: ``megatron.bridge.training.utils.visual_inputs.GenericVisualInputs`` ``pin_memory``
   (a new method: the loader's pin thread then pins the visual inputs too).
 
+* Permanent (:func:`apply_permanently`): ``packing_log.py`` ``pretrain_patch()``, applied by ``configure`` for a
+  Megatron-Bridge config with ``packing_log`` on or ``run_log`` set: ``megatron.bridge.training.pretrain``
+  ``_pretrain`` (adds the packing figures' callback to the run's callbacks when the settings and loggers ask for it).
+
 Not a patch of a name, listed so that nothing that changes upstream objects is hidden:
 ``bridge_thd_cpu/bridge_package.py`` ``bridge_package()`` serves import-time stand-ins for
 ``transformer_engine`` / ``nvidia_resiliency_ext`` to Megatron-Bridge's unguarded imports;

@@ -130,7 +130,7 @@ class _RealTokenCounter:
 def counting_step(step, counts: list):
     """``step`` with its data iterator wrapped by :class:`_RealTokenCounter` (``counts`` receives one
     entry per micro-batch this rank takes, training or evaluation, as the model's mode says, with the
-    decoder's signature when the step is ours); same signature, so the trainer injects the same arguments."""
+    decoder's signature and the token slots it processed when the step is ours); same signature, so the trainer injects the same arguments."""
     import functools
 
     @functools.wraps(step)
@@ -143,7 +143,9 @@ def counting_step(step, counts: list):
         result = step(state, data_iterator, model, *args, **kwargs)
         if data_iterator is not None and len(state.bridge_thd_stats) > before:
             # What the decoder saw (step.decoder_signature): in thd_static one value for the whole run.
-            counts[-1]["signature"] = repr(state.bridge_thd_stats.pop().signature)
+            stats = state.bridge_thd_stats.pop()
+            counts[-1]["signature"] = repr(stats.signature)
+            counts[-1]["token_slots"] = int(stats.processed_tokens)  # a host int: no read back
         return result
 
     return counted

@@ -188,6 +188,11 @@ class PackingSettings:
             pad id; None: such a batch is refused (docs/lengths.md).
         dynamic_cp: a CP size per sample (:class:`DynamicCP`, docs/dynamic-cp.md), placed from the lengths global-batch
             packing scans (so it needs ``global_batch_packing``, whose scan settings it uses); None: one CP size.
+        packing_log: write the ``packing/*`` figures (real tokens, token slots, padding share, ...) to the loggers
+            the run configured (TensorBoard, W&B, MLflow, Comet) at ``logger.log_interval`` (docs/packing-logs.md);
+            on by default, a no-op without a logger; False: off.
+        run_log: a path global rank 0 appends one JSON line per training iteration to (``run_log.RunLogRecord``,
+            docs/packing-logs.md); None (default): no run log.
     """
 
     layout: str = "thd"
@@ -195,9 +200,11 @@ class PackingSettings:
     global_batch_packing: GlobalBatchPacking | None = None
     length_fallback: str | None = None
     dynamic_cp: DynamicCP | None = None
+    packing_log: bool = True
+    run_log: str | None = None
 
     def __post_init__(self):
-        problems = []
+        problems = self._log_problems()
         if not isinstance(self.layout, str) or self.layout not in LAYOUT_NAMES:
             problems.append(f"layout: {self.layout!r} is not one of {LAYOUT_NAMES}")
         if self.overlong_samples not in OVERLONG_POLICIES:
@@ -227,6 +234,20 @@ class PackingSettings:
                                 "'qwen3-vl-8b', a config.json path or a ModelSpec), or placement='megatron'")
         if problems:
             raise ValueError("dataset.bridge_thd (megatron.bridge_thd's settings):\n- " + "\n- ".join(problems))
+
+    def _log_problems(self) -> list[str]:
+        """``packing_log`` and ``run_log`` (each naming the setting, what was wrong and what to set)."""
+        problems = []
+        if not isinstance(self.packing_log, bool):
+            problems.append(f"packing_log: {self.packing_log!r}; expected True (the packing/* figures in the run's "
+                            "loggers, the default) or False (off)")
+        if self.run_log is not None and (not isinstance(self.run_log, (str, os.PathLike)) or not str(self.run_log)):
+            problems.append(f"run_log: {self.run_log!r}; expected None (no run log) or a file path global rank 0 "
+                            "appends one JSON line per iteration to")
+        elif self.run_log is not None and os.path.isdir(str(self.run_log)):
+            problems.append(f"run_log: {self.run_log!r} is a directory; expected a file path (e.g. "
+                            f"{os.path.join(str(self.run_log), 'run_log.jsonl')!r}) or None")
+        return problems
 
 
 # The plain cfg.dataset attributes a hand-made configuration may carry instead of the record, by field.

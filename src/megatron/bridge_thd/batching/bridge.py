@@ -333,8 +333,20 @@ def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_l
                                  static_row=static, align_to=align, seed=settings.seed, cost=cost, log=settings.log,
                                  label=plan.label, cycle=cycles(inner),
                                  first_step=inner.consumed_samples // global_batch_size + 1,
-                                 planned_steps=len(plan.draws), row_lengths=row_lengths)
+                                 planned_steps=len(plan.draws), row_lengths=row_lengths,
+                                 on_step=_placement_recorder(plan.label))
     return _rebuilt(loader, loader.dataset, sampler, loader.collate_fn)
+
+
+def _placement_recorder(label: str):
+    """The training loader's per-step placement figures for the packing log (``packing_log.record_placement``: the
+    ``packing/rank_cost_max_over_mean`` figure); None for the evaluation loaders."""
+    if label != "train":
+        return None
+    from megatron.bridge_thd.packing_log import clear_placements, record_placement
+
+    clear_placements()  # a new run's training loader: the steps are numbered afresh
+    return record_placement
 
 
 def _rebuilt(loader, dataset, batch_sampler, collate_fn):

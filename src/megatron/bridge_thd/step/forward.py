@@ -14,6 +14,7 @@ import torch
 from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
 from megatron.bridge_thd.context_parallel import cut_for_context_parallel
 from megatron.bridge_thd.cp_per_sample import RowCP, bind_row_to_params, bound_cp_group, row_cp_of
+from megatron.bridge_thd.packing_log import TOTALS_ATTRIBUTE
 from megatron.bridge_thd.step.flops import accumulate_flops, accumulate_no_flops
 from megatron.bridge_thd.step.pipeline import shape_for_next_stage, view_received_row_as_thd
 from megatron.bridge_thd.step.prepare import PreparedMicroBatch, plan_for, prepare_with_plan
@@ -105,7 +106,8 @@ def _next_micro_batch(state, data_iterator: Iterable, plan: StepPlan,
 
 def _account(state, model, prepared: PreparedMicroBatch, plan: StepPlan, row: RowCP | None) -> None:
     """The FLOPs feed (under a CP size per row by the row group's first rank only: the trainer sums the feed over
-    every DP x CP rank), and the micro-batch's stats on ``state.bridge_thd_stats`` where that list exists."""
+    every DP x CP rank), the micro-batch's stats on ``state.bridge_thd_stats`` where that list exists, and a training
+    micro-batch's figures added to the packing log's sums where the run has them (``packing_log.PackingTotals``)."""
     if row is None or row.leads:
         accumulate_flops(state, model, prepared.forward_args, plan.tokens.spatial_merge_size)
     else:
@@ -113,6 +115,10 @@ def _account(state, model, prepared: PreparedMicroBatch, plan: StepPlan, row: Ro
     stats_log = getattr(state, "bridge_thd_stats", None)
     if isinstance(stats_log, list):
         stats_log.append(prepared.stats)
+    totals = getattr(state, TOTALS_ATTRIBUTE, None)
+    if totals is not None and getattr(model, "training", True) and (row is None or row.leads):
+        # The packing/* figures (packing_log): device sums on the device, host ints on the host; no read back.
+        totals.add(prepared.stats, prepared.loss_mask, prepared.forward_args, None if row is None else row.size)
 
 
 def _run_model(state, model, prepared: PreparedMicroBatch, adapter: ModelAdapter,

@@ -32,7 +32,8 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                       global_batch_packing: dict | None = None, per_token_loss: bool = False,
                       eval_iters=RECIPE, eval_interval=RECIPE, num_workers=RECIPE, checkpoint: bool | str = True,
                       max_lr=RECIPE, check_pretrained_load: bool = False, dynamic_cp: int | None = None,
-                      model_settings: dict | None = None, moe_padding: bool = False) -> dict:
+                      model_settings: dict | None = None, moe_padding: bool = False, tensorboard: bool = False,
+                      run_log: str | None = None) -> dict:
     """Run Megatron-Bridge's ``finetune()`` on this rank for a recipe in its CPU mode
     (:func:`cpu_run_config`), with ``layout``'s step (:func:`megatron.bridge_thd.reporting.step_for`; ours after
     ``configure(cfg, layout)``). Call on every rank of a world started with
@@ -47,6 +48,9 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     ``model_settings``: model config fields set after the CPU mode's (a test's MoE router settings, e.g.).
     ``moe_padding``: register ``moe_padding.padding_mask_pre_wrap_hook`` as docs/moe-padding-mask.md says (the
     routers leave padding out of their statistics).
+    ``tensorboard``: a real TensorBoard writer (``logger.tensorboard_dir`` = ``workdir/tensorboard/<run_name>``,
+    written by the last rank, as Megatron-Bridge does); with our step the ``packing/*`` figures go there too.
+    ``run_log``: ``configure``'s ``run_log`` (a path global rank 0 appends one JSON line per iteration to).
     ``max_lr``: :func:`cpu_run_config`'s. ``check_pretrained_load``: run :func:`pretrained_load_check`
     (its result under ``"pretrained_load"``).
 
@@ -67,6 +71,8 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                          num_workers=num_workers, checkpoint=checkpoint, max_lr=max_lr)
     for name, value in (model_settings or {}).items():
         setattr(cfg.model, name, value)
+    if tensorboard:
+        cfg.logger.tensorboard_dir = os.path.join(paths["workdir"], "tensorboard", run_name or f"{recipe}-{layout}")
     if moe_padding:
         from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
 
@@ -88,7 +94,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
 
         placement = GlobalBatchPacking(sizes_cache=os.path.join(paths["workdir"], "sizes"))
     if layout != "megatron_bridge":
-        cfg = configure(cfg, layout=layout, global_batch_packing=placement, dynamic_cp=dynamic_cp)
+        cfg = configure(cfg, layout=layout, global_batch_packing=placement, dynamic_cp=dynamic_cp, run_log=run_log)
     counts: list = []
     step = counting_step(step_for(layout), counts) if count_tokens else step_for(layout)
 
