@@ -116,6 +116,31 @@ def test_the_run_log_holds_one_line_per_iteration(ranks, workdir, key):
         assert (record.rank_cost_max_over_mean is not None) == (key == "global")
 
 
+def test_the_planner_fits_its_fixed_costs_on_the_cpu_runs_log(ranks, workdir):
+    """The mechanics of ``bridge-thd plan --fit-log`` on a real run's log (the figures mean something only on a GPU:
+    here the model is a preset standing in for the tiny one): every timed iteration is fitted, the fit is no worse
+    than the parameters it started from, and the fitted costs are what least squares gives on the log's times."""
+    from megatron.bridge_thd.batching.step_time import FITTED, get_machine
+    from megatron.bridge_thd.plan.fit_log import fit_run_log
+    from megatron.bridge_thd.plan.presets import get_preset
+
+    records = read_run_log(workdir / "thd.jsonl")
+    fit = fit_run_log(records, get_preset("qwen3-vl-2b"), get_machine("h100-sxm"), FITTED, source="the CPU run")
+    assert fit.iterations == len([r for r in records if r.iteration_time_s]) > 0
+    assert fit.measured_s == tuple(r.iteration_time_s for r in records if r.iteration_time_s)
+    assert fit.after_error <= fit.before_error
+    # the fitted costs minimise the squared relative error: no nearby non-negative pair does better
+    a, b = fit.params.per_micro_batch_s, fit.params.per_step_s
+    steps = [r.micro_batches_per_step for r in records if r.iteration_time_s]
+    base = [after - a * m - b for after, m in zip(fit.after_s, steps)]
+
+    def loss(x, y):
+        return sum(((z + x * m + y) / t - 1) ** 2 for z, m, t in zip(base, steps, fit.measured_s))
+
+    for dx, dy in ((1e-3, 0), (-1e-3, 0), (0, 1e-3), (0, -1e-3), (1e-3, -1e-3), (-1e-3, 1e-3)):
+        assert loss(a, b) <= loss(max(0.0, a + dx), max(0.0, b + dy)) + 1e-12
+
+
 # A CP size per sample (docs/dynamic-cp.md) on 4 ranks against the same samples at static CP = 1 (DP = 4): the
 # recipe's loader draws a step's samples per DP rank, so both runs train the same samples (as
 # tests/bridge/test_cp_per_sample_training.py uses it).
