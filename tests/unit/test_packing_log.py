@@ -73,7 +73,8 @@ def test_on_with_a_logger_off_with_the_setting_and_without_our_settings(tmp_path
 def test_the_interval_figures_are_per_iteration_means():
     clear_placements()
     rows = [dict(iteration=i, real_tokens=r, supervised_tokens=r // 2, attention_work=0, truncated_tokens=0,
-                 vision_patches=0, token_slots=1000, padded_slots=2000, micro_batches=4, cp_rows={"2": 1})
+                 vision_patches=0, token_slots=1000, padded_slots=2000, micro_batches=4, truncated_samples=1,
+                 dropped_samples=0, cp_rows={"2": 1})
             for i, r in ((1, 900), (2, 700))]
     figures = _scalars(rows, seconds=4.0, world=8)
     assert figures["packing/real_tokens_per_iteration"] == 800
@@ -81,6 +82,33 @@ def test_the_interval_figures_are_per_iteration_means():
     assert figures["packing/iteration_time"] == 2.0
     assert figures["packing/real_tokens_per_second"] == 400
     assert figures["packing/token_slots_per_second_per_gpu"] == 1000 / 2 / 8
-    assert figures["packing/cp_rows_2"] == 1
+    assert figures["packing/cp_rows_2"] == 1 and figures["packing/truncated_samples_per_iteration"] == 1
     assert "packing/rank_cost_max_over_mean" not in figures
     assert set(figures) <= set(figure_names())
+
+
+def test_over_long_samples_are_counted_from_the_collates_measures_and_summed():
+    """The collate's lengths before its cut (overlong.LENGTHS_KEY rows): a sample longer than seq_length that the
+    policy kept is truncated, one it dropped is dropped (whatever its length); a batch on a device is not read."""
+    import torch
+
+    from megatron.bridge_thd.overlong import DROPPED, MEASURES, TOKENS
+    from megatron.bridge_thd.packing_log import PackingTotals
+    from megatron.bridge_thd.step.capture import overlong_sample_counts
+
+    measures = torch.zeros(len(MEASURES), 4, dtype=torch.int64)
+    measures[TOKENS] = torch.tensor([600, 400, 700, 512])  # seq_length 512: rows 0 and 2 over it, row 3 exactly at it
+    measures[DROPPED, 2] = 1  # row 2 dropped from the loss
+    plan = SimpleNamespace(seq_length=512)
+    assert overlong_sample_counts(measures, plan) == (1, 1)
+    assert overlong_sample_counts(None, plan) == (0, 0)
+    totals = PackingTotals()
+    for counts in ((1, 1), (2, 0)):
+        stats = SimpleNamespace(real_tokens=torch.tensor(10), attention_work=torch.tensor(100),
+                                truncated_tokens=torch.tensor(0), processed_tokens=12, padded_tokens=16,
+                                truncated_samples=counts[0], dropped_samples=counts[1])
+        totals.add(stats, None, {})
+    totals.close_iteration(1)
+    (row,) = totals.reduce()
+    assert (row["truncated_samples"], row["dropped_samples"], row["micro_batches"]) == (3, 1, 2)
+    assert {"packing/truncated_samples_per_iteration", "packing/dropped_samples_per_iteration"} <= set(figure_names())

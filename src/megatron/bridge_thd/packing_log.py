@@ -35,7 +35,7 @@ TOTALS_ATTRIBUTE = "bridge_thd_packing_totals"
 # Summed on the device, per micro-batch (0-dim int64 tensors the step holds).
 _DEVICE = ("real_tokens", "supervised_tokens", "attention_work", "truncated_tokens", "vision_patches")
 # Summed on the host, per micro-batch.
-_HOST = ("token_slots", "padded_slots", "micro_batches")
+_HOST = ("token_slots", "padded_slots", "micro_batches", "truncated_samples", "dropped_samples")
 # Rows per CP size under a CP size per sample: one column per size.
 CP_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -97,6 +97,8 @@ class PackingTotals:
         self._host[0] += int(stats.processed_tokens)
         self._host[1] += int(stats.padded_tokens)
         self._host[2] += 1
+        self._host[3] += int(getattr(stats, "truncated_samples", 0))
+        self._host[4] += int(getattr(stats, "dropped_samples", 0))
         if cp_size is not None and cp_size in CP_SIZES:
             self._host[len(_HOST) + CP_SIZES.index(cp_size)] += 1
 
@@ -142,7 +144,8 @@ def figure_names() -> tuple[str, ...]:
     return tuple(f"packing/{name}" for name in (
         "real_tokens_per_iteration", "supervised_tokens_per_iteration", "token_slots_per_iteration",
         "padded_slots_per_iteration", "padding_share", "attention_work_per_iteration",
-        "truncated_tokens_per_iteration", "vision_patches_per_iteration", "real_tokens_per_second",
+        "truncated_tokens_per_iteration", "truncated_samples_per_iteration", "dropped_samples_per_iteration",
+        "vision_patches_per_iteration", "real_tokens_per_second",
         "supervised_tokens_per_second", "token_slots_per_second", "real_tokens_per_second_per_gpu",
         "token_slots_per_second_per_gpu", "iteration_time", "rank_cost_max_over_mean",
         "in_batch_rank_cost_max_over_mean")) + tuple(f"packing/cp_rows_{size}" for size in CP_SIZES)
@@ -203,6 +206,8 @@ def _scalars(rows: list[dict], seconds: float | None, world: int) -> dict:
         "real_tokens", "supervised_tokens", "attention_work", "truncated_tokens", "vision_patches")}
     figures["packing/token_slots_per_iteration"] = mean("token_slots")
     figures["packing/padded_slots_per_iteration"] = mean("padded_slots")
+    figures["packing/truncated_samples_per_iteration"] = mean("truncated_samples")
+    figures["packing/dropped_samples_per_iteration"] = mean("dropped_samples")
     slots = figures["packing/token_slots_per_iteration"]
     figures["packing/padding_share"] = 1.0 - figures["packing/real_tokens_per_iteration"] / slots if slots else 0.0
     if seconds:
@@ -309,7 +314,7 @@ def _make_callback_class():
                     placed = _PLACEMENTS.get(row["iteration"])
                     record = RunLogRecord(
                         iteration=row["iteration"], iteration_time_s=seconds, **self._run,
-                        **{name: int(row[name]) for name in _DEVICE + _HOST[:2]},
+                        **{name: int(row[name]) for name in _DEVICE + _HOST[:2] + _HOST[3:]},
                         rank_cost_max_over_mean=None if placed is None else float(placed.rank_imbalance),
                         cp_rows=row["cp_rows"] or None)
                     handle.write(record.to_json() + "\n")

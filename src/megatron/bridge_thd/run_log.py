@@ -45,6 +45,9 @@ class RunLogRecord:
         padded_slots: token slots Megatron-Bridge's padded BSHD layout would process for the same micro-batches.
         truncated_tokens: real tokens the over-long policy cut (``seq_length`` exceeded), summed.
         vision_patches: ViT patches (``sum(t * h * w)`` over the image and video grids), summed.
+        truncated_samples / dropped_samples: samples the over-long policy cut to ``seq_length`` / dropped from the
+            loss, from the lengths the collate measured before its cut, summed (0 in a line written before they
+            were logged).
         rank_cost_max_over_mean: under global-batch packing, the step's per-rank cost max / mean as placed (the
             same on every rank); None otherwise.
         cp_rows: under a CP size per sample, rows the step ran per CP size (``{"1": n, "2": m, ...}``); None
@@ -72,6 +75,8 @@ class RunLogRecord:
     vision_patches: int
     rank_cost_max_over_mean: float | None = None
     cp_rows: dict | None = None
+    truncated_samples: int = 0
+    dropped_samples: int = 0
     version: int = field(default=FORMAT_VERSION)
 
     def to_json(self) -> str:

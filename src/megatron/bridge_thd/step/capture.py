@@ -182,6 +182,18 @@ def capture(inputs: Inputs, plan: StepPlan) -> Captured:
     return Captured(inputs, keep, positions, truncated, mask_checks, truncation_checks, position_checks)
 
 
+def overlong_sample_counts(measures: torch.Tensor | None, plan: StepPlan) -> tuple[int, int]:
+    """(truncated, dropped): the micro-batch's samples longer than ``seq_length`` that the over-long policy cut, and
+    those it dropped from the loss, from the lengths the collate measured before its cut (``overlong.LENGTHS_KEY``,
+    ``(len(MEASURES), B)``). Host tensors only, as :func:`report_overlong`: (0, 0) without them or on a device."""
+    from megatron.bridge_thd.overlong import DROPPED, TOKENS
+
+    if measures is None or measures.device.type != "cpu":
+        return 0, 0
+    dropped = measures[DROPPED] != 0
+    return int(((measures[TOKENS] > plan.seq_length) & ~dropped).sum()), int(dropped.sum())
+
+
 def report_overlong(measures: torch.Tensor | None, c: Captured, plan: StepPlan) -> None:
     """Log what the collate (and the step) cut from over-long samples, from the lengths the collate measured before
     its cut (``overlong.LENGTHS_KEY``, ``(len(MEASURES), B)``). Host tensors only: a batch on a device is not read for a log."""

@@ -15,7 +15,7 @@ import torch
 from megatron.bridge_thd.adapters import QWEN3_VL, ModelAdapter
 from megatron.bridge_thd.overlong import LENGTHS_KEY
 from megatron.bridge_thd.step.batch import read_batch
-from megatron.bridge_thd.step.capture import capture, report_overlong
+from megatron.bridge_thd.step.capture import capture, overlong_sample_counts, report_overlong
 from megatron.bridge_thd.step.device import to_device
 from megatron.bridge_thd.step.rows import BUILDERS
 from megatron.bridge_thd.step.stats import PackingStats, packing_stats
@@ -57,7 +57,7 @@ def prepare_with_plan(batch: dict, plan: StepPlan, *, is_last_stage: bool = True
     forward_args.update(inputs.multi_modal)
     forward_args.update({name: built.extras[name] for name in plan.extras if name in built.extras})
     forward_args = to_device(forward_args, plan.device)
-    stats = packing_stats(captured, built, forward_args, plan)
+    stats = packing_stats(captured, built, forward_args, plan, overlong_sample_counts(batch.get(LENGTHS_KEY), plan))
     return PreparedMicroBatch(forward_args=forward_args, loss_mask=forward_args["loss_mask"], stats=stats,
                               p2p_micro_batch_size=plan.p2p_micro_batch_size)
 

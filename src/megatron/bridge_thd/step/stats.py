@@ -30,6 +30,9 @@ class PackingStats:
         truncated_tokens: 0-dim, real tokens cut because a sample exceeded ``seq_length``.
         signature: what a CUDA-graph manager compares of what the decoder sees (:func:`decoder_signature`);
             in ``thd_static`` the same for every micro-batch of a run.
+        truncated_samples / dropped_samples: host ints, the micro-batch's samples the over-long policy cut to
+            ``seq_length`` / dropped from the loss, from the lengths the collate measured before its cut
+            (``overlong.LENGTHS_KEY``, a host tensor); 0 where the batch carries none.
     """
 
     layout: str
@@ -40,6 +43,8 @@ class PackingStats:
     padded_attention_work: int
     truncated_tokens: torch.Tensor
     signature: tuple = ()
+    truncated_samples: int = 0
+    dropped_samples: int = 0
 
 
 _DECODER_INPUTS = ("input_ids", "position_ids", "labels", "loss_mask")
@@ -59,9 +64,11 @@ def decoder_signature(forward_args: dict) -> tuple:
             + tuple((name, describe(getattr(params, name, None))) for name in _PACKED_SEQ_FIELDS))
 
 
-def packing_stats(captured: Captured, built: Built, forward_args: dict, plan: StepPlan) -> PackingStats:
+def packing_stats(captured: Captured, built: Built, forward_args: dict, plan: StepPlan,
+                  cut_samples: tuple[int, int] = (0, 0)) -> PackingStats:
     """The micro-batch's :class:`PackingStats`: what the layout that ran processes (``forward_args`` on the model's
-    device) against the padded layout's ``B * W`` slots."""
+    device) against the padded layout's ``B * W`` slots; ``cut_samples``: (truncated, dropped) samples, host ints
+    (:func:`~megatron.bridge_thd.step.capture.overlong_sample_counts`)."""
     batch_size = captured.batch_size
     width = padded_width(captured, plan)
     return PackingStats(
@@ -74,4 +81,6 @@ def packing_stats(captured: Captured, built: Built, forward_args: dict, plan: St
         truncated_tokens=(captured.keep.new_zeros((), dtype=torch.int64) if captured.truncated is None
                           else captured.truncated.sum()),
         signature=decoder_signature(forward_args),
+        truncated_samples=cut_samples[0],
+        dropped_samples=cut_samples[1],
     )
