@@ -253,12 +253,6 @@ class RowTime:
         return (self.gemm + self.attention + self.vision + self.ring_exposed + self.moe_dispatch + self.fixed
                 + self.elementwise)
 
-    def __add__(self, other: "RowTime") -> "RowTime":
-        return RowTime(*(getattr(self, f) + getattr(other, f) for f in _PARTS))
-
-
-_PARTS = ("gemm", "attention", "vision", "ring_exposed", "moe_dispatch", "fixed", "elementwise")
-
 
 def _attention_seconds(flops: float, length: float, forward: RateCurve, backward: RateCurve) -> tuple[float, float]:
     """(forward, backward) seconds of attention whose trainer-counted FLOPs (forward x 3) are ``flops``, run on

@@ -46,10 +46,7 @@ class Candidate:
 
 
 def _settings(base: PlanSettings, micro_batch_size: int, cp: int) -> PlanSettings:
-    par = base.parallel
-    return replace(base, micro_batch_size=micro_batch_size,
-                   parallel=Parallel(tp=par.tp, cp=cp, pp=par.pp, ep=par.ep, gpus=par.gpus,
-                                     sequence_parallel=par.sequence_parallel, fp8=par.fp8))
+    return replace(base, micro_batch_size=micro_batch_size, parallel=replace(base.parallel, cp=cp))
 
 
 def rank_candidates(spec: ModelSpec, samples: SampleLengths, base: PlanSettings, global_batch_size: int, *,

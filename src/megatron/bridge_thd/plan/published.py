@@ -223,6 +223,12 @@ def cord_v2_lengths(count: int, seed: int = 0, mean_tokens: int = _PR3838_DOCUME
     return works
 
 
+def _cord_v2_at(seq_length: int, count: int = 2048, seed: int = 0, **assumptions) -> list[SampleWork]:
+    """:func:`cord_v2_lengths` with each sample cut to ``seq_length`` tokens, as the recipe's collate cuts it."""
+    return [w if w.tokens <= seq_length else SampleWork(seq_length, w.patches, w.frames)
+            for w in cord_v2_lengths(count, seed, **assumptions)]
+
+
 def _force_padded(works: Sequence[SampleWork], layout: str, seq_length: int) -> list[SampleWork]:
     """A micro-batch padded to ``seq_length`` per sample: ``bshd`` attends over the padding (one row per sample of
     ``seq_length`` tokens), ``thd`` computes it in the GEMMs but its ``cu_seqlens`` stop at the real tokens."""
@@ -235,8 +241,7 @@ def _pr3838(params: TimeParameters, mean_tokens: int = _PR3838_DOCUMENT_TOKENS) 
     spec = replace(get_preset("qwen3.5-vl-2b"), mtp_num_layers=1)
     shape, machine, seq_length = model_shape(spec), get_machine("h100-sxm"), 2048
     fixed = sync_seconds(spec, Parallel(gpus=8), machine) + params.per_step_s
-    works = [w if w.tokens <= seq_length else SampleWork(seq_length, w.patches, w.frames)
-             for w in cord_v2_lengths(2048, seed=0, mean_tokens=mean_tokens)]
+    works = _cord_v2_at(seq_length, mean_tokens=mean_tokens)
     predicted = {}
     for (layout, mbs) in _PR3838_MEASURED:
         gbs, times = 8 * mbs, []
@@ -298,8 +303,7 @@ def pr3838_memory(num_samples: int = 2048, seed: int = 0) -> dict:
 
     spec = replace(get_preset("qwen3.5-vl-2b"), mtp_num_layers=1)
     machine, seq_length, parallel = get_machine("h100-sxm"), 2048, Parallel(gpus=8)
-    works = [w if w.tokens <= seq_length else SampleWork(seq_length, w.patches, w.frames)
-             for w in cord_v2_lengths(num_samples, seed)]
+    works = _cord_v2_at(seq_length, num_samples, seed)
     out = {}
     for (layout, mbs), published in _PR3838_MEASURED.items():
         estimates = []
