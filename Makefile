@@ -46,7 +46,7 @@ bench: $(VENV)/.installed
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/global_batch_packing.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/global_batch_step_time.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/global_batch_scale.py
-	$(PYTHON) $(QUIET_IMPORTS) benchmarks/dynamic_cp_report.py
+	$(PYTHON) $(QUIET_IMPORTS) benchmarks/cp_per_sample_report.py
 	$(PYTHON) $(QUIET_IMPORTS) benchmarks/time_model_report.py
 	$(PYTHON) $(QUIET_IMPORTS) scripts/readme_figures.py
 

@@ -86,7 +86,7 @@ def minimal_micro_batch(samples: int = MICRO_BATCH_SIZE) -> dict:
 def tiny_model_spec(num_layers: int = NUM_LAYERS):
     """A planner ``ModelSpec`` with the tiny test-bed Qwen3-VL's sizes (``bridge_thd_cpu.model``), for
     ``batching.sample_cost``."""
-    from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec
+    from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec
     from megatron.bridge_thd_cpu.model import tiny_language_settings
     from megatron.bridge_thd_cpu.reference import TINY_VISION_CONFIG
 

@@ -100,7 +100,7 @@ from megatron.bridge_thd.batching import sizes as sizes_module  # noqa: E402
 from megatron.bridge_thd.batching.policy import assign  # noqa: E402
 from megatron.bridge_thd.batching.sampler import rank_samplers, row_length_for_steps, run_draws  # noqa: E402
 from megatron.bridge_thd.batching.sizes import SampleSizes, dataset_sizes  # noqa: E402
-from megatron.bridge_thd.upstream import load_bridge_module  # noqa: E402
+from megatron.bridge_thd.upstream.loading import load_bridge_module  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from megatron.bridge_thd.batching.step_time import (
+from megatron.bridge_thd.cost.step_time import (
     FITTED, RateCurve, get_machine, time_parameters_to_dict)
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)

@@ -92,7 +92,7 @@ from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch  # noqa: E402
 try:  # the step's plan and its host path; absent on the "before" commit
     from megatron.bridge_thd.adapters import QWEN3_VL  # noqa: E402
     from megatron.bridge_thd.step import prepare_with_plan  # noqa: E402
-    from megatron.bridge_thd.step_plan import build_step_plan  # noqa: E402
+    from megatron.bridge_thd.step.plan import build_step_plan  # noqa: E402
 except ImportError:
     prepare_with_plan = build_step_plan = QWEN3_VL = None
 from megatron.bridge_thd_cpu import attention as test_attention  # noqa: E402
@@ -101,7 +101,7 @@ from megatron.bridge_thd_testbed.opcount import _NO_KERNEL_OPS, count_ops  # noq
 from megatron.bridge_thd_cpu.stack import QWEN3_VL_MODEL_MODULE, cpu_stack  # noqa: E402
 from megatron.bridge_thd_cpu.standalone import init_single_process_groups, minimal_state  # noqa: E402
 from megatron.bridge_thd_testbed.vlm_batches import MEDIA, vlm_batch  # noqa: E402
-from megatron.bridge_thd.upstream import load_bridge_module  # noqa: E402
+from megatron.bridge_thd.upstream.loading import load_bridge_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_JSON = ROOT / "benchmarks" / "results" / "step_host_time.json"

@@ -18,7 +18,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "time_model.json"
 
 
 def measure() -> dict:
-    from megatron.bridge_thd.batching.step_time import FITTED
+    from megatron.bridge_thd.cost.step_time import FITTED
     from megatron.bridge_thd.plan.fit import fit_parameters
     from megatron.bridge_thd.plan.published import SENSITIVITY, TABLES, reproduce_with
 

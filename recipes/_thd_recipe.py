@@ -14,7 +14,7 @@ dataset and processor, gloo ranks)::
 ``--layout megatron_bridge`` runs Megatron-Bridge's own ``qwen3_vl_step`` on the recipe as shipped
 (the padded baseline, no ``configure``). ``--global-batch-packing MODEL`` turns global-batch packing on
 with MODEL's cost (a planner preset, a ``config.json``, or ``tokens`` for VERL's proxy; docs/batching.md);
-``--dynamic-cp TOKENS`` a CP size per sample at TOKENS tokens per rank (docs/dynamic-cp.md, ``--layout thd``); both
+``--cp-per-sample TOKENS`` a CP size per sample at TOKENS tokens per rank (docs/cp-per-sample.md, ``--layout thd``); both
 set ``ddp.average_in_collective=False``, which per-token loss needs and the recipes set True. ``--report`` writes the per-iteration records (loss,
 FLOPs, tokens, seconds, peak memory) as JSON; docs/megatron-bridge-on-cpu.md.
 """
@@ -44,8 +44,8 @@ def parse(argv=None):
                         help="place each step's samples across DP ranks and micro-batches, balanced on MODEL's cost "
                         "(planner preset such as qwen3-vl-8b, a config.json, or 'tokens'); not with "
                         "--layout bshd / megatron_bridge")
-    parser.add_argument("--dynamic-cp", type=int, default=None, metavar="TOKENS",
-                        help="a CP size per sample, at most TOKENS tokens of a sample per rank (docs/dynamic-cp.md); "
+    parser.add_argument("--cp-per-sample", type=int, default=None, metavar="TOKENS",
+                        help="a CP size per sample, at most TOKENS tokens of a sample per rank (docs/cp-per-sample.md); "
                         "--layout thd only")
     parser.add_argument("--cpu-tiny", action="store_true", help="run on this CPU: tiny model, local data, gloo")
     parser.add_argument("--nproc", type=int, default=2, help="CPU mode: data-parallel gloo ranks")
@@ -53,8 +53,8 @@ def parse(argv=None):
     args = parser.parse_args(argv)
     if args.global_batch_packing is not None and args.layout in ("bshd", "megatron_bridge"):
         parser.error(f"--global-batch-packing: needs --layout thd or thd_static, not {args.layout!r}")
-    if args.dynamic_cp is not None and args.layout != "thd":
-        parser.error(f"--dynamic-cp: needs --layout thd, not {args.layout!r}")
+    if args.cp_per_sample is not None and args.layout != "thd":
+        parser.error(f"--cp-per-sample: needs --layout thd, not {args.layout!r}")
     return args
 
 
@@ -66,10 +66,10 @@ def global_batch_setting(model):
 
 
 def config(base_config, layout: str, micro_batch_size=None, seq_length=None, train_iters=None,
-           global_batch_packing=None, global_batch_size=None, dynamic_cp=None):
+           global_batch_packing=None, global_batch_size=None, cp_per_sample=None):
     """``base_config()`` with the given sizes; for our layouts, packing set by ``configure`` (in-batch
     packing deferred to our step, the dataset's 2D mask, variable_seq_lengths under PP, HybridEP
-    padding; global-batch packing's keywords and ``dynamic_cp``'s tokens per rank when given; contradictions
+    padding; global-batch packing's keywords and ``cp_per_sample``'s tokens per rank when given; contradictions
     refused)."""
     from megatron.bridge_thd.configure import configure
 
@@ -84,13 +84,13 @@ def config(base_config, layout: str, micro_batch_size=None, seq_length=None, tra
         cfg.train.train_iters = train_iters
     if layout == "megatron_bridge":
         return cfg
-    if global_batch_packing is None and dynamic_cp is None:
+    if global_batch_packing is None and cp_per_sample is None:
         return configure(cfg, layout=layout)
     from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
 
     cfg.ddp.average_in_collective = False  # per-token loss (configure sets it) needs DDP to sum
     placement = GlobalBatchPacking(**global_batch_packing) if global_batch_packing is not None else None
-    return configure(cfg, layout=layout, global_batch_packing=placement, dynamic_cp=dynamic_cp)
+    return configure(cfg, layout=layout, global_batch_packing=placement, cp_per_sample=cp_per_sample)
 
 
 def _write(report, path):
@@ -109,8 +109,8 @@ def run_cpu_tiny(recipe_name: str, args) -> dict:
     settings["global_batch_size"] = args.global_batch_size or settings["micro_batch_size"] * args.nproc * 2
     if args.global_batch_packing is not None:
         settings["global_batch_packing"] = global_batch_setting(args.global_batch_packing)
-    if args.dynamic_cp is not None:
-        settings["dynamic_cp"] = args.dynamic_cp
+    if args.cp_per_sample is not None:
+        settings["cp_per_sample"] = args.cp_per_sample
     # The recipe's loader workers, pinned memory and evaluation stay; only what is given changes.
     if args.eval_iters is not None:
         settings["eval_iters"] = args.eval_iters
@@ -119,7 +119,7 @@ def run_cpu_tiny(recipe_name: str, args) -> dict:
     workdir = args.workdir or tempfile.mkdtemp(prefix="bridge_thd_cpu_tiny_")
     ranks = run_on_cpu([(args.layout, recipe_name, args.layout, settings)], workdir=workdir, world_size=args.nproc)
     report = {"recipe": recipe_name, "layout": args.layout, "cpu_tiny": True, "settings": settings,
-              "global_batch_packing": args.global_batch_packing, "dynamic_cp": args.dynamic_cp,
+              "global_batch_packing": args.global_batch_packing, "cp_per_sample": args.cp_per_sample,
               "ranks": [rank[args.layout] for rank in ranks]}
     _write(report, args.report)
     for row in ranks[-1][args.layout]["iterations"]:
@@ -139,14 +139,14 @@ def main(recipe_module: str, recipe_name: str, argv=None):
 
     base_config = getattr(importlib.import_module(recipe_module), recipe_name)
     cfg = config(base_config, args.layout, args.micro_batch_size, args.seq_length, args.train_iters,
-                 global_batch_setting(args.global_batch_packing), args.global_batch_size, args.dynamic_cp)
+                 global_batch_setting(args.global_batch_packing), args.global_batch_size, args.cp_per_sample)
     if args.eval_iters is not None:
         cfg.validation.eval_iters = args.eval_iters
     if args.eval_interval is not None:
         cfg.validation.eval_interval = args.eval_interval
     recorder = iteration_recorder()
     report = {"recipe": recipe_name, "layout": args.layout, "cpu_tiny": False, "oom": False,
-              "global_batch_packing": args.global_batch_packing, "dynamic_cp": args.dynamic_cp,
+              "global_batch_packing": args.global_batch_packing, "cp_per_sample": args.cp_per_sample,
               "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
               "seq_length": cfg.model.seq_length, "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
     counts = []

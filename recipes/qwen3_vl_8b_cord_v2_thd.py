@@ -6,7 +6,7 @@ runs the same code path (the recipe function, ``configure``, the cord_v2 provide
 collate, ``finetune()``) on a tiny Qwen3-VL with a local cord_v2-shaped dataset, and is run by
 ``tests/bridge/test_recipe_scripts.py``.
 
-    torchrun --nproc-per-node 8 recipes/qwen3_vl_8b_cord_v2_thd.py [--layout thd|thd_static|bshd|megatron_bridge] [--global-batch-packing qwen3-vl-8b] [--dynamic-cp 16384]
+    torchrun --nproc-per-node 8 recipes/qwen3_vl_8b_cord_v2_thd.py [--layout thd|thd_static|bshd|megatron_bridge] [--global-batch-packing qwen3-vl-8b] [--cp-per-sample 16384]
     python recipes/qwen3_vl_8b_cord_v2_thd.py --cpu-tiny [--layout ...] [--train-iters 4]
 """
 

@@ -367,7 +367,7 @@ def plan_calibration() -> str:
 def plan_calibration_discussion() -> str:
     """The paragraph under the calibration, its numbers from the same reproductions."""
     _quiet_imports()
-    from megatron.bridge_thd.batching.step_time import FITTED
+    from megatron.bridge_thd.cost.step_time import FITTED
     from megatron.bridge_thd.plan.published import TABLES, pr3838_memory
 
     held = [f for t in TABLES.values() if t.role == "held out" for f in t.reproduce(FITTED) if f.judged]

@@ -36,10 +36,10 @@ def place(step_samples, placement: str = "megatron"):
     """The step's placement by ``placement`` (:data:`PLACEMENTS`), from the samples' lengths."""
     lengths = [len(s) for s in step_samples]
     if placement == "megatron":
-        from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
+        from megatron.bridge_thd.batching.cp_per_sample import place_with_cp_per_sample
 
         return place_with_cp_per_sample(lengths, world=WORLD, max_tokens_per_rank=MAX_TOKENS_PER_RANK)
-    from megatron.bridge_thd.batching.step_time import SampleWork
+    from megatron.bridge_thd.cost.step_time import SampleWork
     from megatron.bridge_thd.batching.time_placement import RowPricer, place_by_time
 
     return place_by_time([SampleWork(n) for n in lengths], world=WORLD, max_tokens_per_rank=MAX_TOKENS_PER_RANK,

@@ -20,7 +20,7 @@ from megatron.bridge_thd.batching.bridge import global_batch_loader, run_row_buc
 from megatron.bridge_thd.batching.policy import DoesNotFit, assign
 from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, first_unfit_step, row_length_for_steps
 from megatron.bridge_thd.batching.sizes import SampleSizes, dataset_sizes
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 SAMPLERS = load_bridge_module("data.samplers")
 DP, MBS, NMB = 2, 2, 3

@@ -13,7 +13,7 @@ import torch
 
 from _packing_helpers import keep_row, round_up, verl_keep
 from megatron.bridge_thd import pack_bshd_to_thd
-from megatron.bridge_thd.upstream import bridge_available, load_bridge_module
+from megatron.bridge_thd.upstream.loading import bridge_available, load_bridge_module
 from megatron.core.packed_seq_params import PackedSeqParams
 
 pytestmark = pytest.mark.skipif(not bridge_available(), reason="megatron-bridge is not installed")

@@ -1,8 +1,8 @@
 """A CP size per sample inside Megatron-Bridge's ``finetune()`` on 4 gloo ranks: its Qwen3-VL 8B recipe in its CPU mode
 (cord_v2 receipts, the recipe's loader workers forked and pinned memory, evaluation), ``configure(cfg, "thd",
-dynamic_cp=M)``: Megatron-Core's hybrid groups (built by Megatron-Bridge's initialize from the model flag), its
+cp_per_sample=M)``: Megatron-Core's hybrid groups (built by Megatron-Bridge's initialize from the model flag), its
 ``BalancedCPScheduler`` placing each step on 1, 2 or 4 ranks per sample, its hybrid-CP schedule running the rows, our
-loaders (``batching.cp_rows``) and step.
+loaders (``batching.cp_per_sample_loader``) and step.
 
 The run is stopped after its first iteration and resumed from its checkpoint. The reference is the same run at static
 CP = 1 (DP = 4, in-batch ``thd``, per-token loss): the recipe's cyclic loader
@@ -49,7 +49,7 @@ MOE_ROUTING = dict(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 def ranks(tmp_path_factory):
     common = dict(train_iters=ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
                   seq_length=SEQ_LENGTH, eval_iters=1, eval_interval=ITERATIONS, checkpoint=False, count_tokens=False)
-    dynamic = dict(common, dynamic_cp=TOKENS_PER_RANK, run_name="dynamic-cp")
+    dynamic = dict(common, cp_per_sample=TOKENS_PER_RANK, run_name="dynamic-cp")
     runs = [
         # Stopped after iteration 1 (a checkpoint is saved), then resumed from it: the loader's sampler continues from
         # Megatron-Bridge's consumed_samples, so iteration 2 must be the uninterrupted reference's.
@@ -67,7 +67,7 @@ def moe_runs(common: dict) -> list:
     world: a run after one that collates in the rank's process must not fork loader workers
     (docs/megatron-bridge-on-cpu.md, limits)."""
     moe = dict(common, micro_batch_size=1, eval_iters=0, num_workers=0, model_settings=MOE_ROUTING, moe_padding=True)
-    return [("moe_dynamic", MOE_RECIPE, "thd", dict(moe, dynamic_cp=TOKENS_PER_RANK)),
+    return [("moe_dynamic", MOE_RECIPE, "thd", dict(moe, cp_per_sample=TOKENS_PER_RANK)),
             ("moe_static_cp1", MOE_RECIPE, "thd", dict(moe, per_token_loss=True))]
 
 

@@ -94,7 +94,7 @@ def _data_path_worker(root: str) -> dict:
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron.bridge_thd.patches import applied
+    from megatron.bridge_thd.upstream.patches import applied
     from megatron.bridge_thd.qwen3_vl_step import forward_step
     from megatron.bridge_thd_cpu.cord_v2 import model_token_settings
     from megatron.bridge_thd_testbed.training import cpu_training_patches

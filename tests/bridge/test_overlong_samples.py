@@ -49,7 +49,7 @@ def _batch_for(policy: str, root: str, *, seq_length: int = SEQ_LENGTH, model=No
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron.bridge_thd.batching.bridge import loader_patch
-    from megatron.bridge_thd.patches import applied
+    from megatron.bridge_thd.upstream.patches import applied
     from megatron.bridge_thd.settings import GlobalBatchPacking
     from megatron.bridge_thd_testbed.training import cpu_training_patches
 

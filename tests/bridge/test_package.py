@@ -63,7 +63,7 @@ def test_every_training_patch_is_listed_in_docs_and_the_module_docstring(inspect
     import pathlib
     import re
 
-    from megatron.bridge_thd import patches
+    from megatron.bridge_thd.upstream import patches
 
     doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "patches.md").read_text()
     records = inspected["training_patches"]

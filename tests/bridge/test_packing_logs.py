@@ -120,9 +120,9 @@ def test_the_planner_fits_its_fixed_costs_on_the_cpu_runs_log(ranks, workdir):
     """The mechanics of ``bridge-thd plan --fit-log`` on a real run's log (the figures mean something only on a GPU:
     here the model is a preset standing in for the tiny one): every timed iteration is fitted, the fit is no worse
     than the parameters it started from, and the fitted costs are what least squares gives on the log's times."""
-    from megatron.bridge_thd.batching.step_time import FITTED, get_machine
+    from megatron.bridge_thd.cost.step_time import FITTED, get_machine
     from megatron.bridge_thd.plan.fit_log import fit_run_log
-    from megatron.bridge_thd.plan.presets import get_preset
+    from megatron.bridge_thd.cost.presets import get_preset
 
     records = read_run_log(workdir / "thd.jsonl")
     fit = fit_run_log(records, get_preset("qwen3-vl-2b"), get_machine("h100-sxm"), FITTED, source="the CPU run")
@@ -141,7 +141,7 @@ def test_the_planner_fits_its_fixed_costs_on_the_cpu_runs_log(ranks, workdir):
         assert loss(a, b) <= loss(max(0.0, a + dx), max(0.0, b + dy)) + 1e-12
 
 
-# A CP size per sample (docs/dynamic-cp.md) on 4 ranks against the same samples at static CP = 1 (DP = 4): the
+# A CP size per sample (docs/cp-per-sample.md) on 4 ranks against the same samples at static CP = 1 (DP = 4): the
 # recipe's loader draws a step's samples per DP rank, so both runs train the same samples (as
 # tests/bridge/test_cp_per_sample_training.py uses it).
 CP_TOKENS_PER_RANK, CP_ITERATIONS = 240, 2
@@ -151,7 +151,7 @@ CP_TOKENS_PER_RANK, CP_ITERATIONS = 240, 2
 def cp_ranks(workdir):
     common = dict(train_iters=CP_ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
                   seq_length=SEQ_LENGTH, eval_iters=0, checkpoint=False, count_tokens=False, tensorboard=True)
-    runs = [("dynamic", RECIPE, "thd", dict(common, dynamic_cp=CP_TOKENS_PER_RANK, run_name="packing-dynamic")),
+    runs = [("dynamic", RECIPE, "thd", dict(common, cp_per_sample=CP_TOKENS_PER_RANK, run_name="packing-dynamic")),
             ("static_cp1", RECIPE, "thd", dict(common, per_token_loss=True, run_name="packing-static_cp1"))]
     return run_on_cpu(runs, workdir=workdir, world_size=4, timeout=540)
 
@@ -163,7 +163,7 @@ def test_cp_per_sample_logs_its_rows_per_cp_size_and_each_rows_tokens_once(cp_ra
         match = re.search(r"\(train\): step (\d+): (\d+) samples in (\d+) rows", line)
         if match:
             rows_logged.setdefault(int(match.group(1)), int(match.group(3)))
-    sizes = [tag for tag in dynamic if tag.startswith("packing/cp_rows_")]
+    sizes = [tag for tag in dynamic if tag.startswith("packing/cp_per_sample_rows_")]
     assert sizes and all(int(tag.rsplit("_", 1)[1]) in (1, 2, 4) for tag in sizes)
     for iteration in range(1, CP_ITERATIONS + 1):
         assert sum(dynamic[tag].get(iteration, 0) for tag in sizes) == rows_logged[iteration]
@@ -171,4 +171,4 @@ def test_cp_per_sample_logs_its_rows_per_cp_size_and_each_rows_tokens_once(cp_ra
         for name in ("real_tokens", "supervised_tokens", "vision_patches"):
             figure = f"packing/{name}_per_iteration"
             assert dynamic[figure][iteration] == static[figure][iteration] > 0, name
-    assert not any(tag.startswith("packing/cp_rows_") for tag in static)
+    assert not any(tag.startswith("packing/cp_per_sample_rows_") for tag in static)

@@ -58,13 +58,13 @@ def test_global_batch_packing_flag_needs_a_packed_layout():
     assert done.returncode != 0 and "--global-batch-packing: needs --layout thd or thd_static" in done.stderr
 
 
-def test_dynamic_cp_flag_needs_the_thd_layout():
-    """``--dynamic-cp`` (docs/dynamic-cp.md; tests/bridge/test_recipes.py runs its config on the recipe) is refused
+def test_cp_per_sample_flag_needs_the_thd_layout():
+    """``--cp-per-sample`` (docs/cp-per-sample.md; tests/bridge/test_recipes.py runs its config on the recipe) is refused
     for a layout it does not run with."""
     done = subprocess.run([sys.executable, str(ROOT / "recipes" / "qwen3_vl_8b_cord_v2_thd.py"), "--layout",
-                           "thd_static", "--dynamic-cp", "16384"], capture_output=True, text=True, timeout=60,
+                           "thd_static", "--cp-per-sample", "16384"], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
-    assert done.returncode != 0 and "--dynamic-cp: needs --layout thd, not 'thd_static'" in done.stderr
+    assert done.returncode != 0 and "--cp-per-sample: needs --layout thd, not 'thd_static'" in done.stderr
 
 
 def test_qwen35_recipe_script_runs_its_cpu_mode(monkeypatch, tmp_path):

@@ -126,7 +126,7 @@ def _summary(cfg) -> dict:
         "hybrid_context_parallel": getattr(model, "hybrid_context_parallel", None),
         "max_seqlen_per_dp_cp_rank": getattr(model, "max_seqlen_per_dp_cp_rank", None),
         "vision_dp_when_cp": getattr(model, "vision_dp_when_cp", None),
-        "dynamic_cp": getattr(settings_of(cfg.dataset).dynamic_cp, "max_tokens_per_rank", None),
+        "cp_per_sample": getattr(settings_of(cfg.dataset).cp_per_sample, "max_tokens_per_rank", None),
     }
 
 
@@ -263,19 +263,19 @@ def python_snippet(page: str, marker: str) -> str:
     return next(block for block in blocks if marker in block)
 
 
-def dynamic_cp_as_the_docs_say(cfg):
-    """docs/dynamic-cp.md's snippet that turns a CP size per sample on, run as written on the recipe's config."""
-    exec(python_snippet("dynamic-cp.md", "dynamic_cp="), {"cfg": cfg})  # noqa: S102 - our own docs
+def cp_per_sample_as_the_docs_say(cfg):
+    """docs/cp-per-sample.md's snippet that turns a CP size per sample on, run as written on the recipe's config."""
+    exec(python_snippet("cp-per-sample.md", "cp_per_sample="), {"cfg": cfg})  # noqa: S102 - our own docs
 
 
-def dynamic_cp_by_the_recipe_script(cfg):
-    """The recipe scripts' ``--dynamic-cp 16384`` (``recipes/_thd_recipe.config``) on the recipe's config."""
+def cp_per_sample_by_the_recipe_script(cfg):
+    """The recipe scripts' ``--cp-per-sample 16384`` (``recipes/_thd_recipe.config``) on the recipe's config."""
     import sys
 
     sys.path.insert(0, str(ROOT / "recipes"))
     from _thd_recipe import config
 
-    config(lambda: cfg, "thd", dynamic_cp=16384)
+    config(lambda: cfg, "thd", cp_per_sample=16384)
 
 
 def micro_batch_one_global(cfg):
@@ -319,10 +319,10 @@ CONTRADICTIONS = {
     "global_batch_recipe_as_is": ("qwen3_vl_8b", {}, "thd_static", None, GLOBAL),
     "global_batch_bshd": ("qwen3_vl_8b", {}, "bshd", sum_in_collective, GLOBAL),
     "global_batch_batch_loader": ("qwen3_vl_8b", {}, "thd", batch_loader, GLOBAL),
-    "dynamic_cp_recipe_as_is": ("qwen3_vl_8b", {}, "thd", None, {"dynamic_cp": 16384}),
+    "cp_per_sample_recipe_as_is": ("qwen3_vl_8b", {}, "thd", None, {"cp_per_sample": 16384}),
 }
-# A CP size per sample turned on as docs/dynamic-cp.md and the recipe scripts do it (configure inside the edit).
-DYNAMIC_CP = {"docs_snippet": dynamic_cp_as_the_docs_say, "recipe_script": dynamic_cp_by_the_recipe_script}
+# A CP size per sample turned on as docs/cp-per-sample.md and the recipe scripts do it (configure inside the edit).
+DYNAMIC_CP = {"docs_snippet": cp_per_sample_as_the_docs_say, "recipe_script": cp_per_sample_by_the_recipe_script}
 # The same edits where the layout allows them (what configure must not refuse).
 ALLOWED = {
     # The recipe sets defer_in_batch_packing_to_step=True; False equals the dataclass default, so configure
@@ -364,7 +364,7 @@ def all_cases() -> dict:
             results[("bridge_alone", name)] = run_case(recipe, variant, None, edit)
     results[("no_cpu_edits", "qwen35_vl_35b_a3b")] = run_case("qwen35_vl_35b_a3b", {}, "thd", cpu_edits=False)
     for name, edit in DYNAMIC_CP.items():
-        results[("dynamic_cp", name)] = run_case("qwen3_vl_8b", {}, None, edit)
+        results[("cp_per_sample", name)] = run_case("qwen3_vl_8b", {}, None, edit)
     return results
 
 
@@ -500,7 +500,7 @@ REFUSALS = {
     "global_batch_bshd": ("configure", "global_batch_packing: layout 'bshd' lays out exactly", None),
     "global_batch_batch_loader": ("configure", "dataset.dataloader_type: 'batch'; global-batch packing draws", None),
     # What the docs' snippet sets before configure, and why: configure cannot tell the recipe's True from a user's.
-    "dynamic_cp_recipe_as_is": ("configure", "ddp.average_in_collective=True was set explicitly, but dynamic_cp needs "
+    "cp_per_sample_recipe_as_is": ("configure", "ddp.average_in_collective=True was set explicitly, but cp_per_sample needs "
                                 "per-token loss", None),
 }
 
@@ -570,15 +570,15 @@ def test_without_the_cpu_only_edit_validate_refuses_only_for_the_missing_transfo
 
 
 @pytest.mark.parametrize("name", list(DYNAMIC_CP))
-def test_dynamic_cp_turns_on_as_the_docs_say(outcomes, name):
-    """docs/dynamic-cp.md's snippet and the recipe scripts' ``--dynamic-cp`` on Megatron-Bridge's Qwen3-VL 8B recipe
+def test_cp_per_sample_turns_on_as_the_docs_say(outcomes, name):
+    """docs/cp-per-sample.md's snippet and the recipe scripts' ``--cp-per-sample`` on Megatron-Bridge's Qwen3-VL 8B recipe
     pass configure and validate(), with what a CP size per sample needs: Megatron-Core's hybrid CP on a static CP of
     1 at the record's tokens per rank, the vision tower split over a row's ranks, global-batch packing's loaders,
     per-token loss with DDP summing."""
-    outcome = outcomes[("dynamic_cp", name)]
+    outcome = outcomes[("cp_per_sample", name)]
     assert outcome["ok"], _fail_text(outcome)
     assert outcome["packing_layout"] == "thd" and outcome["cp"] == 1
     assert outcome["hybrid_context_parallel"] is True and outcome["vision_dp_when_cp"] is True
-    assert outcome["dynamic_cp"] and outcome["max_seqlen_per_dp_cp_rank"] == outcome["dynamic_cp"]
+    assert outcome["cp_per_sample"] and outcome["max_seqlen_per_dp_cp_rank"] == outcome["cp_per_sample"]
     assert outcome["global_batch_packing"] is True and outcome["loaders_wrapped"] is True
     assert outcome["per_token_loss"] is True and outcome["average_in_collective"] is False

@@ -21,8 +21,8 @@ from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd_cpu.parity import step_run
 from megatron.bridge_thd_cpu.stack import cpu_stack
 from megatron.bridge_thd_cpu.standalone import init_single_process_groups
-from megatron.bridge_thd.upstream import load_flop_utils
-from megatron.bridge_thd.upstream_line import trainer_flops, upstream_line
+from megatron.bridge_thd.upstream.loading import load_flop_utils
+from megatron.bridge_thd.upstream.line import trainer_flops, upstream_line
 
 SEQ_LENGTH = 2048
 

@@ -375,7 +375,7 @@ def receipts():
 def _forward(model, packed, batch):
     from megatron.bridge_thd_cpu.stack import cpu_stack
 
-    from megatron.bridge_thd.upstream_line import upstream_line
+    from megatron.bridge_thd.upstream.line import upstream_line
 
     visual = batch["visual_inputs"]
     # Where the model declares padding_mask, it is given the row's: left to derive it from the boundaries, the

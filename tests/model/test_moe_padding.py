@@ -55,8 +55,8 @@ from megatron.bridge_thd_cpu.parity import (
     worst_relative_gradient_error,
 )
 from megatron.bridge_thd_cpu.stack import QWEN3_VL_MODEL_MODULE
-from megatron.bridge_thd.upstream import load_bridge_module
-from megatron.bridge_thd.upstream_line import upstream_line
+from megatron.bridge_thd.upstream.loading import load_bridge_module
+from megatron.bridge_thd.upstream.line import upstream_line
 
 SEQ = 640
 TOPK = 2

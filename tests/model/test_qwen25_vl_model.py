@@ -398,7 +398,7 @@ def test_image_positions_follow_the_package_qwen3_rule_videos_do_not(model, batc
 def _bridge_batch(batch: dict) -> dict:
     """The micro-batch as Megatron-Bridge's VLM iterator yields it: visual tensors in its own
     ``GenericVisualInputs`` (``training/utils/visual_inputs.py``)."""
-    from megatron.bridge_thd.upstream import load_bridge_module
+    from megatron.bridge_thd.upstream.loading import load_bridge_module
 
     visual = load_bridge_module("training.utils.visual_inputs").GenericVisualInputs(
         pixel_values=batch["pixel_values"], pixel_values_videos=batch["pixel_values_videos"],

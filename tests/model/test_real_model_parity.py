@@ -31,8 +31,8 @@ from megatron.bridge_thd_cpu.parity import (
     step_run,
     worst_relative_gradient_error,
 )
-from megatron.bridge_thd.upstream import load_bridge_module
-from megatron.bridge_thd.upstream_line import upstream_line
+from megatron.bridge_thd.upstream.loading import load_bridge_module
+from megatron.bridge_thd.upstream.line import upstream_line
 
 LAYOUT_NAMES = ["thd", "thd_static", "bshd"]
 DLOGP_TOLERANCE = 1e-5

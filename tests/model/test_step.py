@@ -977,7 +977,7 @@ def test_list_of_model_chunks_is_rejected(ref, right_batch):
 
 @pytest.mark.parametrize("layout", ["thd", "thd_static", "bshd"])
 def test_thd_with_cp_is_refused_before_the_forward_on_an_affected_te_stack(ref, right_batch, monkeypatch, layout):
-    from megatron.bridge_thd import te_compat
+    from megatron.bridge_thd.upstream import te_compat
 
     # What the detection would read on an H100 with TE 2.6 and cuDNN 9.7.1 (the report).
     monkeypatch.setattr(te_compat, "installed_te_version", lambda: "2.6.0")

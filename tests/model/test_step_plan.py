@@ -23,8 +23,8 @@ from megatron.bridge_thd.adapters import QWEN3_VL
 from megatron.bridge_thd.configure import configure
 from megatron.bridge_thd.qwen3_vl_step import forward_step, prepare_micro_batch, prepare_with_plan
 from megatron.bridge_thd.rules import CONFIGURE, STEP, read_setup, rules_for, step_problems
-from megatron.bridge_thd.step_plan import StaticRow, StepPlan, build_step_plan, in_batch_static_row
-from megatron.bridge_thd.upstream_line import upstream_line
+from megatron.bridge_thd.step.plan import StaticRow, StepPlan, build_step_plan, in_batch_static_row
+from megatron.bridge_thd.upstream.line import upstream_line
 from megatron.bridge_thd_cpu.data import select_samples, synthetic_receipt_batch
 from megatron.bridge_thd_cpu.stack import cpu_stack
 from megatron.bridge_thd_cpu.standalone import minimal_state
@@ -381,7 +381,7 @@ def test_configure_lets_the_loader_pin_the_visual_inputs(monkeypatch):
     ``GenericVisualInputs`` has one, so its pixels reach the step pinned."""
     from torch.utils.data._utils.pin_memory import pin_memory
 
-    from megatron.bridge_thd.upstream import load_bridge_module
+    from megatron.bridge_thd.upstream.loading import load_bridge_module
 
     visual_class = load_bridge_module("training.utils.visual_inputs").GenericVisualInputs
     state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd")

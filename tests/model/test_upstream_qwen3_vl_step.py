@@ -46,8 +46,8 @@ import pytest
 import torch
 from _real_model import FakeGroup
 
-from megatron.bridge_thd.patches import Patch, applied
-from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
+from megatron.bridge_thd.upstream.patches import Patch, applied
+from megatron.bridge_thd.upstream.loading import load_bridge_module, load_flop_utils
 
 STEP_MODULE = "megatron.bridge.models.qwen_vl.qwen3_vl_step"
 IMPLEMENTATIONS = ("theirs", "ours")
@@ -207,7 +207,7 @@ def _our_packer():
     channel ``(1, N)`` (a text-only batch has three equal channels); ``max_seqlen_q`` as a tensor."""
     from megatron.bridge_thd.adapters import QWEN3_VL
     from megatron.bridge_thd.qwen3_vl_step import prepare_with_plan
-    from megatron.bridge_thd.step_plan import build_step_plan
+    from megatron.bridge_thd.step.plan import build_step_plan
     from megatron.bridge_thd_cpu.standalone import minimal_state
 
     def pack_right_padded_sequence_batch_to_mcore_thd(batch, *, pad_token_id=0, pad_to_multiple_of=1,

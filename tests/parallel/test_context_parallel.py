@@ -25,7 +25,7 @@ from megatron.bridge_thd_cpu.parity import gradients, step_run, worst_relative_g
 from megatron.bridge_thd_cpu.reference import thd_attention
 from megatron.bridge_thd_cpu.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
 from megatron.bridge_thd_cpu.standalone import init_single_process_groups
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 GRAD_TOLERANCE = 1e-5
 

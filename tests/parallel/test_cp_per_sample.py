@@ -17,9 +17,9 @@ from _cp_per_sample import cp1_reference as _cp1_reference
 from _cp_per_sample import MAX_TOKENS_PER_RANK, PLACEMENTS, SEQ_LENGTH, WORLD, place, run_hybrid_step
 from _cp_per_sample import samples as _samples
 
-from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
+from megatron.bridge_thd.batching.cp_per_sample import place_with_cp_per_sample
 from megatron.bridge_thd.cp_per_sample import (
-    LOCAL_CP_SIZE_KEY, CPPerSample, RowCP, bound_cp_group, find_cp_group_holders, row_cp_of,
+    LOCAL_CP_SIZE_KEY, CPPerSampleStep, RowCP, bound_cp_group, find_cp_group_holders, row_cp_of,
 )
 from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd_cpu.parity import worst_relative_gradient_error
@@ -112,7 +112,7 @@ def test_cp_per_sample_equals_cp1_on_the_real_model(cp1_reference, placement):
 
 
 def test_row_cp_of_reads_and_removes_the_schedules_size():
-    plan = CPPerSample(world=4, alignments=((1, 1), (2, 4), (4, 8)), holders=None)
+    plan = CPPerSampleStep(world=4, alignments=((1, 1), (2, 4), (4, 8)), holders=None)
     batch = {LOCAL_CP_SIZE_KEY: torch.tensor(1, dtype=torch.int32), "tokens": None}
     assert row_cp_of(batch, plan) == RowCP(1, None) and LOCAL_CP_SIZE_KEY not in batch
     with pytest.raises(ValueError, match="local_cp_size.*hybrid-CP schedule"):
@@ -170,12 +170,12 @@ def test_the_cpu_attention_takes_the_rows_group_as_transformer_engine_does():
 
 def test_a_rank_without_a_row_in_a_group_is_refused():
     """The schedule runs each rank's last row of the last group outside its loop: every rank needs one."""
-    from megatron.bridge_thd.batching.dynamic_cp import CPRow, DynamicCPPlacement
+    from megatron.bridge_thd.batching.cp_per_sample import CPRow, CPPerSamplePlacement
 
-    placement = DynamicCPPlacement(rows=(CPRow(0, (0, 1), (0,), 8), CPRow(1, (0,), (1,), 4)), world=2,
+    placement = CPPerSamplePlacement(rows=(CPRow(0, (0, 1), (0,), 8), CPRow(1, (0,), (1,), 4)), world=2,
                                    max_tokens_per_rank=8)
     with pytest.raises(RuntimeError, match=r"\(group, rank\) \[\(1, 1\)\]"):
         placement.row_id_groups()
-    good = DynamicCPPlacement(rows=(CPRow(0, (0, 1), (0,), 8),), world=2, max_tokens_per_rank=8)
+    good = CPPerSamplePlacement(rows=(CPRow(0, (0, 1), (0,), 8),), world=2, max_tokens_per_rank=8)
     batches, groups = good.schedule_item(1, lambda row: {"samples": row.samples})
     assert groups == [[[0], [0]]] and batches == {0: {"samples": (0,)}}

@@ -20,7 +20,7 @@ import torch
 from megatron.bridge_thd.batching import assign, in_batch_assignment
 from megatron.bridge_thd.batching.sampler import optimal_row_lengths
 from megatron.bridge_thd.layouts import row_bucket
-from megatron.bridge_thd.step_plan import StaticRow
+from megatron.bridge_thd.step.plan import StaticRow
 from megatron.bridge_thd_cpu.data import select_samples, synthetic_receipt_batch
 from megatron.bridge_thd_testbed.launcher import run_on_gloo
 from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.bridge_thd.batching.cost import SampleCost, image_patches, sample_cost
-from megatron.bridge_thd.plan.flops import flops_config
-from megatron.bridge_thd.plan.presets import get_preset, replace, spec_from_hf_config
+from megatron.bridge_thd.cost.sample import SampleCost, image_patches, sample_cost
+from megatron.bridge_thd.cost.flops import flops_config
+from megatron.bridge_thd.cost.presets import get_preset, replace, spec_from_hf_config
 from megatron.bridge_thd_cpu.hf_hub import QWEN3_VL_8B, QWEN35_2B
-from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
+from megatron.bridge_thd.upstream.loading import load_bridge_module, load_flop_utils
 
 DENSE, MOE, HYBRID, HYBRID_MOE = "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-vl-2b", "qwen3.5-vl-35b-a3b"
 

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from megatron.bridge_thd.batching import policy
-from megatron.bridge_thd.batching.cost import SampleCost
+from megatron.bridge_thd.cost.sample import SampleCost
 from megatron.bridge_thd.batching.policy import assign, in_batch_assignment, placement_stats
 from megatron.bridge_thd.plan.samples import receipt_lengths
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

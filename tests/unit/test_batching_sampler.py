@@ -17,11 +17,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from _datasets import ListDataset
-from megatron.bridge_thd.batching.cost import SampleCost
+from megatron.bridge_thd.cost.sample import SampleCost
 from megatron.bridge_thd.batching.policy import assign
 from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, choose_row_length, rank_samplers
 from megatron.bridge_thd.batching.sizes import dataset_sizes
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 SAMPLERS = load_bridge_module("data.samplers")
 
@@ -304,7 +304,7 @@ def test_global_batch_packing_costs_a_video_below_one_image_of_its_patches():
     """The costs global-batch packing balances (``sample_costs`` on the dataset's sizes, as the sampler computes
     them): a video of 4 frames of 8 x 8 patches against an image of 16 x 16, the same 256 patches and 80 tokens; the
     video's vision attention is 4 * 64^2, the image's 256^2."""
-    from megatron.bridge_thd.batching.cost import sample_cost
+    from megatron.bridge_thd.cost.sample import sample_cost
     from megatron.bridge_thd.batching.policy import sample_costs
 
     sizes = dataset_sizes(TinyDataset([80, 80], [[(4, 8, 8)], [(1, 16, 16)]]))

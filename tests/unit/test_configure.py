@@ -16,7 +16,7 @@ Two kinds of config objects are used:
   (``models/qwen_vl/modelling_qwen3_vl/model.py``).
 
 ``training/config.py`` (``ConfigContainer.validate``) is not imported in this process: the suite
-loads Megatron-Bridge's modules without their package ``__init__`` (``megatron.bridge_thd.upstream``),
+loads Megatron-Bridge's modules without their package ``__init__`` (``megatron.bridge_thd.upstream.loading``),
 and ``data.builders.gpt_sft`` needs ``megatron.bridge.data.packing.__init__``. The real
 ``validate()`` on the real recipes runs in a fresh process in ``tests/bridge/test_recipes.py``; here
 its packing-related lines are copied verbatim into :func:`bridge_packing_validate` below (file
@@ -47,8 +47,8 @@ from megatron.bridge_thd.configure import LAYOUT_NAMES, configure, cuda_graphs_e
 from megatron.bridge_thd.layouts import layout_for
 from megatron.bridge_thd.rules import requested_layout
 from megatron.bridge_thd.settings import SETTINGS_ATTRIBUTE, PackingSettings, settings_of
-from megatron.bridge_thd.upstream import bridge_available, load_bridge_module
-from megatron.bridge_thd.upstream_line import upstream_line
+from megatron.bridge_thd.upstream.loading import bridge_available, load_bridge_module
+from megatron.bridge_thd.upstream.line import upstream_line
 
 LOGGER = "megatron.bridge_thd.configure"
 
@@ -1774,42 +1774,42 @@ def test_row_buckets_default_to_four_where_several_row_shapes_can_run():
 
 
 # ---------------------------------------------------------------------------------------------
-# a CP size per sample (docs/dynamic-cp.md)
+# a CP size per sample (docs/cp-per-sample.md)
 
 
-def test_dynamic_cp_sets_megatron_cores_hybrid_cp_and_global_batch_packing(monkeypatch):
-    from megatron.bridge_thd.settings import DynamicCP, GlobalBatchPacking
+def test_cp_per_sample_sets_megatron_cores_hybrid_cp_and_global_batch_packing(monkeypatch):
+    from megatron.bridge_thd.settings import CPPerSample, GlobalBatchPacking
 
     # The loader builder's wrapping needs Megatron-Bridge whole (tests/bridge/test_cp_per_sample_training.py runs it).
     monkeypatch.setattr(configure_module, "_wrap_loader_builder", lambda: None)
     cfg = make_cfg(dataset={"dataloader_type": "cyclic"})
-    configure(cfg, "thd", dynamic_cp=4096)
+    configure(cfg, "thd", cp_per_sample=4096)
     record = settings_of(cfg.dataset)
-    assert record.dynamic_cp == DynamicCP(4096) and record.global_batch_packing == GlobalBatchPacking()
+    assert record.cp_per_sample == CPPerSample(4096) and record.global_batch_packing == GlobalBatchPacking()
     model = cfg.model
     assert (model.hybrid_context_parallel, model.max_seqlen_per_dp_cp_rank) == (True, 4096)
     assert not hasattr(model, "vision_dp_when_cp")  # set only where the provider has the field (Qwen3-VL's)
     assert model.calculate_per_token_loss is True
     # Off again: configure sets flags and never clears them, so the model's flag alone is refused, naming it.
-    with pytest.raises(ValueError, match="hybrid_context_parallel=True without dynamic_cp"):
-        configure(cfg, "thd", dynamic_cp=False)
+    with pytest.raises(ValueError, match="hybrid_context_parallel=True without cp_per_sample"):
+        configure(cfg, "thd", cp_per_sample=False)
     model.hybrid_context_parallel = False
-    configure(cfg, "thd", dynamic_cp=False)
-    assert settings_of(cfg.dataset).dynamic_cp is None
+    configure(cfg, "thd", cp_per_sample=False)
+    assert settings_of(cfg.dataset).cp_per_sample is None
 
 
-def test_dynamic_cp_refuses_ddp_averaging_in_the_collective_naming_itself():
+def test_cp_per_sample_refuses_ddp_averaging_in_the_collective_naming_itself():
     """Megatron-Bridge's recipes set ddp.average_in_collective=True, which configure cannot tell from a user's own
-    (docs/dynamic-cp.md): refused as an explicit setting, the message saying that dynamic_cp needs per-token loss and
-    that turning dynamic_cp off (not global-batch packing, which the user did not ask for) is the other way out."""
+    (docs/cp-per-sample.md): refused as an explicit setting, the message saying that cp_per_sample needs per-token loss and
+    that turning cp_per_sample off (not global-batch packing, which the user did not ask for) is the other way out."""
     cfg = make_cfg(dataset={"dataloader_type": "cyclic"})
     cfg.ddp = SimpleNamespace(average_in_collective=True)
     before = snapshot(cfg)
     with pytest.raises(ValueError) as refused:
-        configure(cfg, "thd", dynamic_cp=4096)
+        configure(cfg, "thd", cp_per_sample=4096)
     message = str(refused.value)
-    assert "ddp.average_in_collective=True was set explicitly, but dynamic_cp needs per-token loss" in message
-    assert "or turn dynamic_cp off" in message and "turn global-batch packing off" not in message
+    assert "ddp.average_in_collective=True was set explicitly, but cp_per_sample needs per-token loss" in message
+    assert "or turn cp_per_sample off" in message and "turn global-batch packing off" not in message
     assert snapshot(cfg) == before and cfg.ddp.average_in_collective is True
 
 
@@ -1821,9 +1821,9 @@ def test_dynamic_cp_refuses_ddp_averaging_in_the_collective_naming_itself():
     ("thd", {"max_seqlen_per_dp_cp_rank": 2048}, "max_seqlen_per_dp_cp_rank=2048 was set explicitly"),
     ("thd", {"vision_dp_when_cp": False}, "vision_dp_when_cp=False was set explicitly"),
 ])
-def test_dynamic_cp_refusals_leave_the_config_unchanged(layout, model, match):
+def test_cp_per_sample_refusals_leave_the_config_unchanged(layout, model, match):
     cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, model=model)
     before = snapshot(cfg)
     with pytest.raises(ValueError, match=re.escape(match)):
-        configure(cfg, layout, dynamic_cp=4096)
+        configure(cfg, layout, cp_per_sample=4096)
     assert snapshot(cfg) == before

@@ -25,7 +25,7 @@ from megatron.bridge_thd import mrope, pack_bshd_to_thd
 from megatron.bridge_thd.mrope import PADDING_POSITION, qwen3_vl_position_ids, qwen3_vl_position_ids_deferred
 from megatron.bridge_thd_testbed.opcount import count_ops
 from megatron.bridge_thd_cpu.reference import ReferenceQwen3VL
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 TOKEN_IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START)
 

@@ -43,7 +43,7 @@ def test_bridge_helpers_load_without_transformer_engine():
     code = (
         "import importlib.util, sys\n"
         "assert importlib.util.find_spec('transformer_engine') is None\n"
-        "from megatron.bridge_thd.upstream import load_bridge_module\n"
+        "from megatron.bridge_thd.upstream.loading import load_bridge_module\n"
         "losses = load_bridge_module('training.losses')\n"
         "assert hasattr(losses, 'create_masked_next_token_loss_function')\n"
         "assert 'megatron.bridge.models' not in sys.modules\n"
@@ -104,7 +104,7 @@ def test_batching_never_imports_the_test_bed_or_interop():
     # (layouts, packing) and the planner's model presets only.
     code = (
         "import sys\n"
-        "for name in ('cost', 'policy', 'sizes', 'sampler', 'bridge'):\n"
+        "for name in ('policy', 'sizes', 'sampler', 'bridge'):\n"
         "    __import__(f'megatron.bridge_thd.batching.{name}')\n"
         "loaded = sorted(m for m in sys.modules if m.startswith(('megatron.bridge_thd_testbed', 'megatron.bridge_thd.interop')))\n"
         "assert not loaded, loaded\n"

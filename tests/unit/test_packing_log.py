@@ -82,7 +82,7 @@ def test_the_interval_figures_are_per_iteration_means():
     assert figures["packing/iteration_time"] == 2.0
     assert figures["packing/real_tokens_per_second"] == 400
     assert figures["packing/token_slots_per_second_per_gpu"] == 1000 / 2 / 8
-    assert figures["packing/cp_rows_2"] == 1 and figures["packing/truncated_samples_per_iteration"] == 1
+    assert figures["packing/cp_per_sample_rows_2"] == 1 and figures["packing/truncated_samples_per_iteration"] == 1
     assert "packing/rank_cost_max_over_mean" not in figures
     assert set(figures) <= set(figure_names())
 

@@ -1,4 +1,4 @@
-"""One mechanism for every patch of an upstream name (``megatron.bridge_thd.patches``), and one
+"""One mechanism for every patch of an upstream name (``megatron.bridge_thd.upstream.patches``), and one
 list of them (docs/patches.md) that names every record the code builds."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from megatron.bridge_thd import patches
-from megatron.bridge_thd.patches import Patch, applied, apply_permanently
+from megatron.bridge_thd.upstream import patches
+from megatron.bridge_thd.upstream.patches import Patch, applied, apply_permanently
 
 DOC = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "patches.md").read_text()
 
@@ -56,12 +56,12 @@ def test_apply_permanently_is_idempotent_and_returns_the_original():
 
 def test_targets_name_the_owner():
     assert Patch(sys.modules, "omegaconf", None, "").target == "sys.modules['omegaconf']"
-    assert Patch(Patch, "target", None, "").target == "megatron.bridge_thd.patches.Patch.target"
+    assert Patch(Patch, "target", None, "").target == "megatron.bridge_thd.upstream.patches.Patch.target"
     assert Patch(types, "ModuleType", None, "").target == "types.ModuleType"
 
 
 def _every_record() -> list[Patch]:
-    from megatron.bridge_thd import upstream
+    from megatron.bridge_thd.upstream import loading as upstream
     from megatron.bridge_thd_testbed.qwen25_vl import _OmegaConfPlaceholder  # noqa: F401 - the module loads
     from megatron.bridge_thd_cpu.stack import cpu_patches
 
@@ -80,7 +80,7 @@ def _every_record() -> list[Patch]:
                          None, "overlong.collate_patch"))
     records.append(Patch(types.ModuleType("megatron.bridge.training.pretrain"), "_pretrain", None,
                          "packing_log.pretrain_patch"))
-    from megatron.bridge_thd.pinning import visual_inputs_pin_patch
+    from megatron.bridge_thd.upstream.pinning import visual_inputs_pin_patch
 
     records.append(visual_inputs_pin_patch())
     return records
@@ -93,7 +93,7 @@ def test_every_patch_the_code_builds_is_listed_in_docs_and_the_module_docstring(
         assert record.why, record.target
         assert f"`{record.target}`" in DOC, f"docs/patches.md does not list {record.target}"
         named = re.escape(record.target) if record.owner is sys.modules else rf"[\w.]*\b{record.name}"
-        assert re.search(f"``{named}``", patches.__doc__), f"megatron.bridge_thd.patches' docstring does not list {record.target}"
+        assert re.search(f"``{named}``", patches.__doc__), f"megatron.bridge_thd.upstream.patches' docstring does not list {record.target}"
 
 
 def test_qwen25_vl_import_patches_is_one_placeholder_only_without_omegaconf(monkeypatch):
@@ -122,8 +122,8 @@ def test_cpu_stack_gives_each_te_class_upstream_tests_with_isinstance_a_type():
     from megatron.core.tensor_parallel import inference_layers
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    from megatron.bridge_thd.upstream import load_bridge_module
-    from megatron.bridge_thd.upstream_line import upstream_line
+    from megatron.bridge_thd.upstream.loading import load_bridge_module
+    from megatron.bridge_thd.upstream.line import upstream_line
     from megatron.bridge_thd_cpu.attention import THDCoreAttention
     from megatron.bridge_thd_cpu.stack import QWEN3_VL_ATTENTION_MODULE, cpu_patches, cpu_stack
 

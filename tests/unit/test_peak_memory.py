@@ -14,7 +14,7 @@ from megatron.bridge_thd.plan.memory import layer_bytes_per_token, vision_bytes_
 from megatron.bridge_thd.plan.peak_memory import (loss_bytes_per_token, memory_config, mtp_bytes_per_token,
                                                   padded_vocab_size, peak_memory_bytes, row_slots_per_rank,
                                                   upstream_estimate)
-from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec, get_preset, replace
+from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec, get_preset, replace
 from megatron.bridge_thd.plan.roofline import get_gpu
 from megatron.bridge_thd.plan.samples import receipt_lengths
 
@@ -107,7 +107,7 @@ def test_pipeline_parallel_takes_the_larger_stage():
 
 
 def test_legacy_upstream_entry_point_is_used_when_the_structured_one_is_absent(monkeypatch):
-    from megatron.bridge_thd import upstream
+    from megatron.bridge_thd.upstream import loading as upstream
 
     legacy = types.SimpleNamespace(compute_weight_and_optimizer_memory=lambda config: 1234.0)
     monkeypatch.setattr(upstream, "load_theoretical_memory_utils", lambda: legacy)

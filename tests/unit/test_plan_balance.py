@@ -12,8 +12,8 @@ import pytest
 
 from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, balance_plan, get_preset
 from megatron.bridge_thd.plan.cli import main
-from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec
-from megatron.bridge_thd.batching.step_time import RateCurve, TimeParameters
+from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec
+from megatron.bridge_thd.cost.step_time import RateCurve, TimeParameters
 from megatron.bridge_thd.plan.roofline import GPU
 
 warnings.simplefilter("ignore")
@@ -156,7 +156,7 @@ def test_the_rows_are_a_brute_force_optimum_on_a_tiny_run():
 
 def test_row_buckets_lower_the_padding_of_a_real_preset_and_every_micro_batch_fits_its_row():
     from megatron.bridge_thd import layouts
-    from megatron.bridge_thd.batching.cost import sample_cost
+    from megatron.bridge_thd.cost.sample import sample_cost
     from megatron.bridge_thd.plan import receipt_lengths
     from megatron.bridge_thd.plan.balance import plan_steps, step_assignments
 
@@ -207,7 +207,7 @@ def test_a_video_of_t_frames_is_cheaper_than_one_image_of_its_patches():
     vision model attends within each frame, so the video's attention term is 4 * 64^2, a quarter of the image's
     256^2; balance's per-rank cost (one sample per rank, in-batch) sees the difference, by hand from the cost's
     coefficients."""
-    from megatron.bridge_thd.batching.cost import sample_cost
+    from megatron.bridge_thd.cost.sample import sample_cost
     from megatron.bridge_thd.plan.balance import plan_steps
 
     video, image = (4, 8, 8), (1, 16, 16)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.bridge_thd.upstream_line import upstream_line
+from megatron.bridge_thd.upstream.line import upstream_line
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

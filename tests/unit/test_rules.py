@@ -190,7 +190,7 @@ ALLOWED = {
     "cut would leave without supervision",
     ("batching/bridge.py", "global_batch_packing: step"): "a step of the data does not fit the chosen row",
     ("batching/bridge.py", "global_batch_packing: Megatron-Bridge's data loaders cannot"): "the environment",
-    ("batching/cost.py", "model: expected a preset name"): "an argument check",
+    ("cost/sample.py", "model: expected a preset name"): "an argument check",
     ("batching/sampler.py", "row_length"): "the run's draws need a longer row (the data)",
     ("batching/sizes.py", "dataset.sample_lengths:"): "the dataset's metadata",
     ("batching/sizes.py", "dataset.sample_image_grids:"): "the dataset's metadata",
@@ -201,9 +201,9 @@ ALLOWED = {
     "image the cut would split (every policy)",
     ("overlong.py", "overlong_samples='truncate': sample(s) of this micro-batch have every"): "samples of a micro-batch "
     "the cut would leave without supervision",
-    ("plan/presets.py", "model preset"): "an argument check of the planner",
-    ("plan/presets.py", ": field"): "a config.json file's content",
-    ("plan/presets.py", ": no such config.json"): "a missing file",
+    ("cost/presets.py", "model preset"): "an argument check of the planner",
+    ("cost/presets.py", ": field"): "a config.json file's content",
+    ("cost/presets.py", ": no such config.json"): "a missing file",
     ("step/capture.py", "attention_mask:"): "a batch without a mask (the data)",
     ("cp_per_sample.py", "batch: no 'local_cp_size'"): "an iterator that is not Megatron-Core's hybrid-CP schedule's",
     ("step/rows.py", "batch:  samples for train.micro_batch_size"): "a batch of another size than the loaders'",
@@ -248,7 +248,7 @@ def test_the_records_the_rules_and_the_step_read_are_typed_without_any():
 
     import megatron.bridge_thd.adapters as adapters
     from megatron.bridge_thd.rules import ModelFacts
-    from megatron.bridge_thd.step_plan import StepPlan
+    from megatron.bridge_thd.step.plan import StepPlan
 
     for record in (Setup, ModelFacts, StepPlan, PackingSettings):
         namespace = {**vars(sys.modules[record.__module__]), "ModelAdapter": adapters.ModelAdapter}
@@ -319,7 +319,7 @@ def test_the_loaders_read_the_final_model_config_not_a_forecast():
 
 
 def _hybrid(**facts) -> dict:
-    return dict(hybrid_cp=True, max_tokens_per_rank=4096, per_token_loss=True, **facts)
+    return dict(cp_per_sample=True, max_tokens_per_rank=4096, per_token_loss=True, **facts)
 
 
 def test_cp_per_sample_runs_in_the_step_with_what_the_hybrid_schedule_needs():
@@ -367,30 +367,30 @@ def test_cp_per_sample_refusals_name_the_setting(setup, expected):
     assert len(found) == 1 and re.search(expected, found[0]), found
 
 
-def test_configure_takes_cp_per_sample_through_dynamic_cp_only():
-    """The schedule reads one item of every row per step, which only the loaders dynamic_cp builds yield: the model's
-    flag alone is refused; with dynamic_cp, what configure sets itself is not (it is judged at the step)."""
+def test_configure_takes_cp_per_sample_through_cp_per_sample_only():
+    """The schedule reads one item of every row per step, which only the loaders cp_per_sample builds yield: the model's
+    flag alone is refused; with cp_per_sample, what configure sets itself is not (it is judged at the step)."""
     from megatron.bridge_thd.rules import ModelFacts
-    from megatron.bridge_thd.settings import DynamicCP
+    from megatron.bridge_thd.settings import CPPerSample
 
     found = rules.problems(Setup(layout="thd", model=ModelFacts(**_hybrid()), seq_lengths=(8192, 8192)), CONFIGURE)
-    assert len(found) == 1 and "without dynamic_cp" in found[0] and "configure with dynamic_cp=" in found[0]
-    asked = PackingSettings(dynamic_cp=DynamicCP(256), global_batch_packing=GlobalBatchPacking())
+    assert len(found) == 1 and "without cp_per_sample" in found[0] and "configure with cp_per_sample=" in found[0]
+    asked = PackingSettings(cp_per_sample=CPPerSample(256), global_batch_packing=GlobalBatchPacking())
     assert rules.problems(Setup(layout="thd", settings=asked, seq_lengths=(8192, 8192), dataloader_type="single"),
                           CONFIGURE) == []
-    fixed = PackingSettings(dynamic_cp=DynamicCP(256), global_batch_packing=GlobalBatchPacking(row_length=4096))
+    fixed = PackingSettings(cp_per_sample=CPPerSample(256), global_batch_packing=GlobalBatchPacking(row_length=4096))
     found = rules.problems(Setup(layout="thd", settings=fixed, seq_lengths=(8192, 8192), dataloader_type="single"),
                            CONFIGURE)
     assert len(found) == 1 and "global_batch_packing.row_length=4096" in found[0] and "unset them" in found[0]
     # At the step (the config as configure left it) the flags configure sets are judged.
-    step = Setup(layout="thd", settings=asked, model=ModelFacts(hybrid_cp=True), seq_lengths=(8192, 8192), built=True)
+    step = Setup(layout="thd", settings=asked, model=ModelFacts(cp_per_sample=True), seq_lengths=(8192, 8192), built=True)
     assert any("calculate_per_token_loss=False" in p for p in rules.problems(step, STEP))
 
 
-def test_the_record_takes_dynamic_cp_with_global_batch_packing():
-    from megatron.bridge_thd.settings import DynamicCP
+def test_the_record_takes_cp_per_sample_with_global_batch_packing():
+    from megatron.bridge_thd.settings import CPPerSample
 
-    with pytest.raises(ValueError, match="dynamic_cp.max_tokens_per_rank: 255; expected an even int"):
-        PackingSettings(dynamic_cp=DynamicCP(255), global_batch_packing=GlobalBatchPacking())
-    with pytest.raises(ValueError, match="dynamic_cp: places each step .* set global_batch_packing too"):
-        PackingSettings(dynamic_cp=DynamicCP(256))
+    with pytest.raises(ValueError, match="cp_per_sample.max_tokens_per_rank: 255; expected an even int"):
+        PackingSettings(cp_per_sample=CPPerSample(255), global_batch_packing=GlobalBatchPacking())
+    with pytest.raises(ValueError, match="cp_per_sample: places each step .* set global_batch_packing too"):
+        PackingSettings(cp_per_sample=CPPerSample(256))

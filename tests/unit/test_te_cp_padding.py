@@ -18,12 +18,12 @@ import sys
 import pytest
 import torch
 
-import megatron.bridge_thd.te_compat as te_compat
+import megatron.bridge_thd.upstream.te_compat as te_compat
 from _packing_helpers import round_up
 from megatron.bridge_thd import pack_bshd_to_thd
 from megatron.bridge_thd.context_parallel import thd_local_positions, thd_padding_chunks
 from megatron.bridge_thd.packing import required_alignment
-from megatron.bridge_thd.te_compat import (
+from megatron.bridge_thd.upstream.te_compat import (
     TE_CP_PADDING_RULE,
     te_cp_padding_verdict,
     cudnn_version_tuple,

@@ -10,12 +10,12 @@ import warnings
 
 import pytest
 
-from megatron.bridge_thd.batching.cost import SampleCost
-from megatron.bridge_thd.batching.step_time import (
+from megatron.bridge_thd.cost.sample import SampleCost
+from megatron.bridge_thd.cost.step_time import (
     FITTED, PUBLISHED, Link, Machine, ModelShape, RateCurve, SampleWork, TimeParameters, frame_lengths, get_machine,
     load_time_parameters, model_shape, row_time, time_parameters_to_dict)
 from megatron.bridge_thd.plan.layouts import Parallel
-from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec
+from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec
 from megatron.bridge_thd.plan.published import TABLES, dp_balanced_packs, lognormal_lengths
 from megatron.bridge_thd.plan.step_model import sync_seconds
 
@@ -138,8 +138,8 @@ def test_lognormal_lengths_are_seeded_and_clipped():
 
 
 def test_model_shape_reads_the_trainers_formula_and_the_memory_model():
-    from megatron.bridge_thd.batching.cost import sample_cost
-    from megatron.bridge_thd.plan.presets import get_preset, replace
+    from megatron.bridge_thd.cost.sample import sample_cost
+    from megatron.bridge_thd.cost.presets import get_preset, replace
 
     spec = get_preset("qwen3.5-vl-2b")
     shape = model_shape(spec)
@@ -239,7 +239,7 @@ def test_rank_with_a_token_limit_adds_cp_per_sample_by_both_placements(capsys):
     from megatron.bridge_thd.plan.plan_command import main
 
     assert main(["--model", "qwen3-vl-2b", "--num-samples", "64", "--global-batch-size", "16", "--gpus", "4",
-                 "--rank", "--dynamic-cp", "4096"]) == 0
+                 "--rank", "--cp-per-sample", "4096"]) == 0
     out = capsys.readouterr().out
     assert "CP per sample, Megatron-Core's scheduler" in out and "CP per sample, ours (time model)" in out
     assert "| per sample |" in out
@@ -267,7 +267,7 @@ def test_the_fit_on_a_run_log_recovers_the_fixed_costs_it_was_made_with(tmp_path
 
     from megatron.bridge_thd.plan.fit_log import fit_run_log, variable_seconds
     from megatron.bridge_thd.plan.plan_command import main
-    from megatron.bridge_thd.plan.presets import get_preset
+    from megatron.bridge_thd.cost.presets import get_preset
 
     spec, machine = get_preset("qwen3-vl-2b"), get_machine("h100-sxm")
     truth = FITTED.with_fit("truth", per_step_s=0.2, per_micro_batch_s=0.015)

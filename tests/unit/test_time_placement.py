@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from megatron.bridge_thd.batching.dynamic_cp import TooLongForTheWorld, place_with_cp_per_sample, timeline
-from megatron.bridge_thd.batching.step_time import SampleWork, sample_work
+from megatron.bridge_thd.batching.cp_per_sample import TooLongForTheWorld, place_with_cp_per_sample, timeline
+from megatron.bridge_thd.cost.step_time import SampleWork, sample_work
 from megatron.bridge_thd.batching.time_placement import RowPricer, _Prices, place_by_time, works_from_sizes
 
 LIMIT = 16384
@@ -145,31 +145,31 @@ def test_works_from_sizes():
 
 
 def test_the_placer_is_chosen_once_from_the_setting():
-    from megatron.bridge_thd.batching.cp_rows import StepPlacer
-    from megatron.bridge_thd.settings import DynamicCP
+    from megatron.bridge_thd.batching.cp_per_sample_loader import StepPlacer
+    from megatron.bridge_thd.settings import CPPerSample
 
-    megatron = StepPlacer.of(DynamicCP(64), world=4)
+    megatron = StepPlacer.of(CPPerSample(64), world=4)
     assert megatron.pricer is None and megatron([166, 88, 95, 23]).placed_by == "megatron"
-    timed = StepPlacer.of(DynamicCP(64, placement="time", gpu="h100-sxm"), world=4, cost_model="qwen3-vl-2b")
+    timed = StepPlacer.of(CPPerSample(64, placement="time", gpu="h100-sxm"), world=4, cost_model="qwen3-vl-2b")
     placement = timed([166, 88, 95, 23], [0, 0, 0, 0], [0.0] * 4)
     assert placement.placed_by == "time" and placement.step_s > 0
 
 
 def test_the_setting_is_validated():
-    from megatron.bridge_thd.settings import DynamicCP, GlobalBatchPacking, PackingSettings
+    from megatron.bridge_thd.settings import CPPerSample, GlobalBatchPacking, PackingSettings
 
-    assert DynamicCP(64).problems() == []
-    assert "dynamic_cp.placement: 'fast'" in DynamicCP(64, placement="fast").problems()[0]
-    assert "dynamic_cp.gpu: placement 'time'" in DynamicCP(64, placement="time").problems()[0]
-    assert "has no time model" in DynamicCP(64, placement="time", gpu="tpu").problems()[0]
-    assert "does not read them" in DynamicCP(64, gpu="h100-sxm").problems()[0]
-    with pytest.raises(ValueError, match="dynamic_cp.model: placement 'time'"):
-        PackingSettings(dynamic_cp=DynamicCP(64, placement="time", gpu="h100-sxm"),
+    assert CPPerSample(64).problems() == []
+    assert "cp_per_sample.placement: 'fast'" in CPPerSample(64, placement="fast").problems()[0]
+    assert "cp_per_sample.gpu: placement 'time'" in CPPerSample(64, placement="time").problems()[0]
+    assert "has no time model" in CPPerSample(64, placement="time", gpu="tpu").problems()[0]
+    assert "does not read them" in CPPerSample(64, gpu="h100-sxm").problems()[0]
+    with pytest.raises(ValueError, match="cp_per_sample.model: placement 'time'"):
+        PackingSettings(cp_per_sample=CPPerSample(64, placement="time", gpu="h100-sxm"),
                         global_batch_packing=GlobalBatchPacking())
-    PackingSettings(dynamic_cp=DynamicCP(64, placement="time", gpu="h100-sxm"),
+    PackingSettings(cp_per_sample=CPPerSample(64, placement="time", gpu="h100-sxm"),
                     global_batch_packing=GlobalBatchPacking(cost_model="qwen3-vl-8b"))
-    assert DynamicCP(64, placement="time", gpu="h100-sxm", model="no-such-model").resource_problems()[0].startswith(
-        "dynamic_cp.model:")
+    assert CPPerSample(64, placement="time", gpu="h100-sxm", model="no-such-model").resource_problems()[0].startswith(
+        "cp_per_sample.model:")
 
 
 def test_the_rules_take_the_cost_model_as_the_time_placements_model():
@@ -177,13 +177,13 @@ def test_the_rules_take_the_cost_model_as_the_time_placements_model():
     as the time model's model by placement 'time'."""
     from megatron.bridge_thd import rules
     from megatron.bridge_thd.rules import CONFIGURE, Setup
-    from megatron.bridge_thd.settings import DynamicCP, GlobalBatchPacking, PackingSettings
+    from megatron.bridge_thd.settings import CPPerSample, GlobalBatchPacking, PackingSettings
 
-    def found(dynamic_cp):
-        settings = PackingSettings(dynamic_cp=dynamic_cp, global_batch_packing=GlobalBatchPacking(cost_model="qwen3-vl-8b"))
+    def found(cp_per_sample):
+        settings = PackingSettings(cp_per_sample=cp_per_sample, global_batch_packing=GlobalBatchPacking(cost_model="qwen3-vl-8b"))
         return rules.problems(Setup(layout="thd", settings=settings, seq_lengths=(8192, 8192), dataloader_type="single"),
                               CONFIGURE)
 
-    refused = found(DynamicCP(256))
+    refused = found(CPPerSample(256))
     assert len(refused) == 1 and "global_batch_packing.cost_model='qwen3-vl-8b'" in refused[0]
-    assert found(DynamicCP(256, placement="time", gpu="h100-sxm")) == []
+    assert found(CPPerSample(256, placement="time", gpu="h100-sxm")) == []

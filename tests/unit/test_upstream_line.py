@@ -16,8 +16,8 @@ import re
 
 import pytest
 
-from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
-from megatron.bridge_thd.upstream_line import UpstreamLine, takes_parameter, upstream_line
+from megatron.bridge_thd.upstream.loading import load_bridge_module, load_flop_utils
+from megatron.bridge_thd.upstream.line import UpstreamLine, takes_parameter, upstream_line
 
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "megatron"
 

@@ -45,7 +45,7 @@ from megatron.bridge_thd.rules import (  # noqa: F401 - the predicates users imp
 from megatron.bridge_thd.settings import (
     HAND_SET_ATTRIBUTES,
     SETTINGS_ATTRIBUTE,
-    DynamicCP, GlobalBatchPacking,
+    CPPerSample, GlobalBatchPacking,
     PackingSettings,
     field_names,
     hand_set_values,
@@ -103,7 +103,7 @@ FLAG_RULES: tuple[FlagRule, ...] = (
              "`False` with global-batch packing"),
     FlagRule("a CP size per sample (Megatron-Core's hybrid context parallelism)",
              "`model.hybrid_context_parallel`, `model.max_seqlen_per_dp_cp_rank`, `model.vision_dp_when_cp`", "same",
-             "`True`, `dynamic_cp.max_tokens_per_rank`, `True` with `dynamic_cp` (global-batch packing is on with it)"),
+             "`True`, `cp_per_sample.max_tokens_per_rank`, `True` with `cp_per_sample` (global-batch packing is on with it)"),
 )
 FLAG_RULES_NOTE = (
     "`*` not a field of Megatron-Bridge's dataset config dataclasses: set as a plain attribute, so it is lost "
@@ -154,7 +154,7 @@ def is_explicit(obj: Any, name: str) -> bool:
 
 def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None, force: bool = False,
               global_batch_packing: Any = None, overlong_samples: str | None = None,
-              length_fallback: str | None = None, dynamic_cp: Any = None, packing_log: bool | None = None,
+              length_fallback: str | None = None, cp_per_sample: Any = None, packing_log: bool | None = None,
               run_log: str | None = None) -> Any:
     """Set ``cfg``'s packing flags for ``megatron.bridge_thd.qwen3_vl_step.forward_step``.
 
@@ -178,7 +178,7 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
             collate measures every row before its cut.
         length_fallback: ``"pad_token"``: a batch without an attention mask has right-padded lengths read from the
             pad id (docs/megatron-bridge-step.md); None keeps what the dataset holds (unset: such a batch is refused).
-        dynamic_cp: a CP size per sample (docs/dynamic-cp.md): a :class:`megatron.bridge_thd.settings.DynamicCP`
+        cp_per_sample: a CP size per sample (docs/cp-per-sample.md): a :class:`megatron.bridge_thd.settings.CPPerSample`
             or its ``max_tokens_per_rank`` as an int; Megatron-Core's hybrid context parallelism places and runs each
             step (``model.hybrid_context_parallel`` and its settings are set), on loaders global-batch packing builds
             (its default is set when ``global_batch_packing`` is not); ``False``: off; ``None``: keep what the dataset
@@ -207,14 +207,14 @@ def configure(cfg: Any, layout: str = "thd", *, cuda_graphs: bool | None = None,
     """
     _check_arguments(layout, cuda_graphs, force)
     sections = _sections(cfg)
-    record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples, length_fallback, dynamic_cp,
+    record = _settings(sections.dataset, layout, global_batch_packing, overlong_samples, length_fallback, cp_per_sample,
                        packing_log=packing_log, run_log=run_log)
     setup = read_setup(cfg, layout, cuda_graphs, settings=record)
 
     problems = configure_problems(setup) + _record_problems(sections.dataset) + (
         record.global_batch_packing.resource_problems() if record.global_batch_packing is not None else []) + (
-        record.dynamic_cp.resource_problems(record.global_batch_packing.cost_model)
-        if record.dynamic_cp is not None and record.global_batch_packing is not None else [])
+        record.cp_per_sample.resource_problems(record.global_batch_packing.cost_model)
+        if record.cp_per_sample is not None and record.global_batch_packing is not None else [])
     changes, notes = _plan_changes(setup, sections, record)
     overrides = _explicit_overrides(changes) + _settings_overrides(sections.dataset, record)
     if not force:
@@ -249,7 +249,7 @@ def _sections(cfg: Any) -> _Sections:
 
 
 def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_samples: str | None,
-              length_fallback: str | None, dynamic_cp: Any = None, *, packing_log: bool | None = None,
+              length_fallback: str | None, cp_per_sample: Any = None, *, packing_log: bool | None = None,
               run_log: str | None = None) -> PackingSettings:
     """The record ``configure`` stores, validated when made: ``layout`` and each argument given; a field not given
     keeps the stored record's value, else a hand-set attribute's (docs/settings.md), else the default. A hand-set
@@ -269,11 +269,11 @@ def _settings(dataset: Any, layout: str, global_batch_packing: Any, overlong_sam
     if global_batch_packing is not None:
         given["global_batch_packing"] = GlobalBatchPacking() if global_batch_packing is True else (
             global_batch_packing or None)
-    if dynamic_cp is not None:
-        given["dynamic_cp"] = DynamicCP(dynamic_cp) if isinstance(dynamic_cp, int) and not isinstance(
-            dynamic_cp, bool) else (dynamic_cp or None)
+    if cp_per_sample is not None:
+        given["cp_per_sample"] = CPPerSample(cp_per_sample) if isinstance(cp_per_sample, int) and not isinstance(
+            cp_per_sample, bool) else (cp_per_sample or None)
     merged = {**hand_set, **held, **given}
-    if merged.get("dynamic_cp") is not None and merged.get("global_batch_packing") is None:
+    if merged.get("cp_per_sample") is not None and merged.get("global_batch_packing") is None:
         merged["global_batch_packing"] = GlobalBatchPacking()  # the scan the placement reads its lengths from
     try:
         return PackingSettings(**merged)
@@ -330,7 +330,7 @@ def _wrap_loader_builder() -> None:
     collate measures every row before its cut and applies the over-long policy, and global-batch packing places the
     steps. Done for Megatron-Bridge's own config (and whenever global-batch packing is on), whose loaders it builds."""
     from megatron.bridge_thd.batching.bridge import loader_patch
-    from megatron.bridge_thd.patches import apply_permanently
+    from megatron.bridge_thd.upstream.patches import apply_permanently
 
     apply_permanently(loader_patch())
 
@@ -339,7 +339,7 @@ def _wrap_pretrain() -> None:
     """Megatron-Bridge's ``_pretrain`` wrapped once per process (``packing_log.pretrain_patch``): a run whose settings
     and loggers ask for the packing figures gets their callback."""
     from megatron.bridge_thd.packing_log import pretrain_patch
-    from megatron.bridge_thd.patches import apply_permanently
+    from megatron.bridge_thd.upstream.patches import apply_permanently
 
     apply_permanently(pretrain_patch())
 
@@ -347,8 +347,8 @@ def _wrap_pretrain() -> None:
 def _pin_visual_inputs(notes: list[str]) -> None:
     """Let Megatron-Bridge's loader pin the visual inputs in its pin thread (``pinning.visual_inputs_pin_patch``),
     or say why it cannot."""
-    from megatron.bridge_thd.patches import apply_permanently
-    from megatron.bridge_thd.pinning import visual_inputs_pin_patch
+    from megatron.bridge_thd.upstream.patches import apply_permanently
+    from megatron.bridge_thd.upstream.pinning import visual_inputs_pin_patch
 
     try:
         apply_permanently(visual_inputs_pin_patch())
@@ -423,7 +423,7 @@ def _plan_changes(s: Setup, sections: _Sections, record: PackingSettings) -> tup
     changes = [*_dataset_changes(s, sections.dataset), *_settings_changes(sections.dataset, record),
                *_pipeline_changes(s, sections.model, notes), *_dense_dispatcher_changes(s, sections.model),
                *_hybridep_changes(s, sections.model, notes), *_global_batch_changes(s, sections),
-               *_dynamic_cp_changes(record, sections.model)]
+               *_cp_per_sample_changes(record, sections.model)]
     return changes, notes
 
 
@@ -521,9 +521,9 @@ def _global_batch_changes(s: Setup, sections: _Sections) -> list[_Change]:
     """Per-token loss normalisation, which makes the gradient independent of the placement."""
     if s.global_batch is None:
         return []
-    dynamic_cp = s.settings.dynamic_cp is not None
-    turn_off = ", or turn dynamic_cp off" if dynamic_cp else ", or turn global-batch packing off"
-    why = ("dynamic_cp places each step with global-batch packing, " if dynamic_cp else "") + (
+    cp_per_sample = s.settings.cp_per_sample is not None
+    turn_off = ", or turn cp_per_sample off" if cp_per_sample else ", or turn global-batch packing off"
+    why = ("cp_per_sample places each step with global-batch packing, " if cp_per_sample else "") + (
            "global-batch packing gives micro-batches and DP ranks different token counts; Megatron-Core divides "
            "each micro-batch's loss by its own tokens and the number of micro-batches unless "
            "calculate_per_token_loss is set (pipeline_parallel/schedules.py forward_step), which would weigh a "
@@ -533,26 +533,26 @@ def _global_batch_changes(s: Setup, sections: _Sections) -> list[_Change]:
     if sections.ddp is not None and hasattr(sections.ddp, "average_in_collective"):
         changes.append(_Change(
             sections.ddp, "ddp", "average_in_collective", False,
-            why=("dynamic_cp needs per-token loss, and " if dynamic_cp else "")
+            why=("cp_per_sample needs per-token loss, and " if cp_per_sample else "")
             + "Megatron-Core's DistributedDataParallel refuses average_in_collective with calculate_per_token_loss "
               "(distributed/distributed_data_parallel.py)",
             alternative=turn_off))
     return changes
 
 
-def _dynamic_cp_changes(record: PackingSettings, model: Any) -> list[_Change]:
+def _cp_per_sample_changes(record: PackingSettings, model: Any) -> list[_Change]:
     """A CP size per sample: Megatron-Core's hybrid context parallelism on, its per-rank limit, and the vision tower's
-    frames split over a row's ranks rather than repeated on each (docs/dynamic-cp.md)."""
-    if record.dynamic_cp is None:
+    frames split over a row's ranks rather than repeated on each (docs/cp-per-sample.md)."""
+    if record.cp_per_sample is None:
         return []
-    limit = record.dynamic_cp.max_tokens_per_rank
-    why = ("dynamic_cp runs each step through Megatron-Core's hybrid-CP schedule, which Megatron-Bridge's "
+    limit = record.cp_per_sample.max_tokens_per_rank
+    why = ("cp_per_sample runs each step through Megatron-Core's hybrid-CP schedule, which Megatron-Bridge's "
            "initialize builds the hybrid groups for from this flag")
     changes = [
-        _Change(model, "model", "hybrid_context_parallel", True, why=why, alternative=", or turn dynamic_cp off"),
+        _Change(model, "model", "hybrid_context_parallel", True, why=why, alternative=", or turn cp_per_sample off"),
         _Change(model, "model", "max_seqlen_per_dp_cp_rank", limit,
-                why=f"dynamic_cp places samples at {limit} tokens per rank, the limit this setting names",
-                alternative=f", or call configure with dynamic_cp={getattr(model, 'max_seqlen_per_dp_cp_rank', None)!r}"),
+                why=f"cp_per_sample places samples at {limit} tokens per rank, the limit this setting names",
+                alternative=f", or call configure with cp_per_sample={getattr(model, 'max_seqlen_per_dp_cp_rank', None)!r}"),
     ]
     if hasattr(model, "vision_dp_when_cp"):
         changes.append(_Change(model, "model", "vision_dp_when_cp", True, required=False,
@@ -627,7 +627,7 @@ def _hybridep_changes(s: Setup, model: Any, notes: list[str]) -> list[_Change]:
 
 def _bridge_hybridep_padding() -> str:
     """Where the installed Megatron-Bridge turns HybridEP's padding on itself (``upstream_line``'s seam)."""
-    from megatron.bridge_thd.upstream_line import upstream_line
+    from megatron.bridge_thd.upstream.line import upstream_line
 
     try:
         from_validate = upstream_line().hybridep_dispatch_takes_uses_thd

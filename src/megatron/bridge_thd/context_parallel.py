@@ -19,7 +19,7 @@ import torch
 
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.lengths import seq_idx
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 __all__ = ["thd_partition_indices", "thd_local_positions", "thd_padding_chunks", "PaddingChunks", "cut_for_context_parallel"]
 

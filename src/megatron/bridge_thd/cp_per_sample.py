@@ -1,4 +1,4 @@
-"""A context-parallel group per row: Megatron-Core's hybrid context parallelism in the step (docs/dynamic-cp.md).
+"""A context-parallel group per row: Megatron-Core's hybrid context parallelism in the step (docs/cp-per-sample.md).
 
 Under ``hybrid_context_parallel`` Megatron-Core's schedule (``pipeline_parallel/hybrid_cp_schedule.py``) runs each
 row on an aligned block of DP x CP ranks and tells the step how many: it stores ``local_cp_size`` into the row's
@@ -6,7 +6,7 @@ batch dict before the step reads it. The row's group is Megatron-Core's own
 (``parallel_state.get_hybrid_data_context_parallel_groups(group_size=k)``; at ``k = 1`` the model's static CP group,
 of size 1). The step then
 
-* packs the row with the alignment of ``k`` ranks (:attr:`CPPerSample.alignments`),
+* packs the row with the alignment of ``k`` ranks (:attr:`CPPerSampleStep.alignments`),
 * hands attention the group the way Transformer Engine takes it: ``PackedSeqParams.cp_group`` and
   ``local_cp_size`` (``TEDotProductAttention.forward``), and
 * runs the model with the group bound where the built model keeps its CP group (:func:`bound_cp_group`): Megatron-
@@ -29,7 +29,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["LOCAL_CP_SIZE_KEY", "CP_SIZE_NAMES", "CPGroupHolders", "CPPerSample", "RowCP", "find_cp_group_holders",
+__all__ = ["LOCAL_CP_SIZE_KEY", "CP_SIZE_NAMES", "CPGroupHolders", "CPPerSampleStep", "RowCP", "find_cp_group_holders",
            "bound_cp_group", "row_cp_of", "bind_row_to_params"]
 
 # Where Megatron-Core's hybrid-CP schedule puts a row's CP size in its batch dict (``hybrid_cp_schedule.py``,
@@ -71,7 +71,7 @@ class CPGroupHolders:
 
 
 @dataclass(frozen=True)
-class CPPerSample:
+class CPPerSampleStep:
     """The step's plan for a CP size per row (Megatron-Core's ``hybrid_context_parallel``), decided once.
 
     Attributes:
@@ -237,7 +237,7 @@ def bound_cp_group(holders: CPGroupHolders, group: torch.distributed.ProcessGrou
                 setattr(holder, name, value)
 
 
-def row_cp_of(batch: dict, plan: CPPerSample) -> RowCP:
+def row_cp_of(batch: dict, plan: CPPerSampleStep) -> RowCP:
     """The row's CP size and group, from the ``local_cp_size`` Megatron-Core's hybrid-CP schedule put in ``batch``
     (removed from it: it is not a model input). One host read of a host tensor.
 

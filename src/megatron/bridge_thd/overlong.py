@@ -286,7 +286,7 @@ def measure_in_this_process() -> bool:
 
     if _COLLATE_MODULE not in sys.modules:
         return False
-    from megatron.bridge_thd.patches import apply_permanently
+    from megatron.bridge_thd.upstream.patches import apply_permanently
 
     apply_permanently(collate_patch())
     return True
@@ -294,7 +294,7 @@ def measure_in_this_process() -> bool:
 
 
 def collate_patch():
-    """The :class:`~megatron.bridge_thd.patches.Patch` of ``prepare_sequence_batch`` as Megatron-Bridge's Qwen-VL
+    """The :class:`~megatron.bridge_thd.upstream.patches.Patch` of ``prepare_sequence_batch`` as Megatron-Bridge's Qwen-VL
     collate module (``models/qwen_vl/data/collate_fn.py``, Qwen3-VL and Qwen3.5-VL) calls it; one per process."""
     global _COLLATE_PATCH
     if _COLLATE_PATCH is None:
@@ -302,7 +302,7 @@ def collate_patch():
 
         module = importlib.import_module(_COLLATE_MODULE)
 
-        from megatron.bridge_thd.patches import Patch
+        from megatron.bridge_thd.upstream.patches import Patch
 
         _COLLATE_PATCH = Patch(module, "prepare_sequence_batch", _measured(module.prepare_sequence_batch),
                                "measure each row before Megatron-Bridge's collate cuts it to seq_length, apply the "

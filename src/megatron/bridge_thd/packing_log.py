@@ -140,7 +140,7 @@ class PackingTotals:
 
 
 def figure_names() -> tuple[str, ...]:
-    """Every ``packing/*`` name the callback may write (``packing/cp_rows_<k>`` for each CP size ``k``)."""
+    """Every ``packing/*`` name the callback may write (``packing/cp_per_sample_rows_<k>`` for each CP size ``k``)."""
     return tuple(f"packing/{name}" for name in (
         "real_tokens_per_iteration", "supervised_tokens_per_iteration", "token_slots_per_iteration",
         "padded_slots_per_iteration", "padding_share", "attention_work_per_iteration",
@@ -148,7 +148,7 @@ def figure_names() -> tuple[str, ...]:
         "vision_patches_per_iteration", "real_tokens_per_second",
         "supervised_tokens_per_second", "token_slots_per_second", "real_tokens_per_second_per_gpu",
         "token_slots_per_second_per_gpu", "iteration_time", "rank_cost_max_over_mean",
-        "in_batch_rank_cost_max_over_mean")) + tuple(f"packing/cp_rows_{size}" for size in CP_SIZES)
+        "in_batch_rank_cost_max_over_mean")) + tuple(f"packing/cp_per_sample_rows_{size}" for size in CP_SIZES)
 
 
 def logger_configured(cfg: Any) -> bool:
@@ -225,7 +225,7 @@ def _scalars(rows: list[dict], seconds: float | None, world: int) -> dict:
     for size in CP_SIZES:
         counts = [row["cp_rows"].get(str(size), 0) for row in rows]
         if any(counts):
-            figures[f"packing/cp_rows_{size}"] = sum(counts) / n
+            figures[f"packing/cp_per_sample_rows_{size}"] = sum(counts) / n
     return figures
 
 
@@ -352,7 +352,7 @@ def _reduction_group(state):
 
     from megatron.bridge_thd.settings import settings_of
 
-    with_cp = settings_of(state.cfg.dataset).dynamic_cp is not None
+    with_cp = settings_of(state.cfg.dataset).cp_per_sample is not None
     return parallel_state.get_data_parallel_group(with_context_parallel=with_cp)
 
 
@@ -386,7 +386,7 @@ def pretrain_patch():
     """
     global _PRETRAIN_PATCH
     if _PRETRAIN_PATCH is None:
-        from megatron.bridge_thd.patches import Patch
+        from megatron.bridge_thd.upstream.patches import Patch
 
         try:
             from megatron.bridge.training import pretrain

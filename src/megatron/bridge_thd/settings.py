@@ -22,9 +22,9 @@ from typing import Any
 from megatron.bridge_thd.checks import is_int_at_least
 from megatron.bridge_thd.layouts import LAYOUT_NAMES
 
-__all__ = ["PackingSettings", "GlobalBatchPacking", "DynamicCP", "settings_of", "holds_settings", "hand_set_values", "field_names",
+__all__ = ["PackingSettings", "GlobalBatchPacking", "CPPerSample", "settings_of", "holds_settings", "hand_set_values", "field_names",
            "SETTINGS_ATTRIBUTE", "OVERLONG_POLICIES",
-           "LENGTH_FALLBACKS", "DEFAULT_ROW_BUCKETS", "DYNAMIC_CP_PLACEMENTS", "HAND_SET_ATTRIBUTES"]
+           "LENGTH_FALLBACKS", "DEFAULT_ROW_BUCKETS", "CP_PER_SAMPLE_PLACEMENTS", "HAND_SET_ATTRIBUTES"]
 
 # Where configure stores the record: an attribute of cfg.dataset.
 SETTINGS_ATTRIBUTE = "bridge_thd"
@@ -34,8 +34,8 @@ OVERLONG_POLICIES = ("truncate", "drop", "refuse")
 LENGTH_FALLBACKS = (None, "pad_token")
 # Rows a thd_static run under global-batch packing may use when row_buckets is left unset.
 DEFAULT_ROW_BUCKETS = 4
-# Who places a step under a CP size per sample (DynamicCP.placement); the first is the default.
-DYNAMIC_CP_PLACEMENTS = ("megatron", "time")
+# Who places a step under a CP size per sample (CPPerSample.placement); the first is the default.
+CP_PER_SAMPLE_PLACEMENTS = ("megatron", "time")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class GlobalBatchPacking:
             problems.append(f"global_batch_packing.lengths_file: {self.lengths_file!r} is not a file; write it with "
                             "bridge-thd scan (docs/scan.md), or unset it to scan the data when the loaders are built")
         if self.cost_model is not None:
-            from megatron.bridge_thd.batching.cost import sample_cost
+            from megatron.bridge_thd.cost.sample import sample_cost
 
             try:
                 sample_cost(self.cost_model)
@@ -107,8 +107,8 @@ class GlobalBatchPacking:
 
 
 @dataclass(frozen=True)
-class DynamicCP:
-    """A context-parallel size per sample (``PackingSettings.dynamic_cp``; docs/dynamic-cp.md): Megatron-Core's hybrid
+class CPPerSample:
+    """A context-parallel size per sample (``PackingSettings.cp_per_sample``; docs/cp-per-sample.md): Megatron-Core's hybrid
     context parallelism. Each step's samples are placed on aligned blocks of 1, 2, 4, ... DP x CP ranks, packed per
     block into THD rows, and run by Megatron-Core's hybrid-CP schedule.
 
@@ -134,25 +134,25 @@ class DynamicCP:
 
     def problems(self) -> list[str]:
         """What is wrong with the values themselves (naming the setting and what to set); empty when nothing is."""
-        from megatron.bridge_thd.batching.step_time import MACHINES
+        from megatron.bridge_thd.cost.step_time import MACHINES
 
         problems = []
         value = self.max_tokens_per_rank
         if not is_int_at_least(value, 2) or value % 2:
-            problems.append(f"dynamic_cp.max_tokens_per_rank: {value!r}; expected an even int >= 2 (the most tokens "
+            problems.append(f"cp_per_sample.max_tokens_per_rank: {value!r}; expected an even int >= 2 (the most tokens "
                             "of one sample a rank holds; every row is cut in 2 x CP chunks)")
-        if self.placement not in DYNAMIC_CP_PLACEMENTS:
-            problems.append(f"dynamic_cp.placement: {self.placement!r}; expected one of "
-                            f"{', '.join(map(repr, DYNAMIC_CP_PLACEMENTS))} (Megatron-Core's scheduler, or ours on the "
+        if self.placement not in CP_PER_SAMPLE_PLACEMENTS:
+            problems.append(f"cp_per_sample.placement: {self.placement!r}; expected one of "
+                            f"{', '.join(map(repr, CP_PER_SAMPLE_PLACEMENTS))} (Megatron-Core's scheduler, or ours on the "
                             "time model)")
         elif self.placement == "time" and self.gpu is None:
-            problems.append(f"dynamic_cp.gpu: placement 'time' prices each row on the run's GPU; set gpu to one of "
+            problems.append(f"cp_per_sample.gpu: placement 'time' prices each row on the run's GPU; set gpu to one of "
                             f"{', '.join(map(repr, MACHINES))}, or placement='megatron'")
         if self.gpu is not None and str(self.gpu).strip().lower() not in MACHINES:
-            problems.append(f"dynamic_cp.gpu: {self.gpu!r} has no time model; expected one of "
+            problems.append(f"cp_per_sample.gpu: {self.gpu!r} has no time model; expected one of "
                             f"{', '.join(map(repr, MACHINES))}")
         if self.placement == "megatron" and (self.gpu is not None or self.model is not None):
-            problems.append("dynamic_cp.model / dynamic_cp.gpu: set, but placement 'megatron' (Megatron-Core's "
+            problems.append("cp_per_sample.model / cp_per_sample.gpu: set, but placement 'megatron' (Megatron-Core's "
                             "scheduler) does not read them; set placement='time', or unset them")
         return problems
 
@@ -162,12 +162,12 @@ class DynamicCP:
         model = self.model if self.model is not None else cost_model
         if self.placement != "time" or model is None:
             return []
-        from megatron.bridge_thd.batching.step_time import model_shape
+        from megatron.bridge_thd.cost.step_time import model_shape
 
         try:
             model_shape(model)
         except (ValueError, OSError) as error:
-            return [f"dynamic_cp.model: {error}"]
+            return [f"cp_per_sample.model: {error}"]
         return []
 
 
@@ -186,7 +186,7 @@ class PackingSettings:
             None: Megatron-Bridge's own placement.
         length_fallback: ``"pad_token"``: a batch without an attention mask has right-padded lengths read from the
             pad id; None: such a batch is refused (docs/lengths.md).
-        dynamic_cp: a CP size per sample (:class:`DynamicCP`, docs/dynamic-cp.md), placed from the lengths global-batch
+        cp_per_sample: a CP size per sample (:class:`CPPerSample`, docs/cp-per-sample.md), placed from the lengths global-batch
             packing scans (so it needs ``global_batch_packing``, whose scan settings it uses); None: one CP size.
         packing_log: write the ``packing/*`` figures (real tokens, token slots, padding share, ...) to the loggers
             the run configured (TensorBoard, W&B, MLflow, Comet) at ``logger.log_interval`` (docs/packing-logs.md);
@@ -199,7 +199,7 @@ class PackingSettings:
     overlong_samples: str = OVERLONG_POLICIES[0]
     global_batch_packing: GlobalBatchPacking | None = None
     length_fallback: str | None = None
-    dynamic_cp: DynamicCP | None = None
+    cp_per_sample: CPPerSample | None = None
     packing_log: bool = True
     run_log: str | None = None
 
@@ -219,18 +219,18 @@ class PackingSettings:
                             "argument also takes True)")
         elif batching is not None:
             problems += batching.problems()
-        if self.dynamic_cp is not None and not isinstance(self.dynamic_cp, DynamicCP):
-            problems.append(f"dynamic_cp: {self.dynamic_cp!r}; expected None or a DynamicCP (configure's argument also "
+        if self.cp_per_sample is not None and not isinstance(self.cp_per_sample, CPPerSample):
+            problems.append(f"cp_per_sample: {self.cp_per_sample!r}; expected None or a CPPerSample (configure's argument also "
                             "takes the tokens per rank as an int)")
-        elif self.dynamic_cp is not None:
-            problems += self.dynamic_cp.problems()
+        elif self.cp_per_sample is not None:
+            problems += self.cp_per_sample.problems()
             if batching is None:
-                problems.append("dynamic_cp: places each step from its samples' lengths, which global-batch packing "
+                problems.append("cp_per_sample: places each step from its samples' lengths, which global-batch packing "
                                 "scans; set global_batch_packing too (configure sets its default)")
-            elif (self.dynamic_cp.placement == "time" and self.dynamic_cp.model is None
+            elif (self.cp_per_sample.placement == "time" and self.cp_per_sample.model is None
                   and batching.cost_model is None):
-                problems.append("dynamic_cp.model: placement 'time' prices each row with the run's model; set "
-                                "dynamic_cp.model or global_batch_packing.cost_model (a preset name such as "
+                problems.append("cp_per_sample.model: placement 'time' prices each row with the run's model; set "
+                                "cp_per_sample.model or global_batch_packing.cost_model (a preset name such as "
                                 "'qwen3-vl-8b', a config.json path or a ModelSpec), or placement='megatron'")
         if problems:
             raise ValueError("dataset.bridge_thd (megatron.bridge_thd's settings):\n- " + "\n- ".join(problems))

@@ -297,8 +297,8 @@ def _trainer_flops(model, state, batch_size: int) -> float | None:
         return None
     from types import SimpleNamespace
 
-    from megatron.bridge_thd.upstream import load_flop_utils
-    from megatron.bridge_thd.upstream_line import trainer_flops
+    from megatron.bridge_thd.upstream.loading import load_flop_utils
+    from megatron.bridge_thd.upstream.line import trainer_flops
 
     return trainer_flops(load_flop_utils(), SimpleNamespace(model=config, peft=None), state, batch_size=batch_size,
                          data_parallel_size=1, dp_group=torch.distributed.group.WORLD)

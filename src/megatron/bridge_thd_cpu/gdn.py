@@ -29,7 +29,7 @@ def megatron_torch_rule():
     the module the installed Megatron-Core defines it in (``upstream_line().gdn_torch_rule_module``)."""
     import importlib
 
-    from megatron.bridge_thd.upstream_line import upstream_line
+    from megatron.bridge_thd.upstream.line import upstream_line
 
     module = upstream_line().gdn_torch_rule_module
     if module is None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.bridge_thd_cpu.stack import QWEN3_VL_MODEL_MODULE, cpu_stack
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 __all__ = ["tiny_qwen3_vl_config", "tiny_language_settings", "tiny_vision_config", "language_layer_spec", "build_qwen3_vl"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 __all__ = ["RMSNorm", "tiny_qwen35_vl_config", "hybrid_block_spec", "build_qwen35_vl", "gdn_layers"]
 

@@ -1,8 +1,8 @@
 """The scoped patches that let Megatron-Bridge's real models run on a machine without CUDA,
-Transformer Engine or flash-linear-attention, as :class:`~megatron.bridge_thd.patches.Patch` records.
+Transformer Engine or flash-linear-attention, as :class:`~megatron.bridge_thd.upstream.patches.Patch` records.
 
 :func:`cpu_patches` lists what this machine needs (each record says why); :func:`cpu_stack`
-applies them with :func:`megatron.bridge_thd.patches.applied` for a ``with`` block and restores
+applies them with :func:`megatron.bridge_thd.upstream.patches.applied` for a ``with`` block and restores
 each name on exit (re-entrant: an inner block is a no-op). Nothing is applied at import. The list
 and the reasoning: docs/patches.md.
 """
@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import torch
 
 from megatron.bridge_thd.context_parallel import thd_partition_indices
-from megatron.bridge_thd.patches import Patch, applied
-from megatron.bridge_thd.upstream import load_bridge_module
-from megatron.bridge_thd.upstream_line import upstream_line
+from megatron.bridge_thd.upstream.patches import Patch, applied
+from megatron.bridge_thd.upstream.loading import load_bridge_module
+from megatron.bridge_thd.upstream.line import upstream_line
 
 __all__ = ["cpu_stack", "cpu_patches", "local_vit_layer_spec", "QWEN3_VL_MODEL_MODULE"]
 

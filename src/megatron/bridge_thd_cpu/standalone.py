@@ -125,7 +125,7 @@ def minimal_state(
     )
     train_state = SimpleNamespace()
     if static_rows:
-        from megatron.bridge_thd.step_plan import ROWS_ATTRIBUTE, GlobalBatchRows
+        from megatron.bridge_thd.step.plan import ROWS_ATTRIBUTE, GlobalBatchRows
 
         setattr(train_state, ROWS_ATTRIBUTE, GlobalBatchRows(tuple(static_rows)))
     return SimpleNamespace(cfg=cfg, tokenizer=tokenizer, timers=None, bridge_thd_stats=[], train_state=train_state)

@@ -191,7 +191,7 @@ def step_call_paths(layouts=STEP_PATH_LAYOUTS, *, batch_on_host: bool = True, se
     import logging
 
     from megatron.bridge_thd.qwen3_vl_step import forward_step
-    from megatron.bridge_thd.upstream import load_flop_utils
+    from megatron.bridge_thd.upstream.loading import load_flop_utils
     from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
     from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
     from megatron.bridge_thd_cpu.stack import cpu_stack

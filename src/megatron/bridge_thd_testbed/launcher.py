@@ -30,7 +30,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from megatron.bridge_thd.patches import Patch, applied
+from megatron.bridge_thd.upstream.patches import Patch, applied
 from megatron.bridge_thd_cpu.standalone import free_port
 
 __all__ = ["run_on_gloo", "without_modelopt"]

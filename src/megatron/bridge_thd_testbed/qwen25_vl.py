@@ -11,7 +11,7 @@ Megatron-Core's ``MultimodalRotaryEmbedding`` needs here too):
    does ``from omegaconf import OmegaConf`` at module level (used only to load / save Hugging
    Face configs, never to build or run). Only when ``omegaconf`` is absent and only for the
    duration of that import, :func:`qwen25_vl_import_patches` makes it a placeholder module
-   (a :class:`~megatron.bridge_thd.patches.Patch` applied with ``patches.applied``).
+   (a :class:`~megatron.bridge_thd.upstream.patches.Patch` applied with ``patches.applied``).
    No Transformer Engine name is bound at import by the Qwen2.5-VL modules.
 2. Build: ``GPTModelProvider.transformer_layer_spec`` defaults to the Transformer Engine spec
    (``default_layer_spec`` -> ``get_gpt_layer_with_transformer_engine_spec``). It is a config
@@ -32,8 +32,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from megatron.bridge_thd.patches import Patch, applied
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.upstream.patches import Patch, applied
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -67,7 +67,7 @@ class _OmegaConfPlaceholder:
 
 def qwen25_vl_import_patches() -> list[Patch]:
     """The patches importing Megatron-Bridge's Qwen2.5-VL provider needs on a machine without
-    the full Megatron-Bridge dependency set, for :func:`megatron.bridge_thd.patches.applied`.
+    the full Megatron-Bridge dependency set, for :func:`megatron.bridge_thd.upstream.patches.applied`.
 
     Only when ``omegaconf`` cannot be found: ``sys.modules["omegaconf"]`` is a placeholder whose
     ``OmegaConf`` raises when called (restored when the block ends). Otherwise none. Nothing else:

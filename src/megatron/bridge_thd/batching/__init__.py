@@ -14,7 +14,7 @@ A policy only places the samples Megatron-Bridge's sampler drew for a step; the 
 and the layout contract keep seeing one micro-batch at a time and never import this package.
 """
 
-from megatron.bridge_thd.batching.cost import SampleCost, image_patches, sample_cost
+from megatron.bridge_thd.cost.sample import SampleCost, image_patches, sample_cost
 from megatron.bridge_thd.batching.policy import Assignment, PlacementStats, assign, in_batch_assignment, placement_stats
 
 __all__ = ["SampleCost", "sample_cost", "image_patches", "Assignment", "assign", "in_batch_assignment",

@@ -11,7 +11,7 @@ steps and their samples are the ones its sampler draws; only their placement cha
 
 ``configure(cfg, layout, global_batch_packing=GlobalBatchPacking(...))`` stores the setting as
 the settings' ``global_batch_packing`` and applies :func:`loader_patch` once for the process (a
-:class:`megatron.bridge_thd.patches.Patch` of ``loaders.build_train_valid_test_data_loaders``, a
+:class:`megatron.bridge_thd.upstream.patches.Patch` of ``loaders.build_train_valid_test_data_loaders``, a
 no-op for a config without the setting).
 """
 
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.bridge_thd.packing import round_up
-from megatron.bridge_thd.patches import Patch
+from megatron.bridge_thd.upstream.patches import Patch
 from megatron.bridge_thd.settings import GlobalBatchPacking, holds_settings, settings_of
 
-__all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "cp_rows_loader", "plan_loader", "run_row_length",
+__all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "cp_per_sample_loader", "plan_loader", "run_row_length",
            "run_row_buckets", "run_static_rows", "check_overlong", "measure_overlong_samples", "with_sample_indices",
            "shared_sizes", "check_ranks_agree", "LoaderPlan"]
 
@@ -287,13 +287,13 @@ def run_row_length(plans: list[LoaderPlan], *, settings: GlobalBatchPacking, ali
 
 
 def run_static_rows(plans: list[LoaderPlan], *, row_lengths, align: int, seq_length: int) -> tuple:
-    """``thd_static``'s :class:`~megatron.bridge_thd.step_plan.StaticRow` for each of the run's ``row_lengths``
+    """``thd_static``'s :class:`~megatron.bridge_thd.step.plan.StaticRow` for each of the run's ``row_lengths``
     (ascending): that many slots; as many segments as the most samples such a row can hold (the run's shortest
     drawn samples, aligned, until the row is full; at most a whole step), plus the tail; ``max_seqlen``
     ``round_up(seq_length, align)`` (a sample is at most ``seq_length`` long once collated), at most the row."""
     import torch
 
-    from megatron.bridge_thd.step_plan import StaticRow
+    from megatron.bridge_thd.step.plan import StaticRow
 
     drawn = [plan.sizes.take(plan.draws.reshape(-1).unique())[0] for plan in plans if len(plan.draws)]
     slots = round_up(torch.cat(drawn), align).clamp(min=1).sort().values if drawn else torch.ones(1, dtype=torch.int64)
@@ -367,25 +367,25 @@ def _rebuilt(loader, dataset, batch_sampler, collate_fn):
                       multiprocessing_context=loader.multiprocessing_context, timeout=loader.timeout, **extra)
 
 
-def cp_rows_loader(plan: LoaderPlan, *, dynamic_cp, global_batch_size: int, cost_model=None, tp: int = 1,
+def cp_per_sample_loader(plan: LoaderPlan, *, cp_per_sample, global_batch_size: int, cost_model=None, tp: int = 1,
                    ep: int = 1, log: bool = True):
     """Megatron-Bridge's loader rebuilt for a CP size per sample (:mod:`.cp_rows`): one item per step, this rank's
-    rows of the step's placement (``dynamic_cp``, a :class:`~megatron.bridge_thd.settings.DynamicCP`: Megatron-Core's
+    rows of the step's placement (``cp_per_sample``, a :class:`~megatron.bridge_thd.settings.CPPerSample`: Megatron-Core's
     scheduler or ours on the time model, for ``cost_model`` / ``tp`` / ``ep``, chosen once here), each collated whole
     by the loader's collate (same dataset, workers, pinned memory, prefetch). A drawn sample longer than the whole DP
     x CP world holds is refused here, before training. Its log numbers the steps as the trainer does, from the
     sampler's resume point (``global_batch_size``: the loader's samples per step)."""
-    from megatron.bridge_thd.batching.cp_rows import CPRowSampler, RowCollate, RowDataset, StepPlacer
-    from megatron.bridge_thd.batching.dynamic_cp import check_fits_the_world
+    from megatron.bridge_thd.batching.cp_per_sample_loader import CPRowSampler, RowCollate, RowDataset, StepPlacer
+    from megatron.bridge_thd.batching.cp_per_sample import check_fits_the_world
     from megatron.bridge_thd.batching.sampler import cycles, rank_samplers
 
-    max_tokens_per_rank = dynamic_cp.max_tokens_per_rank
-    placer = StepPlacer.of(dynamic_cp, world=plan.dp_size, cost_model=cost_model, tp=tp, ep=ep)
+    max_tokens_per_rank = cp_per_sample.max_tokens_per_rank
+    placer = StepPlacer.of(cp_per_sample, world=plan.dp_size, cost_model=cost_model, tp=tp, ep=ep)
     loader, inner = plan.loader, plan.sampler
     if len(plan.draws):
         drawn = plan.draws.reshape(-1).unique()
         check_fits_the_world(plan.sizes.take(drawn)[0].tolist(), world=plan.dp_size,
-                             max_tokens_per_rank=max_tokens_per_rank, setting="dynamic_cp.max_tokens_per_rank",
+                             max_tokens_per_rank=max_tokens_per_rank, setting="cp_per_sample.max_tokens_per_rank",
                              names=[f"dataset sample {i} of the {plan.label} loader" for i in drawn.tolist()])
     sampler = CPRowSampler(rank_samplers(inner, plan.dp_size), rank=plan.dp_rank, num_micro_batches=plan.num_micro_batches,
                            sizes=plan.sizes, placer=placer, cycle=cycles(inner),
@@ -459,7 +459,7 @@ def _wrap(original):
 
         from megatron.bridge_thd.rules import LOADERS, read_setup, refuse
 
-        from megatron.bridge_thd.batching.cost import sample_cost
+        from megatron.bridge_thd.cost.sample import sample_cost
 
         dp_group = kwargs.get("dp_group", args[1] if len(args) > 1 else None)
         eval_group = kwargs.get("eval_dp_group") or dp_group
@@ -484,10 +484,10 @@ def _wrap(original):
                                      steps=steps[label]))
         if not plans:
             return loaders
-        if run_settings.dynamic_cp is not None:
+        if run_settings.cp_per_sample is not None:
             tp = getattr(cfg.model, "tensor_model_parallel_size", 1) or 1
             ep = getattr(cfg.model, "expert_model_parallel_size", 1) or 1
-            built = {plan.label: cp_rows_loader(plan, dynamic_cp=run_settings.dynamic_cp,
+            built = {plan.label: cp_per_sample_loader(plan, cp_per_sample=run_settings.cp_per_sample,
                                                 global_batch_size=groups[plan.label][1], cost_model=settings.cost_model,
                                                 tp=tp, ep=ep, log=settings.log)
                      for plan in plans}
@@ -499,7 +499,7 @@ def _wrap(original):
         row = run_row_length(plans, settings=settings, align=align, capacity=capacity, cost=cost, static=static)
         row_lengths = None
         if static:
-            from megatron.bridge_thd.step_plan import ROWS_ATTRIBUTE, GlobalBatchRows
+            from megatron.bridge_thd.step.plan import ROWS_ATTRIBUTE, GlobalBatchRows
 
             from megatron.bridge_thd.rules import row_buckets
 

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from megatron.bridge_thd.batching.cost import SampleCost
+from megatron.bridge_thd.cost.sample import SampleCost
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.layouts import row_bucket
 from megatron.bridge_thd.packing import ceil_div, round_up

@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron.bridge_thd.batching.cost import SampleCost
+from megatron.bridge_thd.cost.sample import SampleCost
 from megatron.bridge_thd.batching.policy import (DoesNotFit, aligned_lengths, assign, in_batch_assignment,
                                                  placement_stats, sample_costs)
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero

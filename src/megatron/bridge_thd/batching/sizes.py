@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.bridge_thd.batching.cost import image_patches
+from megatron.bridge_thd.cost.sample import image_patches
 from megatron.bridge_thd.overlong import (LENGTHS_KEY, SUPERVISED, SUPERVISED_KEPT, TOKENS, VISION_CUT,
                                           supervision_emptied)
 

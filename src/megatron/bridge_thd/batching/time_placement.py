@@ -1,7 +1,7 @@
-"""CP per sample placed by the time model (docs/dynamic-cp.md, "Placement").
+"""CP per sample placed by the time model (docs/cp-per-sample.md, "Placement").
 
 Megatron-Core's ``BalancedCPScheduler`` places by ``s^2 / k`` and runs its groups behind barriers. This placement
-prices every row with :func:`megatron.bridge_thd.batching.step_time.row_time` (GEMMs with the weight-read floor,
+prices every row with :func:`megatron.bridge_thd.cost.step_time.row_time` (GEMMs with the weight-read floor,
 attention by chunk length, the ViT per frame, the CP ring's exposed steps, fixed costs) and minimises the step's
 time as that model prices it:
 
@@ -17,7 +17,7 @@ time as that model prices it:
    are paid once per row).
 3. **Every rank a row** (:func:`_cover_idle_ranks`): a rank left without a row (Megatron-Core's schedule needs one
    on every rank) is covered by widening the nearest row to the aligned block that holds both.
-4. **The best candidate** by the simulated step (:func:`~megatron.bridge_thd.batching.dynamic_cp.timeline`: rows
+4. **The best candidate** by the simulated step (:func:`~megatron.bridge_thd.batching.cp_per_sample.timeline`: rows
    in one global order, each starting when all its ranks are free), then refined (:func:`_widen_the_critical_rows`):
    the longest sample on the busiest rank gets twice its CP size while that shortens the step.
 
@@ -32,11 +32,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from megatron.bridge_thd.batching import step_time
-from megatron.bridge_thd.batching.dynamic_cp import (
-    CPRow, DynamicCPPlacement, check_fits_the_world, row_alignment, timeline,
+from megatron.bridge_thd.cost import step_time
+from megatron.bridge_thd.batching.cp_per_sample import (
+    CPRow, CPPerSamplePlacement, check_fits_the_world, row_alignment, timeline,
 )
-from megatron.bridge_thd.batching.step_time import Machine, ModelShape, SampleWork, TimeParameters
+from megatron.bridge_thd.cost.step_time import Machine, ModelShape, SampleWork, TimeParameters
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.packing import round_up
 
@@ -53,9 +53,9 @@ class RowPricer:
     """A row's seconds on each of its ranks by the time model: the model's shape, the GPU and the parameters.
 
     Attributes:
-        shape: :func:`~megatron.bridge_thd.batching.step_time.model_shape` of the model.
-        machine: the GPU and its node (:func:`~megatron.bridge_thd.batching.step_time.get_machine`).
-        params: the time model's parameters (:data:`~megatron.bridge_thd.batching.step_time.FITTED` by default).
+        shape: :func:`~megatron.bridge_thd.cost.step_time.model_shape` of the model.
+        machine: the GPU and its node (:func:`~megatron.bridge_thd.cost.step_time.get_machine`).
+        params: the time model's parameters (:data:`~megatron.bridge_thd.cost.step_time.FITTED` by default).
         tp, ep: the run's tensor- and expert-parallel sizes (the DP x CP world is ``gpus / tp``).
     """
 
@@ -319,7 +319,7 @@ def _reason(placement_rows: Sequence[_Row], busy: Sequence[float], world: int, t
 
 
 def place_by_time(works: Sequence[SampleWork], *, world: int, max_tokens_per_rank: int, pricer: RowPricer,
-                  target: float = BALANCE_TARGET) -> DynamicCPPlacement:
+                  target: float = BALANCE_TARGET) -> CPPerSamplePlacement:
     """Place one step's samples on a DP x CP world of ``world`` ranks with a CP size per sample, by the time model.
 
     Args:
@@ -356,5 +356,5 @@ def place_by_time(works: Sequence[SampleWork], *, world: int, max_tokens_per_ran
         best = min(best or (math.inf,), _place(ks, prices, lengths, world, max_tokens_per_rank))
     best = _widen_the_critical_rows(best, prices, lengths, world, max_tokens_per_rank)
     step, busy, rows, cp_rows, _ = best
-    return DynamicCPPlacement(cp_rows, world, max_tokens_per_rank, placed_by="time", busy=tuple(busy), step_s=step,
+    return CPPerSamplePlacement(cp_rows, world, max_tokens_per_rank, placed_by="time", busy=tuple(busy), step_s=step,
                               reason=_reason(rows, busy, world, target))

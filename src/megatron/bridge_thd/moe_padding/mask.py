@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron.bridge_thd.lengths import seq_idx
-from megatron.bridge_thd.upstream_line import takes_parameter
+from megatron.bridge_thd.upstream.line import takes_parameter
 
 
 def declares_padding_mask(model) -> bool:

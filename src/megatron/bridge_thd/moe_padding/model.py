@@ -13,8 +13,8 @@ from megatron.bridge_thd.moe_padding.mask import padding_mask_from_packed_seq_pa
 from megatron.bridge_thd.moe_padding.refusals import fail_if_unsupported
 from megatron.bridge_thd.moe_padding.routers import moe_layers
 from megatron.bridge_thd.rules import uses_seq_aux_loss
-from megatron.bridge_thd.upstream import load_bridge_module
-from megatron.bridge_thd.upstream_line import takes_parameter, upstream_line
+from megatron.bridge_thd.upstream.loading import load_bridge_module
+from megatron.bridge_thd.upstream.line import takes_parameter, upstream_line
 
 QWEN3_VL_MODEL_MODULE = "models.qwen_vl.modelling_qwen3_vl.model"
 # The helpers the model itself uses to cut its row for context parallelism; the mask is

@@ -270,7 +270,7 @@ def register_for_weight_conversion() -> None:
     this the load of a Qwen3-VL MoE checkpoint fails. The router's weight is whole on every TP rank, as
     ``TopKRouter``'s: registered as replicated (once per process; registering again changes nothing).
     """
-    from megatron.bridge_thd.upstream import load_bridge_module
+    from megatron.bridge_thd.upstream.loading import load_bridge_module
 
     try:
         mapping = load_bridge_module("models.conversion.param_mapping").AutoMapping

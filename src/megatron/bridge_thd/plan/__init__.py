@@ -27,7 +27,7 @@ with warnings.catch_warnings():  # megatron.core's import-time notices (no TE / 
     from megatron.bridge_thd.plan.balance import BalancePlan, balance_plan
     from megatron.bridge_thd.plan.estimate import Plan, PlanSettings, plan
     from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, Parallel
-    from megatron.bridge_thd.plan.presets import PRESETS, ModelSpec, get_preset, spec_from_hf_config
+    from megatron.bridge_thd.cost.presets import PRESETS, ModelSpec, get_preset, spec_from_hf_config
     from megatron.bridge_thd.plan.report import format_balance, format_plan
     from megatron.bridge_thd.plan.samples import SampleLengths, load_lengths, receipt_lengths
 

@@ -5,8 +5,8 @@ layout (``bshd``, ``thd``, ``thd_static``) with Megatron-Bridge's in-batch place
 at each micro-batch size and each static CP size that divides the world, plus ``thd_static``'s row buckets. Each is
 priced by the time model (:mod:`.step_model`) and the memory model (:mod:`.peak_memory`: the largest micro-batch on
 a rank) and kept when it fits the GPU; the table lists them by predicted samples per second. With a per-rank token
-limit (``--dynamic-cp TOKENS``), CP per sample joins them, placed by Megatron-Core's scheduler and by ours. Every time figure
-rests on the fitted parameters (:attr:`~megatron.bridge_thd.batching.step_time.TimeParameters.fitted`) and every
+limit (``--cp-per-sample TOKENS``), CP per sample joins them, placed by Megatron-Core's scheduler and by ours. Every time figure
+rests on the fitted parameters (:attr:`~megatron.bridge_thd.cost.step_time.TimeParameters.fitted`) and every
 memory figure on the assumed reserve: the table says so above itself.
 """
 
@@ -18,7 +18,7 @@ from megatron.bridge_thd.plan.balance import balance_plan, micro_batches_per_ran
 from megatron.bridge_thd.plan.estimate import PlanSettings
 from megatron.bridge_thd.plan.layouts import Parallel
 from megatron.bridge_thd.plan.peak_memory import peak_memory_bytes
-from megatron.bridge_thd.plan.presets import ModelSpec
+from megatron.bridge_thd.cost.presets import ModelSpec
 from megatron.bridge_thd.plan.samples import SampleLengths
 
 __all__ = ["Candidate", "rank_candidates", "cp_per_sample_candidates", "best_first", "format_candidates"]
@@ -97,10 +97,10 @@ def best_first(candidates: list[Candidate]) -> list[Candidate]:
 def cp_per_sample_candidates(spec: ModelSpec, samples: SampleLengths, base: PlanSettings, global_batch_size: int,
                              max_tokens_per_rank: int) -> list[Candidate]:
     """CP per sample at ``max_tokens_per_rank`` tokens of a sample per rank, placed by Megatron-Core's scheduler and
-    by ours (:func:`~.dynamic_cp.compare_cp`, the same time model): ``cp`` is 0 (per sample), the memory is the
+    by ours (:func:`~.cp_per_sample.compare_cp`, the same time model): ``cp`` is 0 (per sample), the memory is the
     memory model's for the rank's largest row, counted without its vision activations (the comparison keeps no
     patches per row)."""
-    from megatron.bridge_thd.plan.dynamic_cp import MEGATRON, OURS, compare_cp
+    from megatron.bridge_thd.plan.cp_per_sample import MEGATRON, OURS, compare_cp
 
     par = base.parallel
     estimates = compare_cp(spec, samples, gpus=par.gpus, tp=par.tp, global_batch_size=global_batch_size,

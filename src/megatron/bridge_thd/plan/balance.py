@@ -46,7 +46,7 @@ from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.estimate import PlanSettings
 from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, MicroBatch, layout_stats
 from megatron.bridge_thd.plan.memory import GraphMemory, activation_bytes, cuda_graph_bytes
-from megatron.bridge_thd.plan.presets import ModelSpec
+from megatron.bridge_thd.cost.presets import ModelSpec
 from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
 from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS
 
@@ -157,7 +157,7 @@ def micro_batches_per_rank(global_batch_size, micro_batch_size: int, dp: int, nu
 def plan_steps(samples: SampleLengths, global_batch_size: int, seq_length: int) -> list[Step]:
     """Consecutive global batches of ``samples`` (the remainder dropped), each sample truncated to
     ``seq_length`` (refused where that would cut an image, as the step refuses it)."""
-    from megatron.bridge_thd.batching.cost import frame_lengths, image_patches
+    from megatron.bridge_thd.cost.sample import frame_lengths, image_patches
 
     check_seq_length(samples, seq_length)
     steps = []
@@ -305,7 +305,7 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
             the samples (naming ``--global-batch-size``), ``row_buckets`` not an int >= 1 (naming
             ``--row-buckets``), or a ``seq_length`` that cuts an image.
     """
-    from megatron.bridge_thd.batching.cost import sample_cost
+    from megatron.bridge_thd.cost.sample import sample_cost
 
     par, mbs = settings.parallel, settings.micro_batch_size
     check_row_buckets(row_buckets)

@@ -9,7 +9,7 @@ ran out of memory. Every figure printed is a model's figure.
 
 from __future__ import annotations
 
-from megatron.bridge_thd.batching.step_time import FITTED, TimeParameters
+from megatron.bridge_thd.cost.step_time import FITTED, TimeParameters
 from megatron.bridge_thd.plan.published import TABLES, Figure, pr3838_memory
 
 __all__ = ["PARAMETER_SOURCES", "parameter_table", "figures_table", "calibration_report"]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron.bridge_thd.batching.step_time import FITTED, MACHINES, Link, Machine, TimeParameters, get_machine
-from megatron.bridge_thd.plan.flops import FlopsBreakdown, flops_config, micro_batch_flops, moe_routed_tokens
+from megatron.bridge_thd.cost.step_time import FITTED, MACHINES, Link, Machine, TimeParameters, get_machine
+from megatron.bridge_thd.cost.flops import FlopsBreakdown, flops_config, micro_batch_flops, moe_routed_tokens
 from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, Parallel, layout_stats, micro_batches
 from megatron.bridge_thd.plan.memory import activation_bytes, model_state_bytes
-from megatron.bridge_thd.plan.presets import ModelSpec
+from megatron.bridge_thd.cost.presets import ModelSpec
 from megatron.bridge_thd.plan.roofline import GPU, get_gpu
 from megatron.bridge_thd.plan.samples import SampleLengths
 from megatron.bridge_thd.plan.step_model import StepModel, step_model

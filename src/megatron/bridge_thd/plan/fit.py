@@ -1,6 +1,6 @@
 """Fitting the time model's fitted parameters to the ``fit`` tables only (docs/time-model.md).
 
-The fitted parameters (:attr:`~megatron.bridge_thd.batching.step_time.TimeParameters.fitted`) are chosen to
+The fitted parameters (:attr:`~megatron.bridge_thd.cost.step_time.TimeParameters.fitted`) are chosen to
 minimise the squared relative error of the fit tables' absolute step times: ``ring_step_s`` over a grid, and for
 each grid point ``per_micro_batch_s`` and ``per_step_s`` by non-negative least squares (a step
 time is linear in both: the per-micro-batch cost counts once per row on the slowest rank's path, read off two
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.bridge_thd.batching.step_time import PUBLISHED, TimeParameters
+from megatron.bridge_thd.cost.step_time import PUBLISHED, TimeParameters
 from megatron.bridge_thd.plan.published import TABLES, Figure, PublishedTable
 
 __all__ = ["RING_STEPS", "FitResult", "fit_parameters", "judge", "nonnegative_least_squares"]

@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron.bridge_thd.batching.step_time import (
+from megatron.bridge_thd.cost.step_time import (
     Machine, ModelShape, SampleWork, TimeParameters, model_shape, row_time)
 from megatron.bridge_thd.plan.fit import nonnegative_least_squares
 from megatron.bridge_thd.plan.layouts import Parallel
-from megatron.bridge_thd.plan.presets import ModelSpec
+from megatron.bridge_thd.cost.presets import ModelSpec
 from megatron.bridge_thd.plan.step_model import sync_seconds
 
 __all__ = ["LogFit", "rank_works", "variable_seconds", "fit_run_log", "format_log_fit"]

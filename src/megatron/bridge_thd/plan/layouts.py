@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.bridge_thd import layouts
-from megatron.bridge_thd.batching.cost import frame_lengths
+from megatron.bridge_thd.cost.sample import frame_lengths
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
 
@@ -73,7 +73,7 @@ class Parallel:
 class MicroBatch:
     """One micro-batch: ``lengths`` real LLM tokens per sample (truncated), ``patches`` ViT
     patches in it, ``truncated`` tokens cut by ``seq_length``, ``frames`` each sample's ViT frames
-    (patches per frame, :func:`megatron.bridge_thd.batching.step_time.frame_lengths`)."""
+    (patches per frame, :func:`megatron.bridge_thd.cost.step_time.frame_lengths`)."""
 
     lengths: tuple[int, ...]
     patches: int

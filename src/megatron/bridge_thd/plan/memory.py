@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.bridge_thd.plan.layouts import Parallel
-from megatron.bridge_thd.plan.presets import ModelSpec
+from megatron.bridge_thd.cost.presets import ModelSpec
 
 __all__ = ["layer_bytes_per_token", "vision_bytes_per_patch", "output_bytes_per_token", "ActivationEstimate",
            "activation_bytes", "mixer_parameters", "parameter_counts", "model_state_bytes", "GraphMemory", "graph_static_bytes",

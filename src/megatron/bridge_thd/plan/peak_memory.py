@@ -28,7 +28,7 @@ from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.layouts import Parallel
 from megatron.bridge_thd.plan.memory import (layer_bytes_per_token, mixer_parameters, parameter_counts,
                                              vision_bytes_per_patch)
-from megatron.bridge_thd.plan.presets import ModelSpec, replace
+from megatron.bridge_thd.cost.presets import ModelSpec, replace
 
 __all__ = ["DEFAULT_RESERVED_BYTES", "MemoryEstimate", "memory_config", "upstream_estimate", "padded_vocab_size",
            "loss_bytes_per_token", "mtp_bytes_per_token", "output_input_bytes_per_token", "row_slots_per_rank",
@@ -80,7 +80,7 @@ def upstream_estimate(config: SimpleNamespace, num_microbatches: int | None = No
     Raises:
         RuntimeError: the installed module has neither.
     """
-    from megatron.bridge_thd.upstream import load_theoretical_memory_utils
+    from megatron.bridge_thd.upstream.loading import load_theoretical_memory_utils
 
     module = load_theoretical_memory_utils()
     estimate = getattr(module, "estimate_training_memory", None)

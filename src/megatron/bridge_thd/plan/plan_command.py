@@ -72,24 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", action="store_true",
                    help="every layout, placement, micro-batch size, static CP size and thd_static row buckets that fits, "
                    "by predicted samples/s, with step time and peak memory per GPU (needs --global-batch-size; with "
-                   "--dynamic-cp TOKENS, CP per sample too)")
+                   "--cp-per-sample TOKENS, CP per sample too)")
     p.add_argument("--png", help="write the figure here (needs matplotlib)")
     p.add_argument("--calibrate", action="store_true",
                    help="the time model against published GPU measurements: the fit table and the held-out tables, "
                    "predicted beside published (docs/time-model.md)")
-    p.add_argument("--dynamic-cp", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--cp-per-sample", type=int, default=None, metavar="TOKENS",
                    help="compare static CP 1, 2, 4, ... with a CP size per sample (Megatron-Core's scheduler and ours "
                    "on the time model) at TOKENS tokens of a sample per rank (Megatron-Core's max_seqlen_per_dp_cp_rank) "
-                   "instead of the layouts, every way priced by the time model (docs/dynamic-cp.md); without --lengths "
+                   "instead of the layouts, every way priced by the time model (docs/cp-per-sample.md); without --lengths "
                    "it draws the synthetic video mix (plan/video_mix.py)")
     p.add_argument("--text-mix", action="store_true",
-                   help="with --dynamic-cp: draw the synthetic long-tailed text mix (plan/text_mix.py) instead")
+                   help="with --cp-per-sample: draw the synthetic long-tailed text mix (plan/text_mix.py) instead")
     return p
 
 
 def list_presets() -> str:
     """``--list-models``: the presets and the GPUs."""
-    from megatron.bridge_thd.plan.presets import PRESETS
+    from megatron.bridge_thd.cost.presets import PRESETS
     from megatron.bridge_thd.plan.roofline import GPUS
 
     lines = ["presets:"] + [f"  {name:22s} {spec.hf_repo}" for name, spec in PRESETS.items()]
@@ -107,7 +107,7 @@ def run(args) -> str:
     from megatron.bridge_thd.plan.balance import balance_plan, check_row_buckets, micro_batches_per_rank
     from megatron.bridge_thd.plan.estimate import PlanSettings, plan
     from megatron.bridge_thd.plan.layouts import Parallel
-    from megatron.bridge_thd.plan.presets import get_preset, spec_from_hf_config
+    from megatron.bridge_thd.cost.presets import get_preset, spec_from_hf_config
     from megatron.bridge_thd.plan.report import format_plan
     from megatron.bridge_thd.plan.roofline import get_gpu
     from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths
@@ -117,8 +117,8 @@ def run(args) -> str:
         return _fit_log(args, spec)
     if args.write_params:
         raise ValueError("--write-params: only with --fit-log (the parameters it writes are the fit's)")
-    if args.dynamic_cp is not None and not args.rank:
-        return _dynamic_cp(args, spec)
+    if args.cp_per_sample is not None and not args.rank:
+        return _cp_per_sample(args, spec)
     samples = (load_lengths(args.lengths, spec.vision.spatial_merge_size) if args.lengths
                else receipt_lengths(args.num_samples, args.seed))
     parallel = Parallel(tp=args.tp, cp=args.cp, pp=args.pp, ep=args.ep, gpus=args.gpus,
@@ -169,10 +169,10 @@ def _rank(args, spec, samples, settings) -> str:
         raise ValueError("--rank: give --global-batch-size (the candidates vary the micro-batch size and CP size at "
                          "a fixed global batch)")
     candidates = rank_candidates(spec, samples, settings, args.global_batch_size, seed=args.seed)
-    if args.dynamic_cp is not None:
-        check_int("--dynamic-cp", args.dynamic_cp, 2)
+    if args.cp_per_sample is not None:
+        check_int("--cp-per-sample", args.cp_per_sample, 2)
         candidates = best_first(candidates + cp_per_sample_candidates(spec, samples, settings, args.global_batch_size,
-                                                                      args.dynamic_cp))
+                                                                      args.cp_per_sample))
     return (f"bridge-thd plan --rank: {spec.name}, {samples.source}, {len(samples)} samples, global batch "
             f"{args.global_batch_size}, {settings.parallel.gpus} x {settings.gpu.name}, TP {settings.parallel.tp}, "
             f"PP {settings.parallel.pp}, EP {settings.parallel.ep}, seq_length {settings.seq_length}\n\n"
@@ -183,7 +183,7 @@ def _fit_log(args, spec) -> str:
     """``--fit-log JSONL``: the fixed costs fitted on a run log (plan/fit_log.py), optionally written."""
     import json
 
-    from megatron.bridge_thd.batching.step_time import get_machine, time_parameters_to_dict
+    from megatron.bridge_thd.cost.step_time import get_machine, time_parameters_to_dict
     from megatron.bridge_thd.plan.fit_log import fit_run_log, format_log_fit
     from megatron.bridge_thd.run_log import read_run_log
 
@@ -202,28 +202,28 @@ def _fit_log(args, spec) -> str:
 
 def time_parameters(args):
     """The time model's parameters for ``args``: ``--time-params`` over the fitted ones, or the fitted ones."""
-    from megatron.bridge_thd.batching.step_time import FITTED, get_machine, load_time_parameters
+    from megatron.bridge_thd.cost.step_time import FITTED, get_machine, load_time_parameters
 
     get_machine(args.gpu)  # the time model knows this GPU (ValueError naming the known ones otherwise)
     return load_time_parameters(args.time_params) if args.time_params else FITTED
 
 
-def _dynamic_cp(args, spec) -> str:
-    """``--dynamic-cp TOKENS``: static CP against a CP size per sample by Megatron-Core's scheduler and by ours, every
-    way priced by the time model (plan/dynamic_cp.py); ``--text-mix``: the synthetic text mix instead of the video
+def _cp_per_sample(args, spec) -> str:
+    """``--cp-per-sample TOKENS``: static CP against a CP size per sample by Megatron-Core's scheduler and by ours, every
+    way priced by the time model (plan/cp_per_sample.py); ``--text-mix``: the synthetic text mix instead of the video
     mix."""
-    from megatron.bridge_thd.batching.step_time import MACHINES
-    from megatron.bridge_thd.plan.dynamic_cp import compare_cp, format_cp_comparison
+    from megatron.bridge_thd.cost.step_time import MACHINES
+    from megatron.bridge_thd.plan.cp_per_sample import compare_cp, format_cp_comparison
     from megatron.bridge_thd.plan.samples import load_lengths
     from megatron.bridge_thd.plan.text_mix import text_mix_lengths
     from megatron.bridge_thd.plan.video_mix import video_mix_lengths
 
-    check_int("--dynamic-cp", args.dynamic_cp, 2)
+    check_int("--cp-per-sample", args.cp_per_sample, 2)
     if args.pp != 1 or args.cp != 1:
-        raise ValueError("--dynamic-cp: compares CP sizes itself on a DP x CP world of --gpus / --tp ranks; leave --cp "
+        raise ValueError("--cp-per-sample: compares CP sizes itself on a DP x CP world of --gpus / --tp ranks; leave --cp "
                          "and --pp at 1 (Megatron-Core's CP per sample runs without pipeline parallelism)")
     if args.gpu not in MACHINES:
-        raise ValueError(f"--gpu {args.gpu}: --dynamic-cp prices rows with the time model, which knows "
+        raise ValueError(f"--gpu {args.gpu}: --cp-per-sample prices rows with the time model, which knows "
                          f"{', '.join(MACHINES)}")
     if args.lengths:
         samples = load_lengths(args.lengths, spec.vision.spatial_merge_size)
@@ -233,11 +233,11 @@ def _dynamic_cp(args, spec) -> str:
         samples = video_mix_lengths(args.num_samples, seed=args.seed)
     global_batch_size = args.global_batch_size or args.micro_batch_size * (args.micro_batches or 1) * args.gpus
     estimates = compare_cp(spec, samples, gpus=args.gpus, tp=args.tp, global_batch_size=global_batch_size,
-                           max_tokens_per_rank=args.dynamic_cp, gpu=args.gpu,
+                           max_tokens_per_rank=args.cp_per_sample, gpu=args.gpu,
                            params=time_parameters(args))
     return (f"{spec.name}, {samples.source}: {len(samples.tokens)} samples, steps of {global_batch_size}, "
             f"{args.gpus} x {args.gpu} (TP {args.tp}), the time model ({time_parameters(args).source}; docs/time-model.md)\n\n"
-            + format_cp_comparison(estimates, max_tokens_per_rank=args.dynamic_cp))
+            + format_cp_comparison(estimates, max_tokens_per_rank=args.cp_per_sample))
 
 
 def planner_setup(layout: str, spec, settings, global_batch_size: int, row_buckets: int | None):

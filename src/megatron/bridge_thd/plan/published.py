@@ -1,7 +1,7 @@
 """Published GPU measurements the time model is judged on, each reproduced from its stated setup (docs/time-model.md).
 
 A :class:`PublishedTable` holds a source's figures as published and reproduces them with the time model
-(:mod:`megatron.bridge_thd.batching.step_time`) from what the source states: the model, the GPUs, the parallel
+(:mod:`megatron.bridge_thd.cost.step_time`) from what the source states: the model, the GPUs, the parallel
 layout, the length distribution, the schedulers. What a source leaves unstated and a reproduction must still fix is
 an *assumption*, listed with the table. Tables have a *role*: ``fit`` tables are the only ones the fitted parameters
 are fitted on (:mod:`.fit`); ``held out`` tables are predicted from those parameters and judged against the bar
@@ -17,11 +17,11 @@ from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from megatron.bridge_thd.batching.step_time import (
+from megatron.bridge_thd.cost.step_time import (
     Link, Machine, SampleWork, TimeParameters, get_machine, model_shape, row_time, sample_work)
 from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.plan.layouts import Parallel
-from megatron.bridge_thd.plan.presets import ModelSpec, VisionSpec, get_preset, replace
+from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec, get_preset, replace
 from megatron.bridge_thd.plan.step_model import sync_seconds
 
 __all__ = ["Figure", "PublishedTable", "TABLES", "get_table", "RATIO_BAR", "TIME_BAR", "dp_balanced_packs",
@@ -133,8 +133,8 @@ def static_cp_rows(works: Sequence[SampleWork], *, cp: int, dp: int, capacity: i
 
 def balanced_cp_rows(works: Sequence[SampleWork], *, world: int, max_tokens_per_rank: int) -> list[PlacedRow]:
     """CP per sample placed by Megatron-Core's ``BalancedCPScheduler``
-    (:func:`megatron.bridge_thd.batching.dynamic_cp.place_with_cp_per_sample`), its groups behind barriers."""
-    from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample
+    (:func:`megatron.bridge_thd.batching.cp_per_sample.place_with_cp_per_sample`), its groups behind barriers."""
+    from megatron.bridge_thd.batching.cp_per_sample import place_with_cp_per_sample
 
     placement = place_with_cp_per_sample([w.tokens for w in works], world=world,
                                          max_tokens_per_rank=max_tokens_per_rank)

@@ -1,5 +1,5 @@
 """The GPUs the planner knows by name: their bf16 peak, HBM bandwidth, capacity and in-node link (``--gpu``,
-``--list-models``). Step times come from the time model (:mod:`megatron.bridge_thd.batching.step_time`,
+``--list-models``). Step times come from the time model (:mod:`megatron.bridge_thd.cost.step_time`,
 docs/time-model.md), which has its own measured links for these names; this table is what the planner's memory
 checks and listings read.
 """

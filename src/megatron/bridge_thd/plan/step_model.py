@@ -1,4 +1,4 @@
-"""The planner's step time: the time model (:mod:`megatron.bridge_thd.batching.step_time`) applied to a layout's
+"""The planner's step time: the time model (:mod:`megatron.bridge_thd.cost.step_time`) applied to a layout's
 micro-batches, plus what a step spends once (docs/time-model.md).
 
 A micro-batch in a layout becomes the row the time model prices:
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron.bridge_thd import layouts
-from megatron.bridge_thd.batching.step_time import (
+from megatron.bridge_thd.cost.step_time import (
     Machine, ModelShape, RowTime, SampleWork, TimeParameters, model_shape, row_time)
 from megatron.bridge_thd.plan.layouts import Parallel
 from megatron.bridge_thd.plan.memory import parameter_counts
-from megatron.bridge_thd.plan.presets import ModelSpec
+from megatron.bridge_thd.cost.presets import ModelSpec
 
 __all__ = ["StepModel", "sync_seconds", "step_model"]
 

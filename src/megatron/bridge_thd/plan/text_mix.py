@@ -1,5 +1,5 @@
 """A long-tailed text SFT mix: what the planner and the bench draw to compare context parallelism per sample with a
-static CP size on text (docs/dynamic-cp.md), beside the video mix (:mod:`.video_mix`).
+static CP size on text (docs/cp-per-sample.md), beside the video mix (:mod:`.video_mix`).
 
 Synthetic lengths from a documented distribution (an assumption, not a measurement; a ``bridge-thd scan`` lengths
 file of a real set replaces it, ``--lengths``), shaped like the long-context SFT mixes dynamic-CP work is measured on

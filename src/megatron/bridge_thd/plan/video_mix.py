@@ -1,5 +1,5 @@
 """A long-tailed video SFT mix: what the planner and the bench draw to compare context parallelism per sample with a
-static CP size (docs/dynamic-cp.md).
+static CP size (docs/cp-per-sample.md).
 
 No video SFT set can be downloaded here, so the lengths are synthetic, from a documented distribution (an
 assumption, not a measurement; a ``bridge-thd scan`` lengths file of a real set replaces it, ``--lengths``):

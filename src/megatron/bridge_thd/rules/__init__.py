@@ -1,7 +1,7 @@
 """Every rule that refuses a combination of settings, in one registry (docs/rules.md).
 
 ``configure`` (before the model exists), ``bridge-thd plan`` (from its options), the step (when it builds its
-:class:`~megatron.bridge_thd.step_plan.StepPlan`), the MoE padding hook (when it installs its routers) and the
+:class:`~megatron.bridge_thd.step.plan.StepPlan`), the MoE padding hook (when it installs its routers) and the
 global-batch loaders read the same :class:`Setup` record and run the rules registered for them
 (:mod:`.registry`), so they cannot disagree. The modules, by job:
 

@@ -1,4 +1,4 @@
-"""Rules on a CP size per sample: Megatron-Core's ``hybrid_context_parallel`` (docs/dynamic-cp.md, docs/rules.md)."""
+"""Rules on a CP size per sample: Megatron-Core's ``hybrid_context_parallel`` (docs/cp-per-sample.md, docs/rules.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ __all__: list[str] = []
 
 
 @rule(CONFIGURE, STEP)
-def _hybrid_cp_engine(s: Setup) -> list[str]:
+def _cp_per_sample_engine(s: Setup) -> list[str]:
     """What Megatron-Core's hybrid-CP schedule needs or lacks.
 
     Only ``forward_backward_no_pipelining`` dispatches to it (``pipeline_parallel/schedules.py``); it runs a
@@ -20,8 +20,8 @@ def _hybrid_cp_engine(s: Setup) -> list[str]:
     m = s.model
     if not s.cp_per_sample:
         return []
-    # What configure sets for dynamic_cp is judged on the config it runs with (the step's), not before it is set.
-    set_by_configure = s.settings.dynamic_cp is not None and not s.built
+    # What configure sets for cp_per_sample is judged on the config it runs with (the step's), not before it is set.
+    set_by_configure = s.settings.cp_per_sample is not None and not s.built
     problems = []
     if s.pp > 1:
         problems.append(f"model.hybrid_context_parallel: pipeline_model_parallel_size={s.pp}; Megatron-Core's hybrid-CP "
@@ -45,7 +45,7 @@ def _hybrid_cp_engine(s: Setup) -> list[str]:
 
 
 @rule(CONFIGURE, STEP)
-def _hybrid_cp_rows(s: Setup) -> list[str]:
+def _cp_per_sample_rows(s: Setup) -> list[str]:
     """A row per CP group is a ``thd`` row: the static row and the padded layout have one shape for every rank,
     and Megatron-Bridge's Qwen3-VL is the family whose CP path is driven per row."""
     if not s.cp_per_sample or s.layout == "thd":
@@ -55,7 +55,7 @@ def _hybrid_cp_rows(s: Setup) -> list[str]:
 
 
 @rule(CONFIGURE, STEP)
-def _hybrid_cp_limits(s: Setup) -> list[str]:
+def _cp_per_sample_limits(s: Setup) -> list[str]:
     """What CP per sample does not run: MoE routers reduce their statistics over a row's group only at TP = 1 (the
     step binds the TP x CP group there); the expert dispatch under EP > 1 is a collective over ranks that run
     different numbers of rows; expert capacity drops tokens per rank; ``global_aux_loss`` averages over data-parallel
@@ -89,40 +89,40 @@ def _hybrid_cp_limits(s: Setup) -> list[str]:
 
 
 @rule(CONFIGURE)
-def _hybrid_cp_loaders(s: Setup) -> list[str]:
+def _cp_per_sample_loaders(s: Setup) -> list[str]:
     """Megatron-Core's hybrid-CP schedule reads one item per step from the iterator: every row of the step, keyed by
-    id, with the groups that run them. Megatron-Bridge's loaders yield micro-batches; the loaders ``dynamic_cp`` builds
-    yield these items (``batching.cp_rows``), so the model's flag is set through ``configure`` rather than alone. The
+    id, with the groups that run them. Megatron-Bridge's loaders yield micro-batches; the loaders ``cp_per_sample`` builds
+    yield these items (``batching.cp_per_sample_loader``), so the model's flag is set through ``configure`` rather than alone. The
     step itself runs such rows from any iterator that yields them."""
-    if not s.model.hybrid_cp or s.settings.dynamic_cp is not None:
+    if not s.model.cp_per_sample or s.settings.cp_per_sample is not None:
         return []
-    return ["model.hybrid_context_parallel=True without dynamic_cp: Megatron-Bridge's loaders yield micro-batches that "
-            "Megatron-Core's hybrid-CP schedule cannot run; call configure with dynamic_cp=<tokens per rank> (it sets "
+    return ["model.hybrid_context_parallel=True without cp_per_sample: Megatron-Bridge's loaders yield micro-batches that "
+            "Megatron-Core's hybrid-CP schedule cannot run; call configure with cp_per_sample=<tokens per rank> (it sets "
             "the flag and builds the loaders), or set hybrid_context_parallel=False"]
 
 
 @rule(CONFIGURE, STEP)
-def _dynamic_cp_placement(s: Setup) -> list[str]:
-    """``dynamic_cp`` places each step itself (Megatron-Core's scheduler, or ours on the time model): rows whose length
+def _cp_per_sample_placement(s: Setup) -> list[str]:
+    """``cp_per_sample`` places each step itself (Megatron-Core's scheduler, or ours on the time model): rows whose length
     follows their samples and their CP group, so global-batch packing's fixed rows have nothing to apply to, nor its
     cost model to Megatron-Core's scheduler (``placement="time"`` reads it as the model it prices rows for, when
-    ``dynamic_cp.model`` is unset). Its scan settings (``lengths_file``, ``sizes_cache``) are used."""
+    ``cp_per_sample.model`` is unset). Its scan settings (``lengths_file``, ``sizes_cache``) are used."""
     batching = s.global_batch
-    if s.settings.dynamic_cp is None or batching is None:
+    if s.settings.cp_per_sample is None or batching is None:
         return []
-    names = ("row_length", "row_buckets") + (() if s.settings.dynamic_cp.placement == "time" else ("cost_model",))
+    names = ("row_length", "row_buckets") + (() if s.settings.cp_per_sample.placement == "time" else ("cost_model",))
     set_values = [f"global_batch_packing.{name}={getattr(batching, name)!r}"
                   for name in names if getattr(batching, name) is not None]
     if not set_values:
         return []
-    return [f"dynamic_cp: {', '.join(set_values)}; with a CP size per sample the placement "
-            f"(dynamic_cp.placement={s.settings.dynamic_cp.placement!r}) puts each step in rows that follow their "
+    return [f"cp_per_sample: {', '.join(set_values)}; with a CP size per sample the placement "
+            f"(cp_per_sample.placement={s.settings.cp_per_sample.placement!r}) puts each step in rows that follow their "
             "samples' CP groups, so fixed rows do not apply, nor a cost model to Megatron-Core's scheduler (placement "
             "'time' reads it as its model); unset them"]
 
 
 @rule(CONFIGURE, STEP)
-def _hybrid_cp_recompute(s: Setup) -> list[str]:
+def _cp_per_sample_recompute(s: Setup) -> list[str]:
     """Activation recomputation reruns a layer's forward inside the backward, after the step has unbound the row's CP
     group (``cp_per_sample.bound_cp_group``): the rerun would cut and exchange at the static CP size."""
     granularity = s.model.recompute_granularity
@@ -134,7 +134,7 @@ def _hybrid_cp_recompute(s: Setup) -> list[str]:
 
 
 @rule(CONFIGURE, STEP)
-def _hybrid_cp_gdn_heads(s: Setup) -> list[str]:
+def _cp_per_sample_gdn_heads(s: Setup) -> list[str]:
     """Gated DeltaNet splits its key and value heads over a row's CP ranks (an all-to-all, ``feat_dim_split``): each
     head count per TP rank must divide by the largest CP size a row may get, the DP x CP world (known at the step)."""
     m = s.model

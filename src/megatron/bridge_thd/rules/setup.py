@@ -154,7 +154,7 @@ class ModelFacts:
         moe_overlap: ``overlap_moe_expert_parallel_comm``.
         sizes: ``(tp, cp, pp, ep)`` from the ``*_parallel_size`` settings.
         class_name: the config's class (messages).
-        hybrid_cp: ``hybrid_context_parallel`` (Megatron-Core's CP size per sample).
+        cp_per_sample: ``hybrid_context_parallel`` (Megatron-Core's CP size per sample).
         max_tokens_per_rank: ``max_seqlen_per_dp_cp_rank`` (its per-rank token limit).
         per_token_loss: ``calculate_per_token_loss``.
         vision_dp_when_cp: ``vision_dp_when_cp`` (Megatron-Bridge's Qwen3-VL splits the vision tower over CP).
@@ -187,7 +187,7 @@ class ModelFacts:
     moe_overlap: bool = False
     sizes: tuple[int, int, int, int] = (1, 1, 1, 1)
     class_name: str = ""
-    hybrid_cp: bool = False
+    cp_per_sample: bool = False
     max_tokens_per_rank: int | None = None
     per_token_loss: bool = False
     vision_dp_when_cp: bool = False
@@ -229,7 +229,7 @@ def read_model_facts(model: Any, model_root: Any = None) -> ModelFacts:
         sizes=tuple(_size(model, f"{name}_parallel_size") for name in  # type: ignore[arg-type]
                     ("tensor_model", "context", "pipeline_model", "expert_model")),
         class_name=type(model).__name__,
-        hybrid_cp=bool(_setting(model, model_root, "hybrid_context_parallel", False)),
+        cp_per_sample=bool(_setting(model, model_root, "hybrid_context_parallel", False)),
         max_tokens_per_rank=_setting(model, model_root, "max_seqlen_per_dp_cp_rank"),
         per_token_loss=bool(_setting(model, model_root, "calculate_per_token_loss", False)),
         vision_dp_when_cp=bool(_setting(model, model_root, "vision_dp_when_cp", False)),
@@ -325,9 +325,9 @@ class Setup:
 
     @property
     def cp_per_sample(self) -> bool:
-        """A CP size per sample: asked for (``dynamic_cp``, which ``configure`` turns into the model's flag) or set on
+        """A CP size per sample: asked for (``cp_per_sample``, which ``configure`` turns into the model's flag) or set on
         the model (``hybrid_context_parallel``)."""
-        return self.settings.dynamic_cp is not None or self.model.hybrid_cp
+        return self.settings.cp_per_sample is not None or self.model.cp_per_sample
 
     @property
     def global_batch(self) -> GlobalBatchPacking | None:

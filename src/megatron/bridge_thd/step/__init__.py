@@ -9,7 +9,7 @@ runs these -> model -> Megatron-Bridge's masked loss (:mod:`~megatron.bridge_thd
 feed :mod:`~megatron.bridge_thd.step.flops`, the trainer's timers :mod:`~megatron.bridge_thd.step.timers`, the
 pipeline's received rows :mod:`~megatron.bridge_thd.step.pipeline` and the MoE overlap schedule plan
 :mod:`~megatron.bridge_thd.step.schedule_plan`). Everything that can be decided once is in the run's
-:class:`~megatron.bridge_thd.step_plan.StepPlan`; the step only reads it.
+:class:`~megatron.bridge_thd.step.plan.StepPlan`; the step only reads it.
 
 Where the work runs: on the device the batch arrives on. Megatron-Bridge's loader hands the step host tensors,
 so the whole preparation runs on the host, where every read is free, and the finished row is copied to the

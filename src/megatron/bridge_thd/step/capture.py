@@ -16,7 +16,7 @@ import torch
 from megatron.bridge_thd.lengths import DeferredCheck, keep_mask_from_attention_mask, read_once
 from megatron.bridge_thd.overlong import SETTING, cut_report, log_cut, row_names
 from megatron.bridge_thd.step.batch import Inputs
-from megatron.bridge_thd.step_plan import StepPlan
+from megatron.bridge_thd.step.plan import StepPlan
 
 __all__ = ["Captured", "capture", "capture_keep_mask", "truncate_to_seq_length", "log_truncation", "read_now",
            "report_overlong"]

@@ -9,8 +9,8 @@ import logging
 
 import torch
 
-from megatron.bridge_thd.upstream import load_flop_utils
-from megatron.bridge_thd.upstream_line import upstream_line
+from megatron.bridge_thd.upstream.loading import load_flop_utils
+from megatron.bridge_thd.upstream.line import upstream_line
 
 __all__ = ["accumulate_flops", "accumulate_no_flops"]
 

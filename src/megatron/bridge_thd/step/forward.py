@@ -20,8 +20,8 @@ from megatron.bridge_thd.step.pipeline import shape_for_next_stage, view_receive
 from megatron.bridge_thd.step.prepare import PreparedMicroBatch, plan_for, prepare_with_plan
 from megatron.bridge_thd.step.schedule_plan import build_schedule_plan
 from megatron.bridge_thd.step.timers import straggler_timer, timer
-from megatron.bridge_thd.step_plan import StepPlan, unwrap_model
-from megatron.bridge_thd.upstream import load_bridge_module
+from megatron.bridge_thd.step.plan import StepPlan, unwrap_model
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 __all__ = ["make_forward_step", "forward_step"]
 

@@ -19,7 +19,7 @@ from megatron.bridge_thd.step.capture import capture, overlong_sample_counts, re
 from megatron.bridge_thd.step.device import to_device
 from megatron.bridge_thd.step.rows import BUILDERS
 from megatron.bridge_thd.step.stats import PackingStats, packing_stats
-from megatron.bridge_thd.step_plan import StepPlan, build_step_plan
+from megatron.bridge_thd.step.plan import StepPlan, build_step_plan
 
 __all__ = ["PreparedMicroBatch", "prepare_with_plan", "prepare_micro_batch", "plan_for", "PLAN_ATTRIBUTE"]
 

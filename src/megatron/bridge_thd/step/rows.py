@@ -12,7 +12,7 @@ import torch
 from megatron.bridge_thd.layouts import bshd_width, row_bucket
 from megatron.bridge_thd.packing import pack_bshd_to_thd, round_up, row_index, scatter_into_row
 from megatron.bridge_thd.step.capture import Captured, log_truncation, read_now
-from megatron.bridge_thd.step_plan import StepPlan, in_batch_static_row
+from megatron.bridge_thd.step.plan import StepPlan, in_batch_static_row
 
 __all__ = ["Built", "BUILDERS", "build_packed", "build_padded", "padded_width", "relay_right_padded"]
 

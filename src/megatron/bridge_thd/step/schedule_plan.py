@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron.bridge_thd.step_plan import unwrap_model
+from megatron.bridge_thd.step.plan import unwrap_model
 
 __all__ = ["build_schedule_plan"]
 

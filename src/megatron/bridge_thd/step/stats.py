@@ -10,7 +10,7 @@ import torch
 
 from megatron.bridge_thd.step.capture import Captured
 from megatron.bridge_thd.step.rows import Built, padded_width
-from megatron.bridge_thd.step_plan import StepPlan
+from megatron.bridge_thd.step.plan import StepPlan
 
 __all__ = ["PackingStats", "decoder_signature", "packing_stats"]
 

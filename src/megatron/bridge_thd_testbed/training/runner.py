@@ -31,7 +31,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
                       run_name: str | None = None, count_tokens: bool = True,
                       global_batch_packing: dict | None = None, per_token_loss: bool = False,
                       eval_iters=RECIPE, eval_interval=RECIPE, num_workers=RECIPE, checkpoint: bool | str = True,
-                      max_lr=RECIPE, check_pretrained_load: bool = False, dynamic_cp: int | None = None,
+                      max_lr=RECIPE, check_pretrained_load: bool = False, cp_per_sample: int | None = None,
                       model_settings: dict | None = None, moe_padding: bool = False, tensorboard: bool = False,
                       run_log: str | None = None) -> dict:
     """Run Megatron-Bridge's ``finetune()`` on this rank for a recipe in its CPU mode
@@ -44,7 +44,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     (``sizes_cache`` defaults to ``workdir/sizes``); its per-step log lines are recorded.
     ``per_token_loss``: ``model.calculate_per_token_loss`` (and ``ddp.average_in_collective=False``,
     which Megatron-Core's DDP requires with it), as global-batch packing sets them.
-    ``dynamic_cp``: ``configure``'s ``dynamic_cp`` (tokens per rank: a CP size per sample on the DP x CP ranks).
+    ``cp_per_sample``: ``configure``'s ``cp_per_sample`` (tokens per rank: a CP size per sample on the DP x CP ranks).
     ``model_settings``: model config fields set after the CPU mode's (a test's MoE router settings, e.g.).
     ``moe_padding``: register ``moe_padding.padding_mask_pre_wrap_hook`` as docs/moe-padding-mask.md says (the
     routers leave padding out of their statistics).
@@ -77,7 +77,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
         from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
 
         cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)
-    if per_token_loss or global_batch_packing is not None or dynamic_cp is not None:
+    if per_token_loss or global_batch_packing is not None or cp_per_sample is not None:
         # The recipes set ddp.average_in_collective=True explicitly; configure refuses to overwrite an
         # explicit setting, so a user turning global-batch packing on sets it, as here.
         cfg.ddp.average_in_collective = False
@@ -89,12 +89,12 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
 
         placement = GlobalBatchPacking(**{"sizes_cache": os.path.join(paths["workdir"], "sizes"),
                                           **global_batch_packing})
-    if dynamic_cp is not None and placement is None:
+    if cp_per_sample is not None and placement is None:
         from megatron.bridge_thd.settings import GlobalBatchPacking
 
         placement = GlobalBatchPacking(sizes_cache=os.path.join(paths["workdir"], "sizes"))
     if layout != "megatron_bridge":
-        cfg = configure(cfg, layout=layout, global_batch_packing=placement, dynamic_cp=dynamic_cp, run_log=run_log)
+        cfg = configure(cfg, layout=layout, global_batch_packing=placement, cp_per_sample=cp_per_sample, run_log=run_log)
     counts: list = []
     step = counting_step(step_for(layout), counts) if count_tokens else step_for(layout)
 

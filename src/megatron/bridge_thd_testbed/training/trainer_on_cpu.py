@@ -1,6 +1,6 @@
 """Megatron-Bridge's trainer on a machine without CUDA: :func:`cpu_training_patches` adds to
 :func:`~megatron.bridge_thd_cpu.stack.cpu_patches` what the trainer needs, as
-:class:`~megatron.bridge_thd.patches.Patch` records: ``torch`` as a handful of trainer modules see it
+:class:`~megatron.bridge_thd.upstream.patches.Patch` records: ``torch`` as a handful of trainer modules see it
 (tensors they ask for on ``"cuda"`` are made on the CPU, ``torch.cuda``'s synchronisation, cache, stream
 and memory-statistics calls are no-ops or zeros, its RNG state is the CPU generator's), and the one
 Transformer Engine name the Qwen3-VL provider binds at import (its language layer spec). :func:`cpu_training`
@@ -16,7 +16,7 @@ import importlib.util
 
 import torch
 
-from megatron.bridge_thd.patches import Patch, applied
+from megatron.bridge_thd.upstream.patches import Patch, applied
 from megatron.bridge_thd_cpu.stack import _CudaWithoutSync, _TorchOnCpu, cpu_stack
 
 __all__ = ["cpu_training", "cpu_training_patches", "TRAINER_MODULES"]

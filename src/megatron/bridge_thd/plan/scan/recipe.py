@@ -46,7 +46,7 @@ def _gpus_of(recipe: str) -> int | None:
 
 def _preset_for(path: str | None) -> str | None:
     """The planner preset whose Hugging Face repository is ``path`` (the recipe's processor path), if any."""
-    from megatron.bridge_thd.plan.presets import PRESETS
+    from megatron.bridge_thd.cost.presets import PRESETS
 
     return next((name for name, spec in PRESETS.items() if path and spec.hf_repo == path), None)
 

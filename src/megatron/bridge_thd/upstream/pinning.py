@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron.bridge_thd.patches import Patch
+from megatron.bridge_thd.upstream.patches import Patch
 
 __all__ = ["visual_inputs_pin_patch", "pin_visual_inputs"]
 
@@ -30,7 +30,7 @@ def visual_inputs_pin_patch() -> Patch:
     Raises:
         ValueError: Megatron-Bridge's visual inputs cannot be imported here.
     """
-    from megatron.bridge_thd.upstream import load_bridge_module
+    from megatron.bridge_thd.upstream.loading import load_bridge_module
 
     try:
         visual_inputs = load_bridge_module("training.utils.visual_inputs")

@@ -38,7 +38,7 @@ The patches (targets, where they are built and applied, why; one line each in do
 * Scoped, test bed only: ``bridge_thd_testbed/qwen25_vl.py`` ``qwen25_vl_import_patches()``:
   ``sys.modules['omegaconf']``, a placeholder while the Qwen2.5-VL provider is imported (only
   when omegaconf is absent).
-* Scoped: ``upstream.py`` ``load_flop_utils()``: ``sys.modules['megatron.bridge.peft.lora']`` and
+* Scoped: ``upstream/loading.py`` ``load_flop_utils()``: ``sys.modules['megatron.bridge.peft.lora']`` and
   ``sys.modules['megatron.bridge.training.config']``, placeholders while ``flop_utils`` is
   imported (only without TE); ``load_theoretical_memory_utils()``: ``sys.modules['megatron.bridge.training.config']``,
   a placeholder while ``theoretical_memory_utils`` is imported (only without TE).
@@ -51,7 +51,7 @@ The patches (targets, where they are built and applied, why; one line each in do
   loader's ``OverlongCollate`` or the lengths scan: ``megatron.bridge.models.qwen_vl.data.collate_fn``
   ``prepare_sequence_batch`` (measures every row before the cut, applies the over-long policy, then the original).
 
-* Permanent (:func:`apply_permanently`): ``pinning.py`` ``visual_inputs_pin_patch()``, applied by
+* Permanent (:func:`apply_permanently`): ``upstream/pinning.py`` ``visual_inputs_pin_patch()``, applied by
   ``configure``: ``megatron.bridge.training.utils.visual_inputs.GenericVisualInputs`` ``pin_memory``
   (a new method: the loader's pin thread then pins the visual inputs too).
 
@@ -62,7 +62,7 @@ The patches (targets, where they are built and applied, why; one line each in do
 Not a patch of a name, listed so that nothing that changes upstream objects is hidden:
 ``bridge_thd_cpu/bridge_package.py`` ``bridge_package()`` serves import-time stand-ins for
 ``transformer_engine`` / ``nvidia_resiliency_ext`` to Megatron-Bridge's unguarded imports;
-``upstream.py`` puts a ``sys.meta_path`` finder first (once; Megatron-Bridge's packages load
+``upstream/loading.py`` puts a ``sys.meta_path`` finder first (once; Megatron-Bridge's packages load
 without their ``__init__`` when TE is absent); ``moe_padding.with_padding_mask`` changes the class of the user's
 model to ``PaddingMask<Class>`` and of its decoder's MoE layers and routers to
 ``PaddingMaskMoELayer`` / ``PaddingMaskTopKRouter`` (subclasses of Megatron-Core's; nothing is bound

@@ -32,9 +32,9 @@ from megatron.bridge_thd.rules import (
     requested_layout,
 )
 from megatron.bridge_thd.settings import settings_of
-from megatron.bridge_thd.cp_per_sample import CPPerSample, find_cp_group_holders
-from megatron.bridge_thd.upstream import load_bridge_module
-from megatron.bridge_thd.upstream_line import upstream_line
+from megatron.bridge_thd.cp_per_sample import CPPerSampleStep, find_cp_group_holders
+from megatron.bridge_thd.upstream.loading import load_bridge_module
+from megatron.bridge_thd.upstream.line import upstream_line
 
 __all__ = ["StaticRow", "GlobalBatchRows", "StepPlan", "build_step_plan", "in_batch_static_row", "OPTIONAL_MODEL_EXTRAS",
            "ROWS_ATTRIBUTE"]
@@ -120,7 +120,7 @@ class StepPlan:
         device: where the model's parameters are.
         model_name: the model's class name (logs).
         cp_per_sample: Megatron-Core's ``hybrid_context_parallel``: a CP size per row, the alignment of each and where
-            the model keeps its CP group (:class:`~megatron.bridge_thd.cp_per_sample.CPPerSample`); None
+            the model keeps its CP group (:class:`~megatron.bridge_thd.cp_per_sample.CPPerSampleStep`); None
             otherwise.
     """
 
@@ -146,7 +146,7 @@ class StepPlan:
     check_spiky: bool
     device: torch.device
     model_name: str
-    cp_per_sample: CPPerSample | None = None
+    cp_per_sample: CPPerSampleStep | None = None
 
     @property
     def packed(self) -> bool:
@@ -223,7 +223,7 @@ def _te_cp_padding_defect(layout: str, cp: int) -> str | None:
     docs/te-cp-padding.md), detected once; None where there is none or it cannot arise."""
     if layout == "bshd" or cp <= 1:
         return None
-    from megatron.bridge_thd.te_compat import te_cp_padding_verdict
+    from megatron.bridge_thd.upstream.te_compat import te_cp_padding_verdict
 
     accepted, reason = te_cp_padding_verdict(cp)
     return None if accepted else reason
@@ -304,10 +304,10 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
     return plan
 
 
-def _cp_per_sample(setup, core, pg_collection) -> CPPerSample | None:
+def _cp_per_sample(setup, core, pg_collection) -> CPPerSampleStep | None:
     """Under ``hybrid_context_parallel``: the CP sizes a row may run with (1, 2, 4, ... the DP x CP world, Megatron-
     Core's hybrid groups), each one's alignment, and where the model keeps its CP group. None otherwise."""
-    if not setup.model.hybrid_cp:
+    if not setup.model.cp_per_sample:
         return None
     world = pg_collection.dp_cp.size()
     sizes = [1]
@@ -315,7 +315,7 @@ def _cp_per_sample(setup, core, pg_collection) -> CPPerSample | None:
         sizes.append(2 * sizes[-1])
     alignments = tuple((k, thd_alignment(setup.tp, k, sequence_parallel=setup.model.sequence_parallel,
                                          fp8=setup.model.fp8)) for k in sizes)
-    return CPPerSample(world=world, alignments=alignments, holders=find_cp_group_holders(core))
+    return CPPerSampleStep(world=world, alignments=alignments, holders=find_cp_group_holders(core))
 
 
 def _takes_a_cp_local_padding_mask(core) -> bool:

@@ -1,4 +1,4 @@
-"""Context parallelism per sample: which ranks run which samples, and with which CP size (docs/dynamic-cp.md).
+"""Context parallelism per sample: which ranks run which samples, and with which CP size (docs/cp-per-sample.md).
 
 Megatron-Core's ``BalancedCPScheduler`` (``pipeline_parallel/hybrid_cp_schedule.py``) takes one step's samples and
 returns a sequence of *groups*; the groups run one after another (Megatron-Core's hybrid-CP schedule puts a barrier
@@ -22,7 +22,7 @@ from typing import Sequence
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.packing import round_up
 
-__all__ = ["CPRow", "DynamicCPPlacement", "cp_slots", "row_alignment", "timeline", "check_fits_the_world", "place_with_cp_per_sample",
+__all__ = ["CPRow", "CPPerSamplePlacement", "cp_slots", "row_alignment", "timeline", "check_fits_the_world", "place_with_cp_per_sample",
            "TooLongForTheWorld"]
 
 
@@ -57,7 +57,7 @@ class CPRow:
 
 
 @dataclass(frozen=True)
-class DynamicCPPlacement:
+class CPPerSamplePlacement:
     """A step's rows under CP per sample (:func:`place_with_cp_per_sample`).
 
     Attributes:
@@ -258,7 +258,7 @@ def check_fits_the_world(lengths: Sequence[int], *, world: int, max_tokens_per_r
     return slots
 
 
-def place_with_cp_per_sample(lengths: Sequence[int], *, world: int, max_tokens_per_rank: int) -> DynamicCPPlacement:
+def place_with_cp_per_sample(lengths: Sequence[int], *, world: int, max_tokens_per_rank: int) -> CPPerSamplePlacement:
     """Place one step's samples on a DP x CP world of ``world`` ranks with a CP size per sample.
 
     Args:
@@ -293,4 +293,4 @@ def place_with_cp_per_sample(lengths: Sequence[int], *, world: int, max_tokens_p
     placed = sorted(sample for row in rows for sample in row.samples)
     if placed != list(range(len(lengths))):
         raise RuntimeError(f"BalancedCPScheduler placed samples {placed}, not each of the {len(lengths)} once")
-    return DynamicCPPlacement(tuple(rows), world, max_tokens_per_rank)
+    return CPPerSamplePlacement(tuple(rows), world, max_tokens_per_rank)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from megatron.bridge_thd.plan.presets import ModelSpec
+from megatron.bridge_thd.cost.presets import ModelSpec
 
 __all__ = ["FlopsBreakdown", "flops_config", "micro_batch_flops", "moe_routed_tokens"]
 
@@ -75,7 +75,7 @@ def micro_batch_flops(cfg: SimpleNamespace, batch_size: int, slots: int, attenti
     """Evaluate ``num_floating_point_operations`` for one micro-batch of ``batch_size`` samples
     with ``slots`` token slots, ``attention_work`` = sum of s_i^2 (tokens^2) and ``patches`` ViT
     patches, split term by term (module docstring)."""
-    from megatron.bridge_thd.upstream import load_flop_utils
+    from megatron.bridge_thd.upstream.loading import load_flop_utils
 
     f = load_flop_utils().num_floating_point_operations
 

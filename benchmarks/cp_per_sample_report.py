@@ -1,20 +1,20 @@
 """Static context parallelism against a CP size per sample on a long-tailed video mix and a long-tailed text mix, at
-8, 32 and 64 GPUs (docs/dynamic-cp.md).
+8, 32 and 64 GPUs (docs/cp-per-sample.md).
 
 For each case (mix, GPUs), qwen3-vl-8b on H100 SXM (8 per node: CP groups above 8 cross nodes; TP 1, PP 1) at 16,384
 tokens of a sample per rank, steps of 4 samples per GPU: static CP 1, 2, 4, ... up to the world with global-batch
 packing, CP per sample placed by Megatron-Core's ``BalancedCPScheduler`` (groups behind barriers) and by ours
 (``batching.time_placement.place_by_time``). Every way's rows are priced by the time model
 (``batching.step_time.row_time``, its published and fitted parameters as they stand, docs/time-model.md) and run as
-the schedule runs them (``plan.dynamic_cp``). Per way: step time, per-rank busy time max / mean, each rank's peak
+the schedule runs them (``plan.cp_per_sample``). Per way: step time, per-rank busy time max / mean, each rank's peak
 activation tokens, padding and the CP sizes used. No timing is measured: the figures are the time model's.
 
 The mixes are synthetic (``plan.video_mix``: 25% videos of 4 s to 6.4 min, the rest receipts; ``plan.text_mix``:
 lognormal lengths, median 1,500, 1 to 32,768 tokens): an assumption, not a measured data set. The values go to
-``benchmarks/results/dynamic_cp.json``; the docs block ``dynamic-cp`` is rendered from it by :func:`render`
+``benchmarks/results/cp_per_sample.json``; the docs block ``dynamic-cp`` is rendered from it by :func:`render`
 (``scripts/readme_figures.py``).
 
-    .venv/bin/python benchmarks/dynamic_cp_report.py [--json PATH]
+    .venv/bin/python benchmarks/cp_per_sample_report.py [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "dynamic_cp.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "cp_per_sample.json"
 MIXES = ("video", "text")
 GPUS = (8, 32, 64)
 SETTING = dict(model="qwen3-vl-8b", max_tokens_per_rank=16384, gpu="h100-sxm", samples_per_gpu=4, steps=3,
@@ -40,8 +40,8 @@ def _mix(name: str, num_samples: int):
 
 
 def measure() -> dict:
-    from megatron.bridge_thd.batching.step_time import FITTED
-    from megatron.bridge_thd.plan.dynamic_cp import compare_cp
+    from megatron.bridge_thd.cost.step_time import FITTED
+    from megatron.bridge_thd.plan.cp_per_sample import compare_cp
 
     cases = []
     for mix in MIXES:
@@ -62,7 +62,7 @@ def measure() -> dict:
 
 
 def render(results: dict) -> str:
-    from megatron.bridge_thd.plan.dynamic_cp import CPEstimate, format_cp_comparison
+    from megatron.bridge_thd.plan.cp_per_sample import CPEstimate, format_cp_comparison
 
     s = results["setting"]
     lines = [f"{s['model']} on {s['gpu']} (8 per node), at most {s['max_tokens_per_rank']:,} tokens of a sample per "

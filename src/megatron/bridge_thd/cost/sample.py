@@ -116,7 +116,7 @@ def resolve_model_spec(model):
     Raises:
         ValueError: an unknown preset name or an unreadable config (naming it).
     """
-    from megatron.bridge_thd.plan.presets import ModelSpec, get_preset, spec_from_hf_config
+    from megatron.bridge_thd.cost.presets import ModelSpec, get_preset, spec_from_hf_config
 
     if isinstance(model, ModelSpec):
         return model
@@ -132,13 +132,13 @@ def sample_cost(model) -> SampleCost:
 
     Args:
         model: a planner preset name (``bridge-thd plan --list-models``, e.g. ``"qwen3-vl-8b"``),
-            a path to a Hugging Face ``config.json``, or a :class:`megatron.bridge_thd.plan.presets.ModelSpec`.
+            a path to a Hugging Face ``config.json``, or a :class:`megatron.bridge_thd.cost.presets.ModelSpec`.
 
     Raises:
         ValueError: an unknown preset name or an unreadable config (naming it).
     """
-    from megatron.bridge_thd.plan.flops import flops_config
-    from megatron.bridge_thd.upstream import load_flop_utils
+    from megatron.bridge_thd.cost.flops import flops_config
+    from megatron.bridge_thd.upstream.loading import load_flop_utils
 
     spec = resolve_model_spec(model)
     flop_utils = load_flop_utils()

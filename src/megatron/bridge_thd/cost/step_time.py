@@ -25,7 +25,7 @@ of the FLOPs), so this model prices what a GPU measurably spends beyond FLOPs:
 * **fixed costs**: per micro-batch (kernel launches, host work) and per step (optimizer, gradient sync not hidden),
   both fitted (:class:`TimeParameters`).
 
-The FLOPs come from Megatron-Bridge's own formula through :class:`~megatron.bridge_thd.batching.cost.SampleCost`
+The FLOPs come from Megatron-Bridge's own formula through :class:`~megatron.bridge_thd.cost.sample.SampleCost`
 (its four coefficients), so the model divides the trainer's FLOPs by rates; it never counts FLOPs its own way.
 Every rate is a published figure or a fitted one: :data:`PUBLISHED` and :class:`TimeParameters` say which. Pure host
 arithmetic on Python numbers: no tensors, no device.
@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from megatron.bridge_thd.batching.cost import SampleCost, frame_lengths
+from megatron.bridge_thd.cost.sample import SampleCost, frame_lengths
 
 __all__ = ["Link", "Machine", "MACHINES", "get_machine", "RateCurve", "TimeParameters", "PUBLISHED", "FITTED",
            "ModelShape",
@@ -194,7 +194,7 @@ class ModelShape:
     """What the time model reads of a model besides its FLOPs coefficients.
 
     Attributes:
-        cost: the trainer's per-sample FLOPs coefficients (:func:`~megatron.bridge_thd.batching.cost.sample_cost`).
+        cost: the trainer's per-sample FLOPs coefficients (:func:`~megatron.bridge_thd.cost.sample.sample_cost`).
         num_layers: decoder layers; full_attention_layers: those with softmax attention (the rest are linear).
         kv_bytes_per_token: bf16 bytes of K and V of one token in one full-attention layer (all KV heads).
         weight_bytes: bf16 bytes of the weights a micro-batch's GEMMs read (language model and vision tower; the
@@ -328,14 +328,14 @@ def _activation_bytes_per_token(spec, layer_bytes_per_token, output_bytes_per_to
 
 
 def model_shape(model) -> ModelShape:
-    """The :class:`ModelShape` of a model given as :func:`~megatron.bridge_thd.batching.cost.sample_cost` takes it (a
+    """The :class:`ModelShape` of a model given as :func:`~megatron.bridge_thd.cost.sample.sample_cost` takes it (a
     planner preset name, a ``config.json`` path or a ``ModelSpec``): its FLOPs coefficients from the trainer's formula,
     its layer counts, K/V width and bf16 weight bytes.
 
     Raises:
-        ValueError: as :func:`~megatron.bridge_thd.batching.cost.sample_cost`.
+        ValueError: as :func:`~megatron.bridge_thd.cost.sample.sample_cost`.
     """
-    from megatron.bridge_thd.batching.cost import resolve_model_spec, sample_cost
+    from megatron.bridge_thd.cost.sample import resolve_model_spec, sample_cost
     from megatron.bridge_thd.plan.memory import (
         layer_bytes_per_token, output_bytes_per_token, parameter_counts, vision_bytes_per_patch)
 

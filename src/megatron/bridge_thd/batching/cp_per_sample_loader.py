@@ -1,4 +1,4 @@
-"""The loaders of a CP size per sample inside Megatron-Bridge's training loop (docs/dynamic-cp.md).
+"""The loaders of a CP size per sample inside Megatron-Bridge's training loop (docs/cp-per-sample.md).
 
 Megatron-Core's hybrid-CP schedule (``hybrid_context_parallel_forward_backward``) reads **one item per step** from
 the data iterator: ``({row id: row batch}, row id groups)``. These loaders yield exactly that, built from Megatron-
@@ -7,7 +7,7 @@ Bridge's own pieces, as global-batch packing builds its loaders (:mod:`.bridge`)
 * the steps and their samples are the ones Megatron-Bridge's sampler draws (copies of it, one per DP x CP rank,
   :func:`.sampler.step_draws`), from its resume point;
 * each step is placed from the scanned sizes by the run's :class:`StepPlacer`, chosen once from
-  ``DynamicCP.placement``: :func:`.dynamic_cp.place_with_cp_per_sample` (Megatron-Core's ``BalancedCPScheduler``) or
+  ``CPPerSample.placement``: :func:`.cp_per_sample.place_with_cp_per_sample` (Megatron-Core's ``BalancedCPScheduler``) or
   :func:`.time_placement.place_by_time` (the time model), identically on every rank, so no rank sends another a
   sample;
 * every rank loads the **whole** samples of its rows through Megatron-Bridge's dataset and collates each row with
@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron.bridge_thd.batching.dynamic_cp import DynamicCPPlacement, place_with_cp_per_sample
+from megatron.bridge_thd.batching.cp_per_sample import CPPerSamplePlacement, place_with_cp_per_sample
 from megatron.bridge_thd.batching.sampler import step_draws
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
 from megatron.bridge_thd.overlong import IndexedSample, OverlongCollate
@@ -58,7 +58,7 @@ class StepPlacer:
 
     Attributes:
         world: the DP x CP world size.
-        max_tokens_per_rank: ``DynamicCP.max_tokens_per_rank``.
+        max_tokens_per_rank: ``CPPerSample.max_tokens_per_rank``.
         pricer: the time model (``placement="time"``: :func:`.time_placement.place_by_time`), or None (Megatron-Core's
             ``BalancedCPScheduler``).
     """
@@ -69,7 +69,7 @@ class StepPlacer:
 
     @classmethod
     def of(cls, settings, *, world: int, cost_model=None, tp: int = 1, ep: int = 1) -> "StepPlacer":
-        """The placer ``settings`` (a :class:`~megatron.bridge_thd.settings.DynamicCP`) names on a world of
+        """The placer ``settings`` (a :class:`~megatron.bridge_thd.settings.CPPerSample`) names on a world of
         ``world`` DP x CP ranks; ``cost_model``: ``global_batch_packing.cost_model`` (read when ``settings.model`` is
         None); ``tp`` / ``ep``: the run's tensor- and expert-parallel sizes (the time model's)."""
         if settings.placement == "megatron":
@@ -79,7 +79,7 @@ class StepPlacer:
         model = settings.model if settings.model is not None else cost_model
         return cls(world, settings.max_tokens_per_rank, RowPricer.of(model, settings.gpu, tp=tp, ep=ep))
 
-    def __call__(self, lengths, patches=None, patches_squared=None) -> DynamicCPPlacement:
+    def __call__(self, lengths, patches=None, patches_squared=None) -> CPPerSamplePlacement:
         """One step's placement from its samples' sizes: ``(n,)`` tokens, ViT patches and patches^2 summed over each
         sample's images (``SampleSizes.take``)."""
         if self.pricer is None:

@@ -5,7 +5,7 @@ The helper modules we reuse (the masked next-token loss, the packed-sequence uti
 Qwen3-VL rope) import fine on their own. Where the real package can be imported (a GPU
 container) it is used as is; otherwise its parent packages are registered as bare namespace
 modules that point at the installed folders, so a submodule loads without the ``__init__``
-chain (a ``sys.meta_path`` finder, installed once; listed in :mod:`megatron.bridge_thd.patches`).
+chain (a ``sys.meta_path`` finder, installed once; listed in :mod:`megatron.bridge_thd.upstream.patches`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import sys
 import types
 
-from megatron.bridge_thd.patches import Patch, applied
+from megatron.bridge_thd.upstream.patches import Patch, applied
 
 __all__ = ["load_bridge_module", "bridge_available", "load_flop_utils", "load_theoretical_memory_utils"]
 

@@ -14,7 +14,7 @@ import functools
 import inspect
 import types
 
-from megatron.bridge_thd.upstream import load_bridge_module, load_flop_utils
+from megatron.bridge_thd.upstream.loading import load_bridge_module, load_flop_utils
 
 __all__ = ["UpstreamLine", "upstream_line", "takes_parameter", "trainer_flops"]
 

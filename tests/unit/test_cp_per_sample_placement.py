@@ -1,4 +1,4 @@
-"""``batching.dynamic_cp.place_with_cp_per_sample``: a CP size per sample from Megatron-Core's ``BalancedCPScheduler``.
+"""``batching.cp_per_sample.place_with_cp_per_sample``: a CP size per sample from Megatron-Core's ``BalancedCPScheduler``.
 
 Every expectation comes from the placement's contract (each sample once, aligned power-of-two blocks, a row's slots
 its samples' lengths aligned to ``2k``, at most ``k * max_tokens_per_rank`` slots a row, a CP size no smaller than
@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from megatron.bridge_thd.batching.dynamic_cp import (
+from megatron.bridge_thd.batching.cp_per_sample import (
     CPRow,
-    DynamicCPPlacement,
+    CPPerSamplePlacement,
     TooLongForTheWorld,
     cp_slots,
     place_with_cp_per_sample,
@@ -80,7 +80,7 @@ def _cases(count: int, seed: int):
         yield _long_tailed(rng, world, max_tokens), world, max_tokens
 
 
-def _check_invariants(placement: DynamicCPPlacement, lengths, world: int, max_tokens: int) -> None:
+def _check_invariants(placement: CPPerSamplePlacement, lengths, world: int, max_tokens: int) -> None:
     where = (lengths, world, max_tokens)
     assert placement.world == world and placement.max_tokens_per_rank == max_tokens
     # Every sample in exactly one row.
@@ -177,7 +177,7 @@ def test_empty_step():
     assert placement.rows == () and placement.groups == 0 and placement.cp_size_of() == {}
 
 
-_FRESH = ("from megatron.bridge_thd.batching.dynamic_cp import place_with_cp_per_sample as p; "
+_FRESH = ("from megatron.bridge_thd.batching.cp_per_sample import place_with_cp_per_sample as p; "
           "print(repr(p({lengths!r}, world={world}, max_tokens_per_rank={max_tokens})))")
 
 

@@ -1,4 +1,4 @@
-"""Static context parallelism against a CP size per sample, for one length distribution (docs/dynamic-cp.md).
+"""Static context parallelism against a CP size per sample, for one length distribution (docs/cp-per-sample.md).
 
 A world of ``W`` ranks (``gpus / tp``; PP 1) runs each step's ``global_batch_size`` samples with at most
 ``max_tokens_per_rank`` tokens of a sample on a rank (what its activations can hold):
@@ -8,15 +8,15 @@ A world of ``W`` ranks (``gpus / tp``; PP 1) runs each step's ``global_batch_siz
   balanced on the trainer's FLOPs) in rows of ``c * max_tokens_per_rank`` slots, as few rows per replica as fit; a
   sample longer than a row does not fit that ``c`` at all.
 * **CP per sample, Megatron-Core's scheduler**: ``BalancedCPScheduler`` through
-  :func:`megatron.bridge_thd.batching.dynamic_cp.place_with_cp_per_sample`; groups run one after another (a barrier
+  :func:`megatron.bridge_thd.batching.cp_per_sample.place_with_cp_per_sample`; groups run one after another (a barrier
   between them).
 * **CP per sample, ours**: :func:`megatron.bridge_thd.batching.time_placement.place_by_time`, balanced on the time
   model below; one group, rows in one global order.
 
-Every way's rows are priced by the time model, :func:`megatron.bridge_thd.batching.step_time.row_time` (seconds per
+Every way's rows are priced by the time model, :func:`megatron.bridge_thd.cost.step_time.row_time` (seconds per
 rank of a row: GEMMs with the weight-read floor, attention by chunk length, the ViT per frame, the CP ring's exposed
 steps over NVLink within a node and the network across nodes, fixed costs; docs/time-model.md), and run as the
-schedule runs them (:func:`megatron.bridge_thd.batching.dynamic_cp.timeline`: each rank's rows back to back, a row
+schedule runs them (:func:`megatron.bridge_thd.batching.cp_per_sample.timeline`: each rank's rows back to back, a row
 starting when all its ranks are free, barriers between groups); each step adds the model's per-step fixed cost.
 Each rank's peak activation tokens is its largest row's share, ``slots / k``.
 """
@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.bridge_thd.batching.dynamic_cp import CPRow, TooLongForTheWorld, place_with_cp_per_sample, timeline
+from megatron.bridge_thd.batching.cp_per_sample import CPRow, TooLongForTheWorld, place_with_cp_per_sample, timeline
 from megatron.bridge_thd.batching.policy import DoesNotFit, assign
-from megatron.bridge_thd.batching.step_time import SampleWork, TimeParameters, sample_work
+from megatron.bridge_thd.cost.step_time import SampleWork, TimeParameters, sample_work
 from megatron.bridge_thd.batching.time_placement import RowPricer, place_by_time
 from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.plan.samples import SampleLengths

@@ -1,14 +1,14 @@
-"""The planner's comparison of static context parallelism with a CP size per sample (``plan/dynamic_cp.py``) and
-the synthetic mixes it draws (``plan/video_mix.py``, ``plan/text_mix.py``); docs/dynamic-cp.md."""
+"""The planner's comparison of static context parallelism with a CP size per sample (``plan/cp_per_sample.py``) and
+the synthetic mixes it draws (``plan/video_mix.py``, ``plan/text_mix.py``); docs/cp-per-sample.md."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron.bridge_thd.batching.step_time import FITTED, SampleWork, get_machine, model_shape, row_time
-from megatron.bridge_thd.plan.dynamic_cp import MEGATRON, OURS, compare_cp, format_cp_comparison
+from megatron.bridge_thd.cost.step_time import FITTED, SampleWork, get_machine, model_shape, row_time
+from megatron.bridge_thd.plan.cp_per_sample import MEGATRON, OURS, compare_cp, format_cp_comparison
 from megatron.bridge_thd.plan.plan_command import main
-from megatron.bridge_thd.plan.presets import get_preset
+from megatron.bridge_thd.cost.presets import get_preset
 from megatron.bridge_thd.plan.samples import SampleLengths
 from megatron.bridge_thd.plan.text_mix import TEXT_MIX, text_mix_lengths
 from megatron.bridge_thd.plan.video_mix import VIDEO_GEOMETRY, video_mix_lengths
@@ -67,7 +67,7 @@ def test_a_video_takes_less_row_time_than_one_image_of_its_patches():
     """The row time's vision tower attends within each frame: a video of 4 frames of 16 x 16 patches takes less than
     an image of 32 x 32 (the same 1,024 patches and tokens) by exactly its attention over one 1,024-patch frame less
     four 256-patch frames, and the same everything else."""
-    from megatron.bridge_thd.batching.step_time import sample_work
+    from megatron.bridge_thd.cost.step_time import sample_work
 
     shape, machine = model_shape(SPEC), get_machine(GPU)
     video = row_time(shape, [sample_work(600, [(4, 16, 16)])], machine, FITTED)
@@ -111,14 +111,14 @@ def test_the_text_mix_is_what_its_docstring_says():
 
 
 def test_the_command_prints_the_comparison_and_names_its_options(capsys):
-    assert main(["--dynamic-cp", "16384", "--num-samples", "64", "--global-batch-size", "32", "--model",
+    assert main(["--cp-per-sample", "16384", "--num-samples", "64", "--global-batch-size", "32", "--model",
                  "qwen3-vl-2b"]) == 0
     out = capsys.readouterr().out
     assert "synthetic video mix" in out and f"| {MEGATRON} |" in out and f"| {OURS} |" in out
     assert "| static CP 8 |" in out
-    assert main(["--dynamic-cp", "16384", "--num-samples", "64", "--global-batch-size", "32", "--text-mix"]) == 0
+    assert main(["--cp-per-sample", "16384", "--num-samples", "64", "--global-batch-size", "32", "--text-mix"]) == 0
     assert "synthetic long-tailed text mix" in capsys.readouterr().out
-    assert main(["--dynamic-cp", "16384", "--cp", "2"]) == 2
-    assert "--dynamic-cp" in capsys.readouterr().err
-    assert main(["--dynamic-cp", "16384", "--gpu", "v100"]) == 2
+    assert main(["--cp-per-sample", "16384", "--cp", "2"]) == 2
+    assert "--cp-per-sample" in capsys.readouterr().err
+    assert main(["--cp-per-sample", "16384", "--gpu", "v100"]) == 2
     assert "time model" in capsys.readouterr().err
