@@ -21,7 +21,8 @@ from _vlm_samples import (
     make_batch,
     sample_from_layout,
 )
-from megatron.bridge_thd import mrope, pack_bshd_to_thd
+from megatron.bridge_thd import mrope
+from megatron.bridge_thd.packing import pack_bshd_to_thd
 from megatron.bridge_thd.mrope import PADDING_POSITION, qwen3_vl_position_ids, qwen3_vl_position_ids_deferred
 from megatron.bridge_thd_testbed.opcount import count_ops
 from megatron.bridge_thd_cpu.reference import ReferenceQwen3VL

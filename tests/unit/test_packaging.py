@@ -87,7 +87,7 @@ def test_the_public_names_users_import_keep_working():
     code = (
         "from megatron.bridge_thd.qwen3_vl_step import forward_step\n"
         "from megatron.bridge_thd.qwen25_vl_step import forward_step as qwen25_forward_step\n"
-        "from megatron.bridge_thd import pack_bshd_to_thd\n"
+        "from megatron.bridge_thd.packing import pack_bshd_to_thd\n"
         "from megatron.bridge_thd.verl import preprocess_packed_seqs, postprocess_packed_seqs\n"
         "from megatron.bridge_thd.configure import configure\n"
         "import megatron.bridge_thd.interop.verl as interop_verl\n"

@@ -13,7 +13,7 @@ import torch
 
 import megatron.bridge_thd.packing as packing
 from _packing_helpers import megatron_4d_mask, round_up
-from megatron.bridge_thd import pack_bshd_to_thd, required_alignment, unpack_thd_to_bshd
+from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment, unpack_thd_to_bshd
 
 B, T = 3, 8
 

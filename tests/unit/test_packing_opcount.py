@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _packing_helpers import megatron_4d_mask, round_up
-from megatron.bridge_thd import pack_bshd_to_thd, unpack_thd_to_bshd
+from megatron.bridge_thd.packing import pack_bshd_to_thd, unpack_thd_to_bshd
 from megatron.bridge_thd_testbed.opcount import count_ops
 
 T = 32

@@ -25,7 +25,7 @@ from _packing_helpers import (
     reference_pack,
     round_up,
 )
-from megatron.bridge_thd import pack_bshd_to_thd, unpack_thd_to_bshd
+from megatron.bridge_thd.packing import pack_bshd_to_thd, unpack_thd_to_bshd
 from megatron.core.packed_seq_params import PackedSeqParams
 
 ALIGNS = (1, 2, 3, 4, 8, 16)

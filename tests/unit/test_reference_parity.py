@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from _vlm_samples import IGNORE_INDEX, VLMBatch, collate, make_batch, sample_from_layout
-from megatron.bridge_thd import pack_bshd_to_thd, unpack_thd_to_bshd
+from megatron.bridge_thd.packing import pack_bshd_to_thd, unpack_thd_to_bshd
 from megatron.bridge_thd_cpu.reference import ReferenceQwen3VL
 
 MAX_LOGPROB_DIFF = 1e-4
