@@ -31,8 +31,8 @@ and last samples as the collate gives them, collated in a worker), so one scan s
 One module per job (import from them; this package exports nothing): ``measuring`` (one collated sample
 measured: :func:`~.measuring.measure`, :class:`~.measuring.ScannedSample`, :class:`~.measuring.Scan`), ``cache``
 (:func:`~.cache.scan_dataset` in loader workers, and its cache), ``lengths_file``
-(:func:`~.lengths_file.write_lengths`), ``lengths_summary`` (:func:`~.lengths_summary.summary`, :func:`~.lengths_summary.histogram`,
-:func:`~.lengths_summary.over_length`), ``recipe`` (:func:`~.recipe.recipe_config`, :func:`~.recipe.recipe_setup`,
+(:func:`~.lengths_file.write_lengths`), ``lengths_summary`` (:func:`~.lengths_summary.summary`,
+:func:`~.lengths_summary.histogram`, :func:`~.lengths_summary.over_length`), ``recipe`` (:func:`~.recipe.recipe_config`, :func:`~.recipe.recipe_setup`,
 :func:`~.recipe.build_split`) and ``command`` (:func:`~.command.build_parser`, :func:`~.command.run`,
 :func:`~.command.main`). Where the scan runs (Megatron-Bridge whole on a machine without Transformer Engine,
 ``--cpu-tiny``'s local data) is the CPU build's ``megatron.bridge_thd_cpu.scan_environment``, which the command

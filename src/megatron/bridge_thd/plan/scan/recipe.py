@@ -35,7 +35,7 @@ def recipe_config(name: str):
         raise ValueError(f"--recipe {name!r}: cannot import {module_name!r} ({error})") from None
     recipe = getattr(module, function, None)  # offers: the recipe function --recipe names, if the module has it
     if not callable(recipe):
-        known = [n for n in getattr(module, "__all__", dir(module)) if n.endswith("_config")]  # optional: __all__
+        known = [n for n in getattr(module, "__all__", dir(module)) if n.endswith("_config")]  # optional: else dir()
         close = difflib.get_close_matches(function, known, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else f"; e.g. {', '.join(sorted(known)[:3])}"
         raise ValueError(f"--recipe {name!r}: {module_name} has no recipe function {function!r}{hint} "
