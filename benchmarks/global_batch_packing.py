@@ -101,12 +101,14 @@ import torch  # noqa: E402
 
 from megatron.bridge_thd.batching import assign, in_batch_assignment, placement_stats, sample_cost  # noqa: E402
 from megatron.bridge_thd.batching.sampler import micro_batch_slots, row_buckets_for_runs, row_lower_bound  # noqa: E402
-from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, balance_plan, get_preset  # noqa: E402
+from megatron.bridge_thd.cost.presets import get_preset  # noqa: E402
+from megatron.bridge_thd.plan.estimate import PlanSettings  # noqa: E402
+from megatron.bridge_thd.plan.layouts import Parallel  # noqa: E402
 from megatron.bridge_thd.batching.sizes import SampleSizes  # noqa: E402
 from megatron.bridge_thd.layouts import row_bucket, thd_slots  # noqa: E402
-from megatron.bridge_thd.plan.balance import plan_steps, static_row_for_steps  # noqa: E402
-from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths  # noqa: E402
-from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS  # noqa: E402
+from megatron.bridge_thd.plan.balance import balance_plan, plan_steps, static_row_for_steps  # noqa: E402
+from megatron.bridge_thd.plan.samples import SampleLengths, load_lengths, receipt_lengths  # noqa: E402
+from megatron.bridge_thd.settings import DEFAULT_ROW_BUCKETS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -244,7 +244,10 @@ PLAN_SAMPLES, PLAN_SEED, PLAN_MBS = 1024, 0, 4
 @functools.lru_cache(maxsize=None)
 def _plans():
     _quiet_imports()
-    from megatron.bridge_thd.plan import Parallel, PlanSettings, get_preset, plan, receipt_lengths
+    from megatron.bridge_thd.cost.presets import get_preset
+    from megatron.bridge_thd.plan.estimate import PlanSettings, plan
+    from megatron.bridge_thd.plan.layouts import Parallel
+    from megatron.bridge_thd.plan.samples import receipt_lengths
 
     samples = receipt_lengths(PLAN_SAMPLES, PLAN_SEED)
     out = {}
@@ -304,8 +307,9 @@ def configure_flags() -> str:
 
 
 def rules_table() -> str:
-    """The registry of rules (``rules.RULES``): each rule, where it runs, the first line of its docstring."""
-    from megatron.bridge_thd.rules import PLACES, RULES
+    """The registry of rules (``rules.run.RULES``): each rule, where it runs, the first line of its docstring."""
+    from megatron.bridge_thd.rules.registry import PLACES
+    from megatron.bridge_thd.rules.run import RULES
 
     rows = ["| Rule | Module | " + " | ".join(PLACES) + " | What it refuses |",
             "| --- | --- | " + " | ".join("---" for _ in PLACES) + " | --- |"]
@@ -527,7 +531,7 @@ BLOCKS: dict[str, Block] = {
     "plan-calibration": Block(plan_calibration, "computed", source="bridge-thd plan --calibrate"),
     "plan-calibration-discussion": Block(plan_calibration_discussion, "computed", source="bridge-thd plan --calibrate"),
     "configure-flags": Block(configure_flags, "computed", source="configure.FLAG_RULES"),
-    "rules-table": Block(rules_table, "computed", source="rules.RULES (the registry)"),
+    "rules-table": Block(rules_table, "computed", source="rules.run.RULES (the registry)"),
     "edge-cases-pp": Block(_edge_cases("pp"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),
     "edge-cases-moe": Block(_edge_cases("moe"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),
     "global-batch-headline": Block(_benchmark("global_batch_packing", "headline", "global_batch_packing"), "results",

@@ -187,7 +187,8 @@ def _overlong_worker(root: str) -> dict:
     result["sizes"] = (sizes.lengths.clone(), sizes.untruncated.clone(), sizes.supervised.clone())
     # bridge-thd scan's lengths file of the same dataset, read back as global-batch packing's lengths_file reads it.
     from megatron.bridge_thd.batching.sizes import file_sizes
-    from megatron.bridge_thd.plan.scan import scan_dataset, write_lengths
+    from megatron.bridge_thd.plan.scan.cache import scan_dataset
+    from megatron.bridge_thd.plan.scan.lengths_file import write_lengths
 
     # The scan collates uncut, as bridge-thd scan builds the recipe's dataset (seq_length out of reach).
     uncut = functools.partial(qwen2_5_collate_fn, processor=processor, sequence_length=None)

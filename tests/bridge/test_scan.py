@@ -20,7 +20,7 @@ import re
 import pytest
 
 from _datasets import ListDataset
-from megatron.bridge_thd.plan import load_lengths
+from megatron.bridge_thd.plan.samples import load_lengths
 from megatron.bridge_thd.plan.cli import main
 from megatron.bridge_thd_cpu.hf_hub import offline_hub
 from megatron.bridge_thd_testbed.launcher import run_on_gloo
@@ -248,7 +248,8 @@ def plain_collate(monkeypatch):
 
 
 def test_scan_measures_in_workers_only_and_caches(tmp_path, plain_collate):
-    from megatron.bridge_thd.plan.scan import over_length, scan_dataset, summary
+    from megatron.bridge_thd.plan.scan.cache import scan_dataset
+    from megatron.bridge_thd.plan.scan.lengths_summary import over_length, summary
 
     collate, seen = _CountingCollate(), []
     scan = scan_dataset(ListDataset(ITEMS), collate, placeholder_ids=(99,), merge=2, num_workers=2, cache_dir=tmp_path,
@@ -274,12 +275,13 @@ def test_scan_measures_in_workers_only_and_caches(tmp_path, plain_collate):
     assert again.from_cache and again.cached == scan.cached and again.samples == scan.samples
     assert "scanned again" not in seen
     # The scan's cache holds grids, not the sizes' vision term: its name carries its own format only.
-    from megatron.bridge_thd.plan.scan import CACHE_SUFFIX
+    from megatron.bridge_thd.plan.scan.cache import CACHE_SUFFIX
     assert scan.cached.name.endswith(CACHE_SUFFIX) and ".sizes-v" not in scan.cached.name
 
 
 def test_scan_refuses_a_collate_without_a_right_padded_2d_mask(tmp_path, plain_collate):
-    from megatron.bridge_thd.plan.scan import measure, scan_dataset
+    from megatron.bridge_thd.plan.scan.cache import scan_dataset
+    from megatron.bridge_thd.plan.scan.measuring import measure
 
     with pytest.raises(ValueError, match="dataset sample 1: the collate gives no 2D attention_mask"):
         scan_dataset(ListDataset([ITEMS[0], dict(ITEMS[1], mask=False)]), _CountingCollate(), cache_dir=tmp_path)

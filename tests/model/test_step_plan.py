@@ -22,7 +22,9 @@ from megatron.bridge_thd.step import prepare as step_prepare
 from megatron.bridge_thd.adapters import QWEN3_VL
 from megatron.bridge_thd.configure import configure
 from megatron.bridge_thd.qwen3_vl_step import forward_step, prepare_micro_batch, prepare_with_plan
-from megatron.bridge_thd.rules import CONFIGURE, STEP, read_setup, rules_for, step_problems
+from megatron.bridge_thd.rules.registry import CONFIGURE, STEP
+from megatron.bridge_thd.rules.run import rules_for, step_problems
+from megatron.bridge_thd.rules.setup import read_setup
 from megatron.bridge_thd.step.plan import StaticRow, StepPlan, build_step_plan, in_batch_static_row
 from megatron.bridge_thd.upstream.line import upstream_line
 from megatron.bridge_thd_cpu.data import select_samples, synthetic_receipt_batch

@@ -45,7 +45,7 @@ from megatron.bridge_thd import configure as configure_module
 from megatron.bridge_thd import qwen3_vl_step
 from megatron.bridge_thd.configure import LAYOUT_NAMES, configure, cuda_graphs_enabled, is_explicit, uses_hybridep
 from megatron.bridge_thd.layouts import layout_for
-from megatron.bridge_thd.rules import requested_layout
+from megatron.bridge_thd.rules.setup import requested_layout
 from megatron.bridge_thd.settings import SETTINGS_ATTRIBUTE, PackingSettings, settings_of
 from megatron.bridge_thd.upstream.loading import bridge_available, load_bridge_module
 from megatron.bridge_thd.upstream.line import upstream_line
@@ -897,7 +897,8 @@ def test_micro_batch_size_one_with_pp_and_graphs_refuses_only_thd():
 @pytest.mark.parametrize("layout", ["thd", "thd_static"])
 def test_micro_batch_size_one_with_global_batch_packing_is_accepted_and_says_what_it_does(layout):
     from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
-    from megatron.bridge_thd.rules import configure_problems, read_setup
+    from megatron.bridge_thd.rules.run import configure_problems
+    from megatron.bridge_thd.rules.setup import read_setup
 
     cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, train=dict(micro_batch_size=1))
     setup = read_setup(cfg, layout, global_batch=GlobalBatchPacking())
@@ -1701,7 +1702,7 @@ def test_moe_capacity_or_seq_aux_loss_with_thd_need_the_padding_hook(moe_setting
 
 def _row_bucket_setup(buckets, train=None, **model):
     from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
-    from megatron.bridge_thd.rules import read_setup
+    from megatron.bridge_thd.rules.setup import read_setup
 
     cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, model=model, train=train)
     return read_setup(cfg, "thd_static", global_batch=GlobalBatchPacking(row_buckets=buckets))
@@ -1733,7 +1734,8 @@ def test_row_buckets_that_are_not_a_positive_int_are_refused(buckets):
     ({"cuda_graph_impl": "local"}, None, "CUDA graphs"),
 ])
 def test_several_rows_where_one_row_shape_can_run_are_refused_and_unset_means_one(model, train, why):
-    from megatron.bridge_thd.rules import configure_problems, row_buckets
+    from megatron.bridge_thd.rules.rows import row_buckets
+    from megatron.bridge_thd.rules.run import configure_problems
 
     problems = configure_problems(_row_bucket_setup(4, train, **model))
     assert [p for p in problems if p.startswith("global_batch_packing.row_buckets: 4 rows") and why in p
@@ -1748,7 +1750,8 @@ def test_several_rows_with_pp_are_accepted_where_bridge_makes_the_lengths_variab
     """Control for the PP case above: at micro-batch size 4, a Megatron-Bridge model config (it has ``finalize()``)
     is built with variable_seq_lengths (its validate() sets the in-batch hook, finalize() turns it on), so several
     rows can run; a config without ``finalize()`` keeps fixed pipeline shapes, so one row."""
-    from megatron.bridge_thd.rules import configure_problems, row_buckets
+    from megatron.bridge_thd.rules.rows import row_buckets
+    from megatron.bridge_thd.rules.run import configure_problems
 
     def finalize():
         return None
@@ -1765,7 +1768,8 @@ def test_several_rows_with_pp_are_accepted_where_bridge_makes_the_lengths_variab
 
 
 def test_row_buckets_default_to_four_where_several_row_shapes_can_run():
-    from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS, row_buckets
+    from megatron.bridge_thd.rules.rows import row_buckets
+    from megatron.bridge_thd.settings import DEFAULT_ROW_BUCKETS
 
     assert DEFAULT_ROW_BUCKETS == 4
     assert row_buckets(_row_bucket_setup(None)) == 4

@@ -149,10 +149,11 @@ def test_no_module_of_the_runtime_package_imports_the_test_bed_even_lazily():
     assert _offenders("bridge_thd_cpu", ("megatron.bridge_thd_testbed",)) == {}
 
 
-def test_only_the_planners_cpu_mode_imports_the_cpu_build():
-    # bridge-thd scan --cpu-tiny runs Megatron-Bridge's collate on a CPU-made dataset; nothing else of the
-    # runtime package imports the CPU build's stand-ins.
-    assert list(_offenders("bridge_thd", ("megatron.bridge_thd_cpu",))) == ["plan/scan/environment.py"]
+def test_only_the_scan_command_imports_the_cpu_build():
+    # bridge-thd scan runs Megatron-Bridge's collate where Transformer Engine is missing (and --cpu-tiny on a
+    # CPU-made dataset) in the CPU build's scan environment, which its command imports inside run(); nothing else
+    # of the package imports the CPU build.
+    assert list(_offenders("bridge_thd", ("megatron.bridge_thd_cpu",))) == ["plan/scan/command.py"]
 
 
 def test_upstream_versions_and_line_numbers_live_in_the_docs_not_in_the_code():
@@ -271,3 +272,234 @@ def test_the_import_graph_of_the_package_has_no_cycle():
 def test_the_cycle_finder_reports_each_cycle_once():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# ---- the import floors (docs/architecture.md) ----
+
+# Module prefix (under megatron.bridge_thd) -> its floor, lowest first: a module imports only its own floor or lower.
+FLOORS = {
+    # 0 primitives
+    "checks": 0, "lengths": 0, "layouts": 0, "mrope": 0, "packing": 0, "context_parallel": 0, "adapters": 0,
+    "upstream": 0,
+    # 1 the cost model
+    "cost": 1,
+    # 2 the settings record and the rules
+    "settings": 2, "rules": 2,
+    # 3 the runtime
+    "step": 3, "cp_per_sample": 3, "mtp": 3, "moe_padding": 3, "overlong": 3, "packing_log": 3, "run_log": 3,
+    "reporting": 3, "batching": 3, "configure": 3, "qwen3_vl_step": 3, "qwen25_vl_step": 3,
+    # 4 other pipelines' formats
+    "interop": 4, "verl": 4,
+    # 5 the planner
+    "plan": 5,
+}
+PACKAGE = "megatron.bridge_thd"
+# The package's own __init__ runs before any of its modules is imported: it stands on the lowest floor.
+PACKAGE_FLOOR = 0
+RUNTIME_TOP = 3  # floors 0-3: what training imports
+NOT_FOR_THE_RUNTIME = ("megatron.bridge_thd_testbed", "megatron.bridge_thd_cpu", "megatron.bridge_thd.plan")
+
+
+def _floor(module: str) -> int | None:
+    """The floor of a module of the package: its longest prefix in :data:`FLOORS` (None: no floor)."""
+    if module == PACKAGE:
+        return PACKAGE_FLOOR
+    relative = module.removeprefix(PACKAGE + ".")
+    keys = [key for key in FLOORS if relative == key or relative.startswith(key + ".")]
+    return FLOORS[max(keys, key=len)] if keys else None
+
+
+def _upward_edges(graph: dict[str, set[str]]) -> list[str]:
+    """Each import from a lower floor to a higher one, and each module without a floor."""
+    found = [f"{module}: no floor (add it to FLOORS and docs/architecture.md)" for module in sorted(graph)
+             if _floor(module) is None]
+    for module in sorted(graph):
+        for target in sorted(graph[module]):
+            low, high = _floor(module), _floor(target)
+            if low is not None and high is not None and high > low:
+                found.append(f"{module} (floor {low}) imports {target} (floor {high})")
+    return found
+
+
+def _absolute_imports(path: pathlib.Path) -> set[str]:
+    """Every module an import statement of ``path`` names (relative ones resolved; inside functions too; not
+    under ``if TYPE_CHECKING:``), with ``module.name`` for each name a ``from`` import takes."""
+    import ast
+
+    name = _module_name(path)
+    package_of = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names = set()
+    for node in _runtime_imports([ast.parse(path.read_text())]):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+            continue
+        base = node.module or ""
+        if node.level:
+            parts = package_of.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+        names.add(base)
+        names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _runtime_reaches(imports: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Module of floors 0-3 -> what it imports of the test bed, the CPU build or the planner."""
+    found = {}
+    for module, names in sorted(imports.items()):
+        floor = _floor(module)
+        if floor is not None and floor <= RUNTIME_TOP:
+            bad = sorted(n for n in names if any(n == role or n.startswith(role + ".") for role in NOT_FOR_THE_RUNTIME))
+            if bad:
+                found[module] = bad
+    return found
+
+
+def test_every_import_of_the_package_goes_down_the_floors():
+    # Every import between modules of megatron.bridge_thd, at module level or inside a function: never from a lower
+    # floor to a higher one, and every module has a floor.
+    assert _upward_edges(_import_graph()) == []
+
+
+def test_the_runtime_imports_neither_the_test_bed_nor_the_cpu_build_nor_the_planner():
+    root = REPO / "src" / "megatron" / "bridge_thd"
+    imports = {_module_name(path): _absolute_imports(path) for path in sorted(root.rglob("*.py"))}
+    assert _runtime_reaches(imports) == {}
+
+
+def test_the_floor_checker_catches_a_made_up_upward_edge():
+    layouts, cli, rows = f"{PACKAGE}.layouts", f"{PACKAGE}.plan.cli", f"{PACKAGE}.rules.rows"
+    assert _upward_edges({layouts: set(), cli: {layouts}, rows: {layouts}}) == []
+    assert _upward_edges({layouts: {cli}, cli: set()}) == [f"{layouts} (floor 0) imports {cli} (floor 5)"]
+    step_plan = f"{PACKAGE}.step.plan"
+    assert _upward_edges({rows: {step_plan}}) == [f"{rows} (floor 2) imports {step_plan} (floor 3)"]
+    assert _upward_edges({f"{PACKAGE}.newcomer": set()}) == [
+        f"{PACKAGE}.newcomer: no floor (add it to FLOORS and docs/architecture.md)"]
+    # a prefix is a whole name: packing_log is the runtime's, packing a primitive; cp_per_sample is the runtime's,
+    # batching.cp_per_sample the batching's, plan.cp_per_sample the planner's
+    assert (_floor(f"{PACKAGE}.packing"), _floor(f"{PACKAGE}.packing_log")) == (0, 3)
+    assert (_floor(f"{PACKAGE}.cp_per_sample"), _floor(f"{PACKAGE}.plan.cp_per_sample")) == (3, 5)
+    assert _runtime_reaches({f"{PACKAGE}.step.forward": {"megatron.bridge_thd_cpu.stack"},
+                             f"{PACKAGE}.plan.scan.command": {"megatron.bridge_thd_cpu.scan_environment"},
+                             f"{PACKAGE}.configure": {f"{PACKAGE}.plan.samples", f"{PACKAGE}.packing"}}) == {
+        f"{PACKAGE}.step.forward": ["megatron.bridge_thd_cpu.stack"],
+        f"{PACKAGE}.configure": [f"{PACKAGE}.plan.samples"]}
+
+
+def test_the_floor_table_is_the_one_docs_architecture_md_gives():
+    import re
+
+    documented = {}
+    for floor, modules in re.findall(r"^\| (\d) \| ([^|]+) \|", (REPO / "docs" / "architecture.md").read_text(), re.M):
+        documented.update({name.removesuffix("/*"): int(floor) for name in re.findall(r"`([\w/*]+)`", modules)})
+    assert documented == FLOORS
+
+
+# ---- getattr / hasattr: upstream facts read once (rules/setup.py), each other read with its reason ----
+
+ATTRIBUTE_BUDGET = 60  # getattr / hasattr calls outside rules/setup.py, package-wide
+FACT_READER = "rules/setup.py"
+
+
+def _attribute_reads(source: str) -> tuple[list[int], list[int]]:
+    """The lines of each ``getattr`` / ``hasattr`` call of ``source`` (a call spanning lines: its first line), and
+    those without a reason: a trailing ``# offers: ...``, ``# duck: ...`` or ``# optional: ...`` on that line."""
+    import ast
+    import re
+
+    reason = re.compile(r"#.*\b(offers|duck|optional): \S")
+    lines = source.splitlines()
+    calls = sorted(node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+                   and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"))
+    return calls, [line for line in calls if not reason.search(lines[line - 1])]
+
+
+def test_getattr_and_hasattr_outside_the_fact_reader_carry_a_reason_within_the_budget():
+    root = REPO / "src" / "megatron" / "bridge_thd"
+    count, unexplained = 0, []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if relative == FACT_READER:
+            continue
+        calls, bare = _attribute_reads(path.read_text())
+        count += len(calls)
+        unexplained += [f"{relative}:{line}" for line in bare]
+    assert unexplained == [], "getattr / hasattr without '# offers:', '# duck:' or '# optional:' on its line"
+    assert count <= ATTRIBUTE_BUDGET, f"{count} getattr / hasattr outside {FACT_READER}: take the facts from Setup"
+
+
+def test_the_attribute_checker_tells_a_reason_from_none():
+    source = ("a = getattr(x, 'y', None)  # optional: y is new\n"
+              "b = hasattr(x, 'z')\n"
+              "c = getattr(\n    x, 'w', None)  # duck: too late, the call starts above\n"
+              "d = getattr(x, 'v')  # offers:\n"
+              "e = x.getattr('u')\n")
+    assert _attribute_reads(source) == ([1, 2, 3, 5], [2, 3, 5])
+
+
+# ---- imports inside functions: only to defer an optional dependency, named ----
+
+OPTIONAL_DEPENDENCIES = (r"Transformer Engine", r"transformer_engine", r"flash[-_]attn", r"Megatron-Bridge",
+                         r"megatron\.bridge(?!_)", r"matplotlib", r"transformers", r"CPU build", r"bridge_thd_cpu")
+
+
+def _unexplained_inner_imports(source: str) -> list[int]:
+    """The lines of each import of the package's own modules inside a function of ``source`` whose comment names no
+    optional dependency it defers (:data:`OPTIONAL_DEPENDENCIES`): on the statement's first line, or in the comment
+    lines directly above it (over the import statements between: one comment may cover a group)."""
+    import ast
+    import re
+
+    names = re.compile("|".join(OPTIONAL_DEPENDENCIES), re.IGNORECASE)
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    statements = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    import_lines = {line for node in statements for line in range(node.lineno, node.end_lineno + 1)}
+    inner = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))}
+
+    def own(node) -> bool:
+        if isinstance(node, ast.ImportFrom):
+            return bool(node.level) or node.module == PACKAGE or (node.module or "").startswith(PACKAGE + ".")
+        return any(alias.name == PACKAGE or alias.name.startswith(PACKAGE + ".") for alias in node.names)
+
+    def explained(node) -> bool:
+        comment = lines[node.lineno - 1].partition("#")[2]
+        if names.search(comment):
+            return True
+        line = node.lineno - 1  # 1-based number of the line above
+        while line >= 1:
+            text = lines[line - 1].strip()
+            if text.startswith("#"):
+                if names.search(text):
+                    return True
+            elif line not in import_lines:
+                return False
+            line -= 1
+        return False
+
+    return sorted(node.lineno for node in statements if id(node) in inner and own(node) and not explained(node))
+
+
+def test_imports_inside_functions_name_the_optional_dependency_they_defer():
+    root = REPO / "src" / "megatron" / "bridge_thd"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = _unexplained_inner_imports(path.read_text())
+        found += [f"{path.relative_to(root).as_posix()}:{line}" for line in lines]
+    assert found == [], "imports of the package's modules inside functions: module level, or name what they defer"
+
+
+def test_the_inner_import_checker_reads_the_comments():
+    source = ("import os\n"
+              "from megatron.bridge_thd.layouts import LAYOUT_NAMES\n"
+              "def f():\n"
+              "    from megatron.bridge_thd.packing import round_up\n"
+              "    import json\n"
+              "    from megatron.bridge_thd.plan.plot import write_plot  # matplotlib, at call time\n"
+              "    # Transformer Engine's attention, loaded when the step runs:\n"
+              "    from megatron.bridge_thd.upstream.te_compat import te_cp_padding_verdict\n"
+              "    from megatron.bridge_thd.upstream import te_compat\n"
+              "\n"
+              "    from . import checks\n"
+              "    from megatron.bridge_thd_cpu.stack import cpu_stack\n")
+    assert _unexplained_inner_imports(source) == [4, 11]

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import json
 import warnings
-from types import SimpleNamespace
 
 import pytest
 
-from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, get_preset, load_lengths, plan
+from megatron.bridge_thd.plan.estimate import PlanSettings, plan
+from megatron.bridge_thd.plan.samples import SampleLengths, load_lengths
 from megatron.bridge_thd.plan.cli import main
 from megatron.bridge_thd.cost.flops import flops_config, micro_batch_flops, moe_routed_tokens
-from megatron.bridge_thd.plan.layouts import layout_stats, micro_batches
+from megatron.bridge_thd.plan.layouts import Parallel, layout_stats, micro_batches
 from megatron.bridge_thd.plan.memory import (cuda_graph_bytes, graph_static_bytes, layer_bytes_per_token,
                                              model_state_bytes, parameter_counts)
-from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec, replace, spec_from_hf_config
+from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec, get_preset, replace, spec_from_hf_config
 
 warnings.simplefilter("ignore")
 
@@ -220,7 +220,7 @@ def test_calibration_prints_the_parameters_the_fit_and_the_held_out_tables(capsy
 def test_receipt_lengths_match_the_batches_the_step_sees():
     """receipt_lengths(n, seed) describes synthetic_receipt_batch(n, seed=seed) sample by sample:
     token counts, patches and where the image tokens end."""
-    from megatron.bridge_thd.plan import receipt_lengths
+    from megatron.bridge_thd.plan.samples import receipt_lengths
     from megatron.bridge_thd_cpu.data import ReceiptSpec, synthetic_receipt_batch
 
     samples = receipt_lengths(6, seed=5)
@@ -236,7 +236,7 @@ def test_receipt_lengths_match_the_batches_the_step_sees():
 def test_planner_refuses_exactly_the_seq_lengths_the_step_refuses():
     """Around every sample's image end (and its length), the step's truncation check and the
     planner agree on which seq_length cuts an image."""
-    from megatron.bridge_thd.plan import receipt_lengths
+    from megatron.bridge_thd.plan.samples import receipt_lengths
     from megatron.bridge_thd.plan.samples import check_seq_length
     from megatron.bridge_thd.qwen3_vl_step import truncate_to_seq_length
     from megatron.bridge_thd_cpu.data import ReceiptSpec, synthetic_receipt_batch

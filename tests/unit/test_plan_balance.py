@@ -10,9 +10,12 @@ from itertools import combinations, product
 
 import pytest
 
-from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, balance_plan, get_preset
+from megatron.bridge_thd.plan.balance import balance_plan
+from megatron.bridge_thd.plan.estimate import PlanSettings
+from megatron.bridge_thd.plan.layouts import Parallel
+from megatron.bridge_thd.plan.samples import SampleLengths
 from megatron.bridge_thd.plan.cli import main
-from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec
+from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec, get_preset
 from megatron.bridge_thd.cost.step_time import RateCurve, TimeParameters
 from megatron.bridge_thd.plan.roofline import GPU
 
@@ -157,7 +160,7 @@ def test_the_rows_are_a_brute_force_optimum_on_a_tiny_run():
 def test_row_buckets_lower_the_padding_of_a_real_preset_and_every_micro_batch_fits_its_row():
     from megatron.bridge_thd import layouts
     from megatron.bridge_thd.cost.sample import sample_cost
-    from megatron.bridge_thd.plan import receipt_lengths
+    from megatron.bridge_thd.plan.samples import receipt_lengths
     from megatron.bridge_thd.plan.balance import plan_steps, step_assignments
 
     samples, settings = receipt_lengths(256, 0), PlanSettings(2048, 4, Parallel(gpus=8))
@@ -319,7 +322,7 @@ def test_cli_refuses_a_non_integer_global_batch_size(capsys):
 
 
 def test_real_preset_packing_never_slows_thd_static_and_fills_its_row():
-    from megatron.bridge_thd.plan import receipt_lengths
+    from megatron.bridge_thd.plan.samples import receipt_lengths
 
     b = balance_plan(get_preset("qwen3-vl-8b"), receipt_lengths(256, 0), PlanSettings(2048, 4, Parallel(gpus=8)), 128)
     static = b.layouts["thd_static"]

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 import megatron.bridge_thd as package
-from megatron.bridge_thd import rules
 from megatron.bridge_thd.configure import configure
 from megatron.bridge_thd.moe_padding.refusals import fail_if_unsupported
-from megatron.bridge_thd.rules import CONFIGURE, HOOK, PLACES, PLANNER, RULES, STEP, Setup, rules_for
-from megatron.bridge_thd.rules.registry import rule
+from megatron.bridge_thd.rules.registry import CONFIGURE, HOOK, PLACES, PLANNER, STEP, Rule, rule
+from megatron.bridge_thd.rules.run import MODULE_ORDER, RULES, _in_order, problems, rules_for
+from megatron.bridge_thd.rules.setup import ROUTES_REAL_TOKENS_ONLY, ModelFacts, Setup, read_setup
 from megatron.bridge_thd.settings import GlobalBatchPacking, PackingSettings, settings_of
 
 # Rules the step runs that configure cannot decide from the config alone, each with the fact it lacks.
@@ -41,6 +41,17 @@ def test_configure_runs_every_rule_the_step_and_the_hook_run_except_what_it_cann
     assert {r.name for r in rules_for(HOOK)} <= configure_rules
 
 
+def test_the_rules_keep_their_order_whichever_rule_module_is_imported_first():
+    # The step imports rules.moe before rules.run, configure rules.graphs: registration order follows imports, the
+    # order configure lists problems in does not.
+    assert [r.check.__module__ for r in RULES.values()] == sorted((r.check.__module__ for r in RULES.values()),
+                                                                  key=MODULE_ORDER.index)
+    by_module = [{n: r for n, r in RULES.items() if r.check.__module__ == m} for m in reversed(MODULE_ORDER)]
+    assert list(_in_order({n: r for block in by_module for n, r in block.items()})) == list(RULES)
+    with pytest.raises(ValueError, match="MODULE_ORDER"):
+        _in_order({"elsewhere": Rule("elsewhere", frozenset({STEP}), fail_if_unsupported)})
+
+
 def test_a_rule_cannot_be_registered_twice_or_for_an_unknown_place():
     with pytest.raises(ValueError, match="registered twice"):
         rule(STEP)(RULES["moe_overlap"].check)
@@ -61,7 +72,7 @@ def _marked_hook(model):
     return model
 
 
-setattr(_marked_hook, rules.ROUTES_REAL_TOKENS_ONLY, True)
+setattr(_marked_hook, ROUTES_REAL_TOKENS_ONLY, True)
 
 
 def _cfg(model):
@@ -247,7 +258,6 @@ def test_the_records_the_rules_and_the_step_read_are_typed_without_any():
     import typing
 
     import megatron.bridge_thd.adapters as adapters
-    from megatron.bridge_thd.rules import ModelFacts
     from megatron.bridge_thd.step.plan import StepPlan
 
     for record in (Setup, ModelFacts, StepPlan, PackingSettings):
@@ -302,7 +312,7 @@ def test_the_loaders_read_the_final_model_config_not_a_forecast():
     """Megatron-Bridge builds the loaders after its finalize(): there the model config's variable_seq_lengths is read
     as it is. A hand-made config (no finalize) at PP 2 and micro-batch size 4 keeps fixed pipeline shapes, so the
     loaders choose one thd_static row, as the step's plan then requires."""
-    from megatron.bridge_thd.rules import read_setup, row_buckets
+    from megatron.bridge_thd.rules.rows import row_buckets
 
     model = _model(num_moe_experts=None, pipeline_model_parallel_size=2, variable_seq_lengths=False)
     cfg = _cfg(model)
@@ -323,18 +333,17 @@ def _hybrid(**facts) -> dict:
 
 
 def test_cp_per_sample_runs_in_the_step_with_what_the_hybrid_schedule_needs():
-    from megatron.bridge_thd.rules import ModelFacts
 
     accepted = Setup(layout="thd", model=ModelFacts(**_hybrid()), seq_lengths=(8192, 8192))
-    assert rules.problems(accepted, STEP) == []
+    assert problems(accepted, STEP) == []
     moe = Setup(layout="thd", model=ModelFacts(**_hybrid(experts=8, load_balancing=("aux_loss",))),
                 seq_lengths=(8192, 8192), routes_real_tokens_only=True)
-    assert rules.problems(moe, STEP) == []
+    assert problems(moe, STEP) == []
     gdn = Setup(layout="thd", dp=4, model=ModelFacts(**_hybrid(linear_attention="gated_delta_net",
                                                               linear_heads=(4, 8))), seq_lengths=(8192, 8192))
-    assert rules.problems(gdn, STEP) == []
+    assert problems(gdn, STEP) == []
     off = Setup(layout="bshd", pp=2, cp=2, model=ModelFacts(experts=8))  # none of these rules without the flag
-    assert not [p for p in rules.problems(off, STEP) if "hybrid_context_parallel" in p]
+    assert not [p for p in problems(off, STEP) if "hybrid_context_parallel" in p]
 
 
 @pytest.mark.parametrize("setup, expected", [
@@ -357,34 +366,32 @@ def test_cp_per_sample_runs_in_the_step_with_what_the_hybrid_schedule_needs():
     (dict(facts=dict(mtp_layers=1)), "mtp_num_layers=1"),
 ])
 def test_cp_per_sample_refusals_name_the_setting(setup, expected):
-    from megatron.bridge_thd.rules import ModelFacts
 
     setup = dict(setup)
     facts = _hybrid()
     facts.update(setup.pop("facts", {}))
     s = Setup(layout=setup.pop("layout", "thd"), model=ModelFacts(**facts), seq_lengths=(8192, 8192), **setup)
-    found = [p for p in rules.problems(s, STEP) if "hybrid_context_parallel" in p]
+    found = [p for p in problems(s, STEP) if "hybrid_context_parallel" in p]
     assert len(found) == 1 and re.search(expected, found[0]), found
 
 
 def test_configure_takes_cp_per_sample_through_cp_per_sample_only():
     """The schedule reads one item of every row per step, which only the loaders cp_per_sample builds yield: the model's
     flag alone is refused; with cp_per_sample, what configure sets itself is not (it is judged at the step)."""
-    from megatron.bridge_thd.rules import ModelFacts
     from megatron.bridge_thd.settings import CPPerSample
 
-    found = rules.problems(Setup(layout="thd", model=ModelFacts(**_hybrid()), seq_lengths=(8192, 8192)), CONFIGURE)
+    found = problems(Setup(layout="thd", model=ModelFacts(**_hybrid()), seq_lengths=(8192, 8192)), CONFIGURE)
     assert len(found) == 1 and "without cp_per_sample" in found[0] and "configure with cp_per_sample=" in found[0]
     asked = PackingSettings(cp_per_sample=CPPerSample(256), global_batch_packing=GlobalBatchPacking())
-    assert rules.problems(Setup(layout="thd", settings=asked, seq_lengths=(8192, 8192), dataloader_type="single"),
+    assert problems(Setup(layout="thd", settings=asked, seq_lengths=(8192, 8192), dataloader_type="single"),
                           CONFIGURE) == []
     fixed = PackingSettings(cp_per_sample=CPPerSample(256), global_batch_packing=GlobalBatchPacking(row_length=4096))
-    found = rules.problems(Setup(layout="thd", settings=fixed, seq_lengths=(8192, 8192), dataloader_type="single"),
+    found = problems(Setup(layout="thd", settings=fixed, seq_lengths=(8192, 8192), dataloader_type="single"),
                            CONFIGURE)
     assert len(found) == 1 and "global_batch_packing.row_length=4096" in found[0] and "unset them" in found[0]
     # At the step (the config as configure left it) the flags configure sets are judged.
     step = Setup(layout="thd", settings=asked, model=ModelFacts(cp_per_sample=True), seq_lengths=(8192, 8192), built=True)
-    assert any("calculate_per_token_loss=False" in p for p in rules.problems(step, STEP))
+    assert any("calculate_per_token_loss=False" in p for p in problems(step, STEP))
 
 
 def test_the_record_takes_cp_per_sample_with_global_batch_packing():

@@ -218,7 +218,10 @@ def test_the_calibration_script_writes_a_file_the_planner_reads(tmp_path, capsys
 
 
 def test_rank_lists_what_fits_best_first_with_the_balance_plans_figures():
-    from megatron.bridge_thd.plan import PlanSettings, balance_plan, get_preset, receipt_lengths
+    from megatron.bridge_thd.cost.presets import get_preset
+    from megatron.bridge_thd.plan.balance import balance_plan
+    from megatron.bridge_thd.plan.estimate import PlanSettings
+    from megatron.bridge_thd.plan.samples import receipt_lengths
     from megatron.bridge_thd.plan.answer import rank_candidates
 
     spec, samples = get_preset("qwen3-vl-2b"), receipt_lengths(64)

@@ -175,8 +175,9 @@ def test_the_setting_is_validated():
 def test_the_rules_take_the_cost_model_as_the_time_placements_model():
     """global_batch_packing.cost_model is refused with Megatron-Core's scheduler (it has nothing to apply to) and read
     as the time model's model by placement 'time'."""
-    from megatron.bridge_thd import rules
-    from megatron.bridge_thd.rules import CONFIGURE, Setup
+    from megatron.bridge_thd.rules import run as rules
+    from megatron.bridge_thd.rules.registry import CONFIGURE
+    from megatron.bridge_thd.rules.setup import Setup
     from megatron.bridge_thd.settings import CPPerSample, GlobalBatchPacking, PackingSettings
 
     def found(cp_per_sample):

@@ -33,14 +33,14 @@ import logging
 from typing import Any, NamedTuple
 
 from megatron.bridge_thd.layouts import LAYOUT_NAMES
-from megatron.bridge_thd.rules import (  # noqa: F401 - the predicates users import from here
+from megatron.bridge_thd.rules.graphs import variable_lengths_set_by_bridge
+from megatron.bridge_thd.rules.run import configure_problems
+from megatron.bridge_thd.rules.setup import (  # noqa: F401 - the predicates users import from here
     Setup,
-    configure_problems,
     cuda_graphs_enabled,
     effective_cuda_graph_impl,
     read_setup,
     uses_hybridep,
-    variable_lengths_set_by_bridge,
 )
 from megatron.bridge_thd.settings import (
     HAND_SET_ATTRIBUTES,

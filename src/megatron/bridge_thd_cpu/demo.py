@@ -206,7 +206,7 @@ def placement_comparison(lengths, patches=None, *, micro_batch_size: int, seq_le
     from megatron.bridge_thd.batching.policy import sample_costs
     from megatron.bridge_thd.batching.sampler import micro_batch_slots, optimal_row_lengths, row_length_for_steps
     from megatron.bridge_thd.batching.sizes import SampleSizes
-    from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS
+    from megatron.bridge_thd.settings import DEFAULT_ROW_BUCKETS
 
     lengths = torch.as_tensor(lengths, dtype=torch.int64).clamp(max=seq_length)
     patches = torch.zeros_like(lengths) if patches is None else torch.as_tensor(patches, dtype=torch.int64)

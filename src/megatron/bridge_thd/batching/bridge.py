@@ -457,7 +457,9 @@ def _wrap(original):
             return tuple(with_sample_indices(loader) for loader in loaders)
         import torch
 
-        from megatron.bridge_thd.rules import LOADERS, read_setup, refuse
+        from megatron.bridge_thd.rules.registry import LOADERS
+        from megatron.bridge_thd.rules.run import refuse
+        from megatron.bridge_thd.rules.setup import read_setup
 
         from megatron.bridge_thd.cost.sample import sample_cost
 
@@ -501,7 +503,7 @@ def _wrap(original):
         if static:
             from megatron.bridge_thd.step.plan import ROWS_ATTRIBUTE, GlobalBatchRows
 
-            from megatron.bridge_thd.rules import row_buckets
+            from megatron.bridge_thd.rules.rows import row_buckets
 
             count = row_buckets(setup)  # the setup judged above: layout "thd_static" here
             row_lengths = run_row_buckets(plans, settings=settings, count=count, row_length=row, align=align, cost=cost)

@@ -17,7 +17,7 @@ from megatron.bridge_thd.moe_padding.model import (
 )
 from megatron.bridge_thd.moe_padding.refusals import fail_if_unsupported
 from megatron.bridge_thd.moe_padding.routers import moe_layers, use_padding_aware_modules
-from megatron.bridge_thd.rules import ROUTES_REAL_TOKENS_ONLY
+from megatron.bridge_thd.rules.setup import ROUTES_REAL_TOKENS_ONLY
 from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 # The package's name, as before the split into modules: the log records keep their logger.

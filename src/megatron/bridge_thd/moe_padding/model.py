@@ -12,7 +12,7 @@ from megatron.bridge_thd.moe_padding.forward_padding import FORWARD_PADDING, For
 from megatron.bridge_thd.moe_padding.mask import padding_mask_from_packed_seq_params, thd_sample_index
 from megatron.bridge_thd.moe_padding.refusals import fail_if_unsupported
 from megatron.bridge_thd.moe_padding.routers import moe_layers
-from megatron.bridge_thd.rules import uses_seq_aux_loss
+from megatron.bridge_thd.rules.setup import uses_seq_aux_loss
 from megatron.bridge_thd.upstream.loading import load_bridge_module
 from megatron.bridge_thd.upstream.line import takes_parameter, upstream_line
 

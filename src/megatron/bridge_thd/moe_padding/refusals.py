@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from megatron.bridge_thd.rules import HOOK, read_hook_setup, refuse
+from megatron.bridge_thd.rules.registry import HOOK
+from megatron.bridge_thd.rules.run import refuse
+from megatron.bridge_thd.rules.setup import read_hook_setup
 
 
 def fail_if_unsupported(config) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron.bridge_thd.plan.balance import balance_plan, micro_batches_per_rank
+from megatron.bridge_thd.plan.cp_per_sample import MEGATRON, OURS, compare_cp
 from megatron.bridge_thd.plan.estimate import PlanSettings
 from megatron.bridge_thd.plan.layouts import Parallel
 from megatron.bridge_thd.plan.peak_memory import peak_memory_bytes
@@ -100,8 +101,6 @@ def cp_per_sample_candidates(spec: ModelSpec, samples: SampleLengths, base: Plan
     by ours (:func:`~.cp_per_sample.compare_cp`, the same time model): ``cp`` is 0 (per sample), the memory is the
     memory model's for the rank's largest row, counted without its vision activations (the comparison keeps no
     patches per row)."""
-    from megatron.bridge_thd.plan.cp_per_sample import MEGATRON, OURS, compare_cp
-
     par = base.parallel
     estimates = compare_cp(spec, samples, gpus=par.gpus, tp=par.tp, global_batch_size=global_batch_size,
                            max_tokens_per_rank=max_tokens_per_rank, gpu=base.gpu.name, params=base.time)

@@ -41,14 +41,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+
 from megatron.bridge_thd import layouts
+from megatron.bridge_thd.batching.policy import assign, in_batch_assignment, placement_stats
+from megatron.bridge_thd.batching.sampler import micro_batch_slots, row_buckets_for_runs, row_length_for_steps
+from megatron.bridge_thd.batching.sizes import SampleSizes
 from megatron.bridge_thd.checks import check_int
+from megatron.bridge_thd.cost.presets import ModelSpec
+from megatron.bridge_thd.cost.sample import frame_lengths, image_patches, sample_cost
 from megatron.bridge_thd.plan.estimate import PlanSettings
 from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, MicroBatch, layout_stats
 from megatron.bridge_thd.plan.memory import GraphMemory, activation_bytes, cuda_graph_bytes
-from megatron.bridge_thd.cost.presets import ModelSpec
 from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
-from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS
+from megatron.bridge_thd.rules.run import RULES
+from megatron.bridge_thd.rules.setup import Setup
+from megatron.bridge_thd.settings import DEFAULT_ROW_BUCKETS
 
 __all__ = ["PLACEMENTS", "PlacementEstimate", "BalancePlan", "Step", "micro_batches_per_rank", "plan_steps", "static_row_for_steps",
            "static_rows_for_steps", "check_row_buckets", "step_assignments", "balance_plan"]
@@ -139,8 +147,6 @@ def micro_batches_per_rank(global_batch_size, micro_batch_size: int, dp: int, nu
         ValueError: naming ``--global-batch-size``: not an int >= 1, or larger than the ``num_samples`` samples; or
             the rule ``global_batch_size`` (not a multiple of ``micro_batch_size * dp``).
     """
-    from megatron.bridge_thd.rules import RULES, Setup
-
     per_micro = micro_batch_size * dp
     check_int("--global-batch-size", global_batch_size)
     found = RULES["global_batch_size"].check(Setup(layout="thd", micro_batch_size=micro_batch_size, dp=dp,
@@ -157,8 +163,6 @@ def micro_batches_per_rank(global_batch_size, micro_batch_size: int, dp: int, nu
 def plan_steps(samples: SampleLengths, global_batch_size: int, seq_length: int) -> list[Step]:
     """Consecutive global batches of ``samples`` (the remainder dropped), each sample truncated to
     ``seq_length`` (refused where that would cut an image, as the step refuses it)."""
-    from megatron.bridge_thd.cost.sample import frame_lengths, image_patches
-
     check_seq_length(samples, seq_length)
     steps = []
     for k in range(len(samples) // global_batch_size):
@@ -170,10 +174,6 @@ def plan_steps(samples: SampleLengths, global_batch_size: int, seq_length: int) 
 
 
 def _sizes(steps: list[Step]):
-    import torch
-
-    from megatron.bridge_thd.batching.sizes import SampleSizes
-
     return SampleSizes(torch.tensor([n for s in steps for n in s.lengths], dtype=torch.int64),
                        torch.tensor([p for s in steps for p in s.patches], dtype=torch.int64),
                        torch.tensor([q for s in steps for q in s.patches_squared], dtype=torch.float64), "planner")
@@ -185,10 +185,6 @@ def static_row_for_steps(steps: list[Step], *, dp: int, micro_batch_size: int, n
     :func:`~megatron.bridge_thd.batching.sampler.row_length_for_steps` on these steps, each in
     Megatron-Bridge's draw order (no upper bound: a row above ``micro_batch_size * seq_length`` is
     reported, not refused)."""
-    import torch
-
-    from megatron.bridge_thd.batching.sampler import row_length_for_steps
-
     gbs = dp * micro_batch_size * num_micro_batches
     draws = [torch.arange(k * gbs, (k + 1) * gbs) for k in range(len(steps))]
     return row_length_for_steps(draws, sizes=_sizes(steps), dp_size=dp, num_micro_batches=num_micro_batches,
@@ -212,10 +208,6 @@ def static_rows_for_steps(steps: list[Step], *, row: int, row_buckets: int, dp: 
     the aligned slots of every micro-batch :func:`~megatron.bridge_thd.batching.assign` forms in rows of
     ``row`` (:func:`~megatron.bridge_thd.batching.sampler.micro_batch_slots`), then at most ``row_buckets``
     rows of least padding over them (:func:`~megatron.bridge_thd.batching.sampler.row_buckets_for_runs`)."""
-    import torch
-
-    from megatron.bridge_thd.batching.sampler import micro_batch_slots, row_buckets_for_runs
-
     check_row_buckets(row_buckets)
     if row_buckets == 1:
         return (row,)
@@ -229,8 +221,6 @@ def static_rows_for_steps(steps: list[Step], *, row: int, row_buckets: int, dp: 
 def step_assignments(step: Step, placement: str, *, dp: int, micro_batch_size: int, num_micro_batches: int,
                      row_length: int, align: int, cost=None, seed: int = 0):
     """``[rank][micro_batch] -> positions in the step`` for ``placement`` (:data:`PLACEMENTS`)."""
-    from megatron.bridge_thd.batching.policy import assign, in_batch_assignment
-
     if placement == "in-batch":
         return in_batch_assignment(len(step.lengths), dp_size=dp, micro_batch_size=micro_batch_size)
     if placement == "packed":
@@ -256,8 +246,6 @@ def _estimate(layout: str, placement: str, steps: list[Step], assignments, costs
     """One layout under one placement over the steps: each micro-batch's slots (``static_rows``: the shortest of
     the packed ``thd_static`` rows that holds it, counted in ``row_use``), its time (the time model) and
     activations; the slowest rank per step (:meth:`~.step_model.StepModel.step`)."""
-    from megatron.bridge_thd.batching.policy import placement_stats
-
     par = settings.parallel
     step_times, time_ratios, cost_ratios, slots, real, count, peak = [], [], [], 0, 0, 0, 0.0
     largest = (0, 0)
@@ -305,8 +293,6 @@ def balance_plan(spec: ModelSpec, samples: SampleLengths, settings: PlanSettings
             the samples (naming ``--global-batch-size``), ``row_buckets`` not an int >= 1 (naming
             ``--row-buckets``), or a ``seq_length`` that cuts an image.
     """
-    from megatron.bridge_thd.cost.sample import sample_cost
-
     par, mbs = settings.parallel, settings.micro_batch_size
     check_row_buckets(row_buckets)
     if global_batch_size is None:

@@ -9,7 +9,7 @@ ran out of memory. Every figure printed is a model's figure.
 
 from __future__ import annotations
 
-from megatron.bridge_thd.cost.step_time import FITTED, TimeParameters
+from megatron.bridge_thd.cost.step_time import FITTED, RateCurve, TimeParameters
 from megatron.bridge_thd.plan.published import TABLES, Figure, pr3838_memory
 
 __all__ = ["PARAMETER_SOURCES", "parameter_table", "figures_table", "calibration_report"]
@@ -26,9 +26,17 @@ PARAMETER_SOURCES = {
 }
 
 
-def _value(params: TimeParameters, name: str) -> str:
-    value = getattr(params, name)
-    if hasattr(value, "points"):
+def _values(params: TimeParameters) -> dict[str, RateCurve | float]:
+    """Each parameter of :data:`PARAMETER_SOURCES` with its value in ``params``."""
+    return {"attention_forward": params.attention_forward, "attention_backward": params.attention_backward,
+            "vision_attention_forward": params.vision_attention_forward,
+            "vision_attention_backward": params.vision_attention_backward, "gemm_efficiency": params.gemm_efficiency,
+            "per_micro_batch_s": params.per_micro_batch_s, "ring_step_s": params.ring_step_s,
+            "per_step_s": params.per_step_s}
+
+
+def _value(value: RateCurve | float, name: str) -> str:
+    if isinstance(value, RateCurve):
         return ", ".join(f"{n}: {r / 1e12:.0f}" for n, r in value.points) + " TFLOP/s"
     if name.endswith("_s"):
         return f"{value * 1e3:.3f} ms"
@@ -38,8 +46,9 @@ def _value(params: TimeParameters, name: str) -> str:
 def parameter_table(params: TimeParameters = FITTED) -> str:
     """The parameters as a Markdown table: name, value, source (``fitted`` names what :mod:`.fit` chose)."""
     rows = ["| parameter | value | source |", "|---|---|---|"]
+    values = _values(params)
     for name, source in PARAMETER_SOURCES.items():
-        rows.append(f"| `{name}` | {_value(params, name)} | "
+        rows.append(f"| `{name}` | {_value(values[name], name)} | "
                     f"{params.source if name in params.fitted else source} |")
     return "\n".join(rows)
 

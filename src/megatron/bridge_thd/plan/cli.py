@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib
 import logging
 import sys
+
+from megatron.bridge_thd.plan import plan_command
+from megatron.bridge_thd.plan.scan import command as scan_command
 
 __all__ = ["COMMANDS", "DEFAULT_COMMAND", "build_parser", "usage", "main"]
 
 # name: (the module whose main(argv) runs it, its line in bridge-thd --help)
 COMMANDS = {
-    "plan": ("megatron.bridge_thd.plan.plan_command",
+    "plan": (plan_command,
              "what packing buys for a model, a length distribution and a parallel layout (docs/planner.md)"),
-    "scan": ("megatron.bridge_thd.plan.scan",
+    "scan": (scan_command,
              "a Megatron-Bridge recipe's dataset measured sample by sample, written as plan's lengths file "
              "(docs/scan.md)"),
 }
@@ -35,9 +37,7 @@ DEFAULT_COMMAND = "plan"  # what arguments without a command word run
 
 def build_parser():
     """``plan``'s parser (this module's name for it before ``bridge-thd`` had several commands)."""
-    from megatron.bridge_thd.plan.plan_command import build_parser as plan_parser
-
-    return plan_parser()
+    return plan_command.build_parser()
 
 
 def usage() -> str:
@@ -91,4 +91,4 @@ def main(argv: list[str] | None = None) -> int:
         command = DEFAULT_COMMAND
     module, _ = COMMANDS[command]
     with _without_the_cuda_home_notice():
-        return importlib.import_module(module).main(argv)
+        return module.main(argv)

@@ -98,7 +98,8 @@ def _estimate_layout(layout, spec, cfg, batches, settings, state_bytes, model: S
     par, n_mb = settings.parallel, settings.micro_batches_per_step
     stats = [layout_stats(layout, b, settings.seq_length, par) for b in batches]
     flops = [micro_batch_flops(cfg, len(b.lengths), s, q, b.patches) for b, (s, q) in zip(batches, stats)]
-    mean_flops = FlopsBreakdown(*(_mean(getattr(f, k) for f in flops) for k in ("linear", "attention_core", "vision")))
+    mean_flops = FlopsBreakdown(_mean(f.linear for f in flops), _mean(f.attention_core for f in flops),
+                                _mean(f.vision for f in flops))
     acts = [activation_bytes(spec, par, s, b.patches, n_mb).total for b, (s, _) in zip(batches, stats)]
     peak = max(acts)
     memory_peak = state_bytes + peak + settings.reserved_bytes

@@ -44,8 +44,8 @@ class Parallel:
     fp8: bool = False
 
     def __post_init__(self):
-        for name in ("tp", "cp", "pp", "ep", "gpus"):
-            check_int(name, getattr(self, name))
+        for name, value in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("ep", self.ep), ("gpus", self.gpus)):
+            check_int(name, value)
         if self.gpus % (self.tp * self.cp * self.pp):
             raise ValueError(f"gpus={self.gpus} is not divisible by tp*cp*pp={self.tp * self.cp * self.pp}")
         if (self.dp * self.cp) % self.ep:

@@ -2,7 +2,7 @@
 
 * Model states (bf16 weights, fp32 grads, Adam states): Megatron-Bridge's ``estimate_training_memory``
   (``training/utils/theoretical_memory_utils.py``, loaded by
-  :func:`megatron.bridge_thd.upstream.load_theoretical_memory_utils`) on the namespace :func:`memory_config`
+  :func:`megatron.bridge_thd.upstream.loading.load_theoretical_memory_utils`) on the namespace :func:`memory_config`
   builds from a :class:`ModelSpec` and a :class:`Parallel`, ``include_activation=False``. It counts the
   language model only, every mixer as grouped-query attention without an output gate: ``mixer_states`` adds
   ours for the difference (Gated DeltaNet layers, the output gate, the MTP layers' ``eh_proj``),
@@ -24,11 +24,14 @@ import inspect
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import torch.nn.functional as F
+
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.layouts import Parallel
 from megatron.bridge_thd.plan.memory import (layer_bytes_per_token, mixer_parameters, parameter_counts,
                                              vision_bytes_per_patch)
 from megatron.bridge_thd.cost.presets import ModelSpec, replace
+from megatron.bridge_thd.upstream import loading
 
 __all__ = ["DEFAULT_RESERVED_BYTES", "MemoryEstimate", "memory_config", "upstream_estimate", "padded_vocab_size",
            "loss_bytes_per_token", "mtp_bytes_per_token", "output_input_bytes_per_token", "row_slots_per_rank",
@@ -45,8 +48,6 @@ def memory_config(spec: ModelSpec, parallel: Parallel, *, mtp_layers: int = 0, s
     ``config.optimizer``, ``config.data_parallel_size``), from ``spec`` and ``parallel``: SwiGLU MLPs (its
     ``gated_linear_unit`` with ``activation_func = F.silu``), expert TP = TP, vocabulary padded to 128 * TP
     (Megatron's default ``make_vocab_size_divisible_by``), no uneven / virtual pipeline stages."""
-    import torch.nn.functional as F
-
     model = SimpleNamespace(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
@@ -80,13 +81,11 @@ def upstream_estimate(config: SimpleNamespace, num_microbatches: int | None = No
     Raises:
         RuntimeError: the installed module has neither.
     """
-    from megatron.bridge_thd.upstream.loading import load_theoretical_memory_utils
-
-    module = load_theoretical_memory_utils()
-    estimate = getattr(module, "estimate_training_memory", None)
+    module = loading.load_theoretical_memory_utils()
+    estimate = getattr(module, "estimate_training_memory", None)  # offers: the structured estimator (newer lines)
     if estimate is not None and "include_activation" in inspect.signature(estimate).parameters:
         return estimate(config, num_microbatches, include_activation=include_activation)
-    legacy = getattr(module, "compute_weight_and_optimizer_memory", None)
+    legacy = getattr(module, "compute_weight_and_optimizer_memory", None)  # offers: the older states-only one
     if legacy is None or include_activation:
         raise RuntimeError("Megatron-Bridge's theoretical_memory_utils offers neither estimate_training_memory("
                            "..., include_activation=...) nor (for model states) compute_weight_and_optimizer_memory")

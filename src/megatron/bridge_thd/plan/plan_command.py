@@ -16,11 +16,33 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
 
 from megatron.bridge_thd.checks import check_int
-from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS
+from megatron.bridge_thd.cost.presets import PRESETS, get_preset, spec_from_hf_config
+from megatron.bridge_thd.cost.step_time import (
+    FITTED, MACHINES, get_machine, load_time_parameters, time_parameters_to_dict)
+from megatron.bridge_thd.plan.answer import best_first, cp_per_sample_candidates, format_candidates, rank_candidates
+from megatron.bridge_thd.plan.balance import balance_plan, check_row_buckets, micro_batches_per_rank
+from megatron.bridge_thd.plan.calibrate import calibration_report
+from megatron.bridge_thd.plan.cp_per_sample import compare_cp, format_cp_comparison
+from megatron.bridge_thd.plan.estimate import PlanSettings, plan
+from megatron.bridge_thd.plan.fit_log import fit_run_log, format_log_fit
+from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, Parallel
+from megatron.bridge_thd.plan.plot import write_plot
+from megatron.bridge_thd.plan.report import format_plan
+from megatron.bridge_thd.plan.roofline import GPUS, get_gpu
+from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths
+from megatron.bridge_thd.plan.text_mix import text_mix_lengths
+from megatron.bridge_thd.plan.video_mix import video_mix_lengths
+from megatron.bridge_thd.rules.registry import PLANNER
+from megatron.bridge_thd.rules.rows import row_buckets as runtime_row_buckets
+from megatron.bridge_thd.rules.run import problems
+from megatron.bridge_thd.rules.setup import ModelFacts, Setup
+from megatron.bridge_thd.run_log import read_run_log
+from megatron.bridge_thd.settings import DEFAULT_ROW_BUCKETS, GlobalBatchPacking, PackingSettings
 
 __all__ = ["build_parser", "list_presets", "run", "main"]
 
@@ -89,9 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def list_presets() -> str:
     """``--list-models``: the presets and the GPUs."""
-    from megatron.bridge_thd.cost.presets import PRESETS
-    from megatron.bridge_thd.plan.roofline import GPUS
-
     lines = ["presets:"] + [f"  {name:22s} {spec.hf_repo}" for name, spec in PRESETS.items()]
     lines += ["GPUs:"] + [f"  {g.name:10s} {g.bf16_flops / 1e12:.0f} TFLOP/s bf16, {g.hbm_bytes_per_s / 1e12:.2f} TB/s, "
                           f"{g.memory_bytes / 1e9:.0f} GB" for g in GPUS.values()]
@@ -104,14 +123,6 @@ def run(args) -> str:
     Raises:
         ValueError: bad input, in one line naming the option.
     """
-    from megatron.bridge_thd.plan.balance import balance_plan, check_row_buckets, micro_batches_per_rank
-    from megatron.bridge_thd.plan.estimate import PlanSettings, plan
-    from megatron.bridge_thd.plan.layouts import Parallel
-    from megatron.bridge_thd.cost.presets import get_preset, spec_from_hf_config
-    from megatron.bridge_thd.plan.report import format_plan
-    from megatron.bridge_thd.plan.roofline import get_gpu
-    from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths
-
     spec = spec_from_hf_config(args.hf_config) if args.hf_config else get_preset(args.model)
     if args.fit_log:
         return _fit_log(args, spec)
@@ -150,11 +161,9 @@ def run(args) -> str:
     text = format_plan(result, balance_plan(spec, samples, settings, args.global_batch_size, seed=args.seed,
                                                  row_buckets=row_buckets))
     text += "".join(f"\nrefused by the step for layout {layout!r} (docs/rules.md): {problem}"
-                    for layout, problems in refused.items() for problem in problems)
+                    for layout, found in refused.items() for problem in found)
     if args.png:
         try:
-            from megatron.bridge_thd.plan.plot import write_plot
-
             text += f"\nwrote {write_plot(result, args.png)}"
         except ImportError as error:
             text += f"\n{error}"
@@ -163,8 +172,6 @@ def run(args) -> str:
 
 def _rank(args, spec, samples, settings) -> str:
     """``--rank``: every candidate that fits, best first (plan/answer.py)."""
-    from megatron.bridge_thd.plan.answer import best_first, cp_per_sample_candidates, format_candidates, rank_candidates
-
     if args.global_batch_size is None:
         raise ValueError("--rank: give --global-batch-size (the candidates vary the micro-batch size and CP size at "
                          "a fixed global batch)")
@@ -181,12 +188,6 @@ def _rank(args, spec, samples, settings) -> str:
 
 def _fit_log(args, spec) -> str:
     """``--fit-log JSONL``: the fixed costs fitted on a run log (plan/fit_log.py), optionally written."""
-    import json
-
-    from megatron.bridge_thd.cost.step_time import get_machine, time_parameters_to_dict
-    from megatron.bridge_thd.plan.fit_log import fit_run_log, format_log_fit
-    from megatron.bridge_thd.run_log import read_run_log
-
     try:
         records = read_run_log(args.fit_log)
     except FileNotFoundError:
@@ -202,8 +203,6 @@ def _fit_log(args, spec) -> str:
 
 def time_parameters(args):
     """The time model's parameters for ``args``: ``--time-params`` over the fitted ones, or the fitted ones."""
-    from megatron.bridge_thd.cost.step_time import FITTED, get_machine, load_time_parameters
-
     get_machine(args.gpu)  # the time model knows this GPU (ValueError naming the known ones otherwise)
     return load_time_parameters(args.time_params) if args.time_params else FITTED
 
@@ -212,12 +211,6 @@ def _cp_per_sample(args, spec) -> str:
     """``--cp-per-sample TOKENS``: static CP against a CP size per sample by Megatron-Core's scheduler and by ours, every
     way priced by the time model (plan/cp_per_sample.py); ``--text-mix``: the synthetic text mix instead of the video
     mix."""
-    from megatron.bridge_thd.cost.step_time import MACHINES
-    from megatron.bridge_thd.plan.cp_per_sample import compare_cp, format_cp_comparison
-    from megatron.bridge_thd.plan.samples import load_lengths
-    from megatron.bridge_thd.plan.text_mix import text_mix_lengths
-    from megatron.bridge_thd.plan.video_mix import video_mix_lengths
-
     check_int("--cp-per-sample", args.cp_per_sample, 2)
     if args.pp != 1 or args.cp != 1:
         raise ValueError("--cp-per-sample: compares CP sizes itself on a DP x CP world of --gpus / --tp ranks; leave --cp "
@@ -241,12 +234,9 @@ def _cp_per_sample(args, spec) -> str:
 
 
 def planner_setup(layout: str, spec, settings, global_batch_size: int, row_buckets: int | None):
-    """The rules' :class:`~megatron.bridge_thd.rules.Setup` of a plan for ``layout``: the model config and the run
+    """The rules' :class:`~megatron.bridge_thd.rules.setup.Setup` of a plan for ``layout``: the model config and the run
     as ``configure`` would set them up from the plan's options (the THD layouts with global-batch packing of
     ``row_buckets`` rows, as the plan's balance table compares them)."""
-    from megatron.bridge_thd.rules import ModelFacts, Setup
-    from megatron.bridge_thd.settings import GlobalBatchPacking, PackingSettings
-
     par = settings.parallel
     model = ModelFacts(seq_length=settings.seq_length, sequence_parallel=par.sp, fp8=par.fp8,
                        experts=spec.num_moe_experts or 0, sizes=(par.tp, par.cp, par.pp, par.ep))
@@ -265,10 +255,6 @@ def planner_refusals(spec, settings, global_batch_size: int, row_buckets: int | 
     Raises:
         ValueError: a problem every layout has (e.g. the global batch size), listed.
     """
-    from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER
-    from megatron.bridge_thd.rules import PLANNER, problems
-    from megatron.bridge_thd.rules import row_buckets as runtime_row_buckets
-
     setups = {layout: planner_setup(layout, spec, settings, global_batch_size, row_buckets) for layout in LAYOUT_ORDER}
     refused = {layout: problems(setup, PLANNER) for layout, setup in setups.items()}
     common = [problem for problem in refused[LAYOUT_ORDER[0]] if all(problem in found for found in refused.values())]
@@ -287,8 +273,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.list_models:
                 print(list_presets())
             elif args.calibrate:
-                from megatron.bridge_thd.plan.calibrate import calibration_report
-
                 print(calibration_report())
             else:
                 print(run(args))

@@ -17,10 +17,14 @@ from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
+from megatron.bridge_thd.batching.cp_per_sample import place_with_cp_per_sample
 from megatron.bridge_thd.cost.step_time import (
     Link, Machine, SampleWork, TimeParameters, get_machine, model_shape, row_time, sample_work)
-from megatron.bridge_thd.packing import round_up
 from megatron.bridge_thd.plan.layouts import Parallel
+from megatron.bridge_thd.plan.peak_memory import peak_memory_bytes
+from megatron.bridge_thd.plan.samples import receipt_lengths
 from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec, get_preset, replace
 from megatron.bridge_thd.plan.step_model import sync_seconds
 
@@ -76,8 +80,6 @@ def lognormal_lengths(count: int, *, mean: float, sigma: float, low: int, high: 
     """Megatron-LM's mock variable-length generator (``megatron/training/datasets/sft_dataset.py``,
     ``MockSFTLowLevelDataset``: ``np.random.seed(seed)``, ``mu = log(mean) - sigma^2 / 2``, lognormal, clipped to
     ``[low, high]``, cast to int), its first ``count`` lengths."""
-    import numpy as np
-
     np.random.seed(seed)
     mu = math.log(mean) - sigma ** 2 / 2
     return np.clip(np.random.lognormal(mu, sigma, size=count), low, high).astype(int).tolist()
@@ -134,8 +136,6 @@ def static_cp_rows(works: Sequence[SampleWork], *, cp: int, dp: int, capacity: i
 def balanced_cp_rows(works: Sequence[SampleWork], *, world: int, max_tokens_per_rank: int) -> list[PlacedRow]:
     """CP per sample placed by Megatron-Core's ``BalancedCPScheduler``
     (:func:`megatron.bridge_thd.batching.cp_per_sample.place_with_cp_per_sample`), its groups behind barriers."""
-    from megatron.bridge_thd.batching.cp_per_sample import place_with_cp_per_sample
-
     placement = place_with_cp_per_sample([w.tokens for w in works], world=world,
                                          max_tokens_per_rank=max_tokens_per_rank)
     return [PlacedRow(tuple(works[i] for i in row.samples), row.cp_size, row.group, row.ranks)
@@ -210,8 +210,6 @@ _PR3838_DOCUMENT_TOKENS = 1000  # "documents of ~1000 tokens" (PR 3481, the same
 def cord_v2_lengths(count: int, seed: int = 0, mean_tokens: int = _PR3838_DOCUMENT_TOKENS) -> list[SampleWork]:
     """cord_v2 as the reproduction assumes it: the planner's synthetic receipts (:func:`~.samples.receipt_lengths`),
     each sample's text and image height scaled by one factor so the mean sample is ``mean_tokens``."""
-    from megatron.bridge_thd.plan.samples import receipt_lengths
-
     receipts = receipt_lengths(count, seed)
     factor = mean_tokens / (sum(receipts.tokens) / count)
     works = []
@@ -299,8 +297,6 @@ def _verl(params: TimeParameters, mean: int = 2048, sigma: float = 1.5,
 def pr3838_memory(num_samples: int = 2048, seed: int = 0) -> dict:
     """PR 3838's four runs by the memory model (:func:`~.peak_memory.peak_memory_bytes`) on the reproduction's
     lengths: ``{(layout, mbs): (ran on the GPU, MemoryEstimate of the largest micro-batch, GPU bytes)}``."""
-    from megatron.bridge_thd.plan.peak_memory import peak_memory_bytes
-
     spec = replace(get_preset("qwen3.5-vl-2b"), mtp_num_layers=1)
     machine, seq_length, parallel = get_machine("h100-sxm"), 2048, Parallel(gpus=8)
     works = _cord_v2_at(seq_length, num_samples, seed)

@@ -38,7 +38,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from megatron.bridge_thd.checks import check_int
+from megatron.bridge_thd.plan.receipts import ReceiptSpec, receipt_sample
 
 __all__ = ["SampleLengths", "receipt_lengths", "load_lengths", "check_seq_length"]
 
@@ -138,10 +141,6 @@ def check_seq_length(samples: SampleLengths, seq_length: int) -> None:
 def receipt_lengths(num_samples: int, seed: int = 0) -> SampleLengths:
     """``num_samples`` draws from the synthetic receipt distribution of
     ``megatron.bridge_thd.plan.receipts`` (the sampler the CPU build's synthetic batches use, same seed convention)."""
-    import torch
-
-    from megatron.bridge_thd.plan.receipts import ReceiptSpec, receipt_sample
-
     check_int("num_samples", num_samples)
     generator = torch.Generator().manual_seed(seed)
     spec = ReceiptSpec()

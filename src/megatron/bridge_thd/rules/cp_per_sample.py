@@ -110,9 +110,10 @@ def _cp_per_sample_placement(s: Setup) -> list[str]:
     batching = s.global_batch
     if s.settings.cp_per_sample is None or batching is None:
         return []
-    names = ("row_length", "row_buckets") + (() if s.settings.cp_per_sample.placement == "time" else ("cost_model",))
-    set_values = [f"global_batch_packing.{name}={getattr(batching, name)!r}"
-                  for name in names if getattr(batching, name) is not None]
+    values = {"row_length": batching.row_length, "row_buckets": batching.row_buckets}
+    if s.settings.cp_per_sample.placement != "time":
+        values["cost_model"] = batching.cost_model
+    set_values = [f"global_batch_packing.{name}={value!r}" for name, value in values.items() if value is not None]
     if not set_values:
         return []
     return [f"cp_per_sample: {', '.join(set_values)}; with a CP size per sample the placement "

@@ -2,8 +2,10 @@
 
 A rule is a function of a :class:`~megatron.bridge_thd.rules.setup.Setup` that returns the problems it finds as
 messages (the setting, what is wrong, what to set); it never raises and never writes. :func:`rule` registers one
-with its places; :func:`problems` runs every rule of a place, in registration order, on one ``Setup``;
-:func:`refuse` raises them as one ``ValueError``. The places:
+with its places, in :data:`REGISTERED`, as the rule modules are imported. This module is the rule modules' side:
+what runs the rules (:data:`~megatron.bridge_thd.rules.run.RULES`, :func:`~megatron.bridge_thd.rules.run.problems`,
+:func:`~megatron.bridge_thd.rules.run.refuse`) is :mod:`megatron.bridge_thd.rules.run`, which imports every rule
+module first. The places:
 
 * ``configure``: before the model exists, from the config alone;
 * ``planner``: ``bridge-thd plan``, from its options;
@@ -22,8 +24,7 @@ from typing import Callable
 
 from megatron.bridge_thd.rules.setup import Setup
 
-__all__ = ["Rule", "rule", "RULES", "PLACES", "CONFIGURE", "PLANNER", "STEP", "HOOK", "LOADERS", "rules_for",
-           "problems", "refuse"]
+__all__ = ["Rule", "rule", "REGISTERED", "PLACES", "CONFIGURE", "PLANNER", "STEP", "HOOK", "LOADERS"]
 
 CONFIGURE, PLANNER, STEP, HOOK, LOADERS = "configure", "planner", "step", "hook", "loaders"
 PLACES = (CONFIGURE, PLANNER, STEP, HOOK, LOADERS)
@@ -49,8 +50,9 @@ class Rule:
         return " ".join((self.check.__doc__ or "").strip().split("\n\n")[0].split())
 
 
-# Every rule, by name, in registration order (the order configure's error lists problems in).
-RULES: dict[str, Rule] = {}
+# Every rule registered so far, by name, in registration order (the order configure's error lists problems in).
+# Complete once every rule module is imported: read it as rules.run.RULES, which imports them.
+REGISTERED: dict[str, Rule] = {}
 
 
 def rule(*places: str) -> Callable[[Callable[[Setup], list[str]]], Callable[[Setup], list[str]]]:
@@ -61,29 +63,10 @@ def rule(*places: str) -> Callable[[Callable[[Setup], list[str]]], Callable[[Set
 
     def register(check: Callable[[Setup], list[str]]) -> Callable[[Setup], list[str]]:
         name = check.__name__.lstrip("_")
-        if name in RULES:
+        if name in REGISTERED:
             raise ValueError(f"rule {name!r}: registered twice")
-        RULES[name] = Rule(name, frozenset(places), check)
+        REGISTERED[name] = Rule(name, frozenset(places), check)
         return check
 
     return register
 
-
-def rules_for(place: str) -> tuple[Rule, ...]:
-    """The rules run at ``place``, in registration order."""
-    if place not in PLACES:
-        raise ValueError(f"place: {place!r}; expected one of {PLACES}")
-    return tuple(r for r in RULES.values() if place in r.places)
-
-
-def problems(setup: Setup, place: str) -> list[str]:
-    """Every problem the rules of ``place`` find in ``setup``."""
-    return [problem for r in rules_for(place) for problem in r.check(setup)]
-
-
-def refuse(setup: Setup, place: str, heading: str) -> None:
-    """Raise one ``ValueError``, ``heading`` then each problem on its own line, when the rules of ``place`` find
-    any in ``setup``."""
-    found = problems(setup, place)
-    if found:
-        raise ValueError(f"{heading}:\n- " + "\n- ".join(found))

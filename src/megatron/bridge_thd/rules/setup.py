@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from megatron.bridge_thd.adapters import ModelAdapter, family_of_model_class
 from megatron.bridge_thd.layouts import LAYOUT_NAMES, bshd_alignment, thd_alignment
 from megatron.bridge_thd.settings import GlobalBatchPacking, PackingSettings, settings_of
-
-if TYPE_CHECKING:  # adapters imports torch and the MRoPE code; the rules need only the type
-    from megatron.bridge_thd.adapters import ModelAdapter
 
 __all__ = ["Setup", "ModelFacts", "read_setup", "read_model_facts", "read_hook_setup", "cuda_graphs_enabled", "effective_cuda_graph_impl",
            "uses_hybridep", "uses_seq_aux_loss", "requested_layout", "bridge_packing_flag", "ROUTES_REAL_TOKENS_ONLY",
@@ -295,6 +293,8 @@ class Setup:
             ``finalize()``; the hook): its ``variable_seq_lengths`` is read as it is, not foreseen.
         te_cp_padding_defect: the installed Transformer Engine's CP padding defect, if any (the step).
         length_fallback_pad_id: the pad id the length fallback reads (the step; None: none found).
+        processor_path: ``dataset.hf_processor_path``, the Hugging Face processor of Megatron-Bridge's VLM datasets
+            (None: the dataset has none; ``bridge-thd scan`` reads it).
     """
 
     layout: str
@@ -322,6 +322,7 @@ class Setup:
     built: bool = False
     te_cp_padding_defect: str | None = None
     length_fallback_pad_id: int | None = None
+    processor_path: str | None = None
 
     @property
     def cp_per_sample(self) -> bool:
@@ -474,8 +475,6 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
     tp, cp, pp, ep = model.sizes if sizes is None else (sizes["tp"], sizes["cp"], sizes["pp"], sizes["ep"])
     model_class = built_model if built_model is not None else _built_model_class(model_root)
     if adapter is None and model_class is not None:
-        from megatron.bridge_thd.adapters import family_of_model_class
-
         adapter = family_of_model_class(model_class)
     train = getattr(cfg, "train", None)
     return Setup(
@@ -490,5 +489,5 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
         built_model_plans=hasattr(model_class, "build_schedule_plan") if model_class is not None else None,
         provider=type(model_root).__name__, family=adapter, routes_real_tokens_only=bool(routes_real_tokens_only),
         row_lengths=tuple(row_lengths), built=built, te_cp_padding_defect=te_cp_padding_defect,
-        length_fallback_pad_id=length_fallback_pad_id,
+        length_fallback_pad_id=length_fallback_pad_id, processor_path=getattr(dataset, "hf_processor_path", None),
     )

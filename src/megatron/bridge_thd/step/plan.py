@@ -22,15 +22,10 @@ import torch
 from megatron.bridge_thd.adapters import ModelAdapter, VisionTokens
 from megatron.bridge_thd.layouts import layout_for, static_row_length, thd_alignment
 from megatron.bridge_thd.packing import round_up
-from megatron.bridge_thd.rules import (
-    ROUTES_REAL_TOKENS_ONLY,
-    STEP,
-    layout_dependent_moe_settings,
-    read_model_facts,
-    read_setup,
-    refuse,
-    requested_layout,
-)
+from megatron.bridge_thd.rules.moe import layout_dependent_moe_settings
+from megatron.bridge_thd.rules.registry import STEP
+from megatron.bridge_thd.rules.run import refuse
+from megatron.bridge_thd.rules.setup import ROUTES_REAL_TOKENS_ONLY, read_model_facts, read_setup, requested_layout
 from megatron.bridge_thd.settings import settings_of
 from megatron.bridge_thd.cp_per_sample import CPPerSampleStep, find_cp_group_holders
 from megatron.bridge_thd.upstream.loading import load_bridge_module

@@ -21,30 +21,20 @@ loader worker processes (forked: never in this process, as ``batching.sizes`` sc
   placeholder tokens end (the processor's ``image_token_id`` / ``video_token_id``).
 
 The three settings changed, none of which changes a sample's tokens: ``seq_length`` is set out of reach
-(:data:`NO_CUT`) so that the collate cuts nothing (the lengths are the untruncated ones; what Megatron-Bridge's
+(:data:`~.recipe.NO_CUT`) so that the collate cuts nothing (the lengths are the untruncated ones; what Megatron-Bridge's
 collate would cut at ``--seq-length`` is computed from them, as ``pad_or_truncate_sequence_batch`` keeps each
 row's first ``seq_length`` columns), ``pad_to_max_length`` is off, and in-batch packing is deferred to the step
 (``defer_in_batch_packing_to_step``, as ``configure(layout=...)`` sets it: the collate then gives each row's 2D
 mask). The scan is cached under the key ``batching.sizes`` computes (dataset class, size, period and the first
 and last samples as the collate gives them, collated in a worker), so one scan serves every ``--seq-length``.
 
-One module per job, every name re-exported here: ``measuring`` (one collated sample measured:
-:func:`measure`, :class:`ScannedSample`, :class:`Scan`), ``cache`` (:func:`scan_dataset` in loader workers, and
-its cache), ``lengths_file`` (:func:`write_lengths`), ``lengths_summary`` (:func:`summary`, :func:`histogram`,
-:func:`over_length`), ``recipe`` (:func:`recipe_config`, :func:`build_split`), ``environment`` (Megatron-Bridge
-whole, ``--cpu-tiny``'s local data: the one module of the runtime package that imports the CPU build) and
-``command`` (:func:`build_parser`, :func:`run`, :func:`main`).
+One module per job (import from them; this package exports nothing): ``measuring`` (one collated sample
+measured: :func:`~.measuring.measure`, :class:`~.measuring.ScannedSample`, :class:`~.measuring.Scan`), ``cache``
+(:func:`~.cache.scan_dataset` in loader workers, and its cache), ``lengths_file``
+(:func:`~.lengths_file.write_lengths`), ``lengths_summary`` (:func:`~.lengths_summary.summary`,
+:func:`~.lengths_summary.histogram`, :func:`~.lengths_summary.over_length`), ``recipe`` (:func:`~.recipe.recipe_config`, :func:`~.recipe.recipe_setup`,
+:func:`~.recipe.build_split`) and ``command`` (:func:`~.command.build_parser`, :func:`~.command.run`,
+:func:`~.command.main`). Where the scan runs (Megatron-Bridge whole on a machine without Transformer Engine,
+``--cpu-tiny``'s local data) is the CPU build's ``megatron.bridge_thd_cpu.scan_environment``, which the command
+imports inside ``run``: the one place the planner reaches the CPU build.
 """
-
-from __future__ import annotations
-
-from megatron.bridge_thd.plan.scan.cache import CACHE_SUFFIX, scan_dataset
-from megatron.bridge_thd.plan.scan.command import CPU_TINY_RECIPE, build_parser, main, run
-from megatron.bridge_thd.plan.scan.lengths_file import FORMAT, lengths_document, write_lengths
-from megatron.bridge_thd.plan.scan.lengths_summary import OverLength, histogram, over_length, summary
-from megatron.bridge_thd.plan.scan.measuring import Scan, ScannedSample, measure
-from megatron.bridge_thd.plan.scan.recipe import NO_CUT, RECIPE_MODULE, SPLITS, build_split, recipe_config
-
-__all__ = ["ScannedSample", "Scan", "OverLength", "build_parser", "main", "run", "measure", "scan_dataset",
-           "recipe_config", "build_split", "lengths_document", "write_lengths", "summary", "over_length", "histogram",
-           "RECIPE_MODULE", "CPU_TINY_RECIPE", "NO_CUT"]

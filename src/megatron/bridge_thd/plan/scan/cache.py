@@ -6,12 +6,14 @@ workers) and its cache (one JSON file per dataset, under ``batching.sizes``' key
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import time
 import uuid
 from pathlib import Path
 
+from megatron.bridge_thd.batching.sizes import SIZES_CACHE_SUFFIX, collate_in_workers, repeat_period, sizes_cache_path
 from megatron.bridge_thd.plan.scan.measuring import Scan, ScannedSample, _MeasureEach
 
 __all__ = ["CACHE_SUFFIX", "scan_dataset"]
@@ -49,11 +51,6 @@ def scan_dataset(dataset, collate_fn=None, *, placeholder_ids: tuple[int, ...] =
     ``cache_dir`` (default ``batching.sizes.default_cache_dir()``).
     ``progress(done, total)`` is called after each chunk of a scan.
     """
-    import multiprocessing
-
-    from megatron.bridge_thd.batching.sizes import (SIZES_CACHE_SUFFIX, collate_in_workers, repeat_period,
-                                                    sizes_cache_path)
-
     collate_fn = collate_fn if collate_fn is not None else dataset.collate_fn
     # Fork: the dataset's collate is often a closure (DirectSFTDataset's), which a spawned worker cannot unpickle.
     context = multiprocessing.get_context("fork")

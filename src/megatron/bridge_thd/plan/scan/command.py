@@ -2,6 +2,10 @@
 processor and collate, written as the planner's lengths file, with a summary. This module is the command: its
 options (:func:`build_parser`), :func:`run`, :func:`main` and the planner's prediction; what runs is
 :mod:`megatron.bridge_thd.plan.scan`'s docstring. Reasoning: docs/scan.md.
+
+Where it runs: the CPU build's scan environment (``megatron.bridge_thd_cpu.scan_environment``), the one entry of the
+CPU build the planner reaches, imported by :func:`run` alone: Megatron-Bridge importable whole on a machine without
+Transformer Engine, and with ``--cpu-tiny`` its local cord_v2-shaped data and tiny processor, the hub offline.
 """
 
 from __future__ import annotations
@@ -13,11 +17,15 @@ import sys
 import time
 from pathlib import Path
 
+from megatron.bridge_thd.batching.sizes import default_cache_dir
+from megatron.bridge_thd.plan.plan_command import build_parser as plan_parser
+from megatron.bridge_thd.plan.plan_command import run as plan_run
 from megatron.bridge_thd.plan.scan.cache import scan_dataset
-from megatron.bridge_thd.plan.scan.environment import _cpu_tiny_data, _environment
 from megatron.bridge_thd.plan.scan.lengths_file import write_lengths
 from megatron.bridge_thd.plan.scan.lengths_summary import summary
-from megatron.bridge_thd.plan.scan.recipe import RECIPE_MODULE, SPLITS, _gpus_of, _preset_for, _processor_facts, build_split, recipe_config
+from megatron.bridge_thd.plan.scan.recipe import (
+    RECIPE_MODULE, SPLITS, _gpus_of, _preset_for, _processor_facts, build_split, recipe_config, recipe_setup)
+from megatron.bridge_thd.rules.setup import Setup
 
 __all__ = ["CPU_TINY_RECIPE", "build_parser", "run", "main"]
 
@@ -89,31 +97,25 @@ class _Progress:
         self.stream.flush()
 
 
-def _prediction(args, cfg, lengths: Path, seq_length: int, processor_path: str | None) -> str:
-    """The planner on the lengths file, with the recipe's micro / global batch size and parallel layout: the
-    lines ``bridge-thd plan`` prints, after the command that prints them."""
-    from megatron.bridge_thd.plan.plan_command import build_parser as plan_parser
-    from megatron.bridge_thd.plan.plan_command import run as plan_run
-
+def _prediction(args, setup: Setup, lengths: Path, seq_length: int) -> str:
+    """The planner on the lengths file, with the recipe's micro / global batch size and parallel layout (``setup``:
+    the recipe's facts, :func:`~.recipe.recipe_setup`): the lines ``bridge-thd plan`` prints, after the command that
+    prints them."""
     if args.hf_config:
         model = ["--hf-config", str(Path(args.hf_config).resolve())]
     else:
-        name = args.model or _preset_for(processor_path)
+        name = args.model or _preset_for(setup.processor_path)
         if name is None:
-            return (f"planner: no preset has the recipe's processor {processor_path!r} as its hub repository; give "
-                    "--model PRESET or --hf-config config.json for a prediction")
+            return (f"planner: no preset has the recipe's processor {setup.processor_path!r} as its hub repository; "
+                    "give --model PRESET or --hf-config config.json for a prediction")
         model = ["--model", name]
-    m = cfg.model
     gpus = args.gpus or _gpus_of(args.recipe) or 8
     argv = model + ["--lengths", str(lengths), "--seq-length", str(seq_length),
-                    "--micro-batch-size", str(cfg.train.micro_batch_size),
-                    "--global-batch-size", str(cfg.train.global_batch_size),
-                    "--tp", str(getattr(m, "tensor_model_parallel_size", 1) or 1),
-                    "--pp", str(getattr(m, "pipeline_model_parallel_size", 1) or 1),
-                    "--cp", str(getattr(m, "context_parallel_size", 1) or 1),
-                    "--ep", str(getattr(m, "expert_model_parallel_size", 1) or 1),
+                    "--micro-batch-size", str(setup.micro_batch_size),
+                    "--global-batch-size", str(setup.global_batch_size),
+                    "--tp", str(setup.tp), "--pp", str(setup.pp), "--cp", str(setup.cp), "--ep", str(setup.ep),
                     "--gpus", str(gpus), "--gpu", args.gpu]
-    if not getattr(m, "sequence_parallel", True):
+    if not setup.model.sequence_parallel:
         argv.append("--no-sequence-parallel")
     command = "bridge-thd plan " + " ".join(argv)
     try:
@@ -131,28 +133,31 @@ def run(args) -> str:
         args.recipe = CPU_TINY_RECIPE
     out = Path(args.out).resolve()
     cache_dir = Path(args.cache_dir).resolve() if args.cache_dir else None
+    workdir = None
     if args.cpu_tiny:
-        from megatron.bridge_thd.batching.sizes import default_cache_dir
+        workdir = Path(args.workdir).resolve() if args.workdir else default_cache_dir().parent / "cpu-tiny"
+    # The CPU build (optional beside the runtime: Megatron-Bridge whole without Transformer Engine, --cpu-tiny's data).
+    from megatron.bridge_thd_cpu.scan_environment import cpu_tiny_processor, scan_environment
 
-        args.workdir = Path(args.workdir).resolve() if args.workdir else default_cache_dir().parent / "cpu-tiny"
-    with _environment(args):
+    with scan_environment(cpu_tiny_workdir=workdir):
         cfg = recipe_config(args.recipe)
         dataset_config = cfg.dataset
-        processor_path = getattr(dataset_config, "hf_processor_path", None)
-        seq_length = args.seq_length or getattr(dataset_config, "seq_length", None) or cfg.model.seq_length
+        setup = recipe_setup(cfg)
+        seq_length = args.seq_length or setup.seq_lengths[0] or setup.seq_lengths[1]
+        processor = setup.processor_path
         if args.cpu_tiny:
-            if not hasattr(dataset_config, "hf_processor_path"):
+            if not hasattr(dataset_config, "hf_processor_path"):  # duck: only a Hugging Face dataset has a processor
                 raise ValueError(f"--cpu-tiny: {args.recipe}'s dataset is a {type(dataset_config).__name__}; the "
                                  "local cord_v2 data replaces a DirectHFSFTDatasetConfig's hub data and processor only")
-            dataset_config.hf_processor_path = _cpu_tiny_data(args.workdir, args.cpu_tiny_samples)
+            processor = dataset_config.hf_processor_path = cpu_tiny_processor(workdir, args.cpu_tiny_samples)
         dataset = build_split(cfg, args.split)
         placeholder_ids, merge = _processor_facts(dataset)
         scan = scan_dataset(dataset, placeholder_ids=placeholder_ids, merge=merge or 2, num_workers=args.workers,
                             cache_dir=cache_dir, progress=_Progress())
         source = {"recipe": args.recipe, "split": args.split, "dataset": type(dataset_config).__name__,
-                  "processor": getattr(dataset_config, "hf_processor_path", None), "cpu_tiny": bool(args.cpu_tiny)}
+                  "processor": processor, "cpu_tiny": bool(args.cpu_tiny)}
         write_lengths(scan, out, source)
-        where = "local cord_v2-shaped data, tiny processor" if args.cpu_tiny else f"processor {processor_path}"
+        where = "local cord_v2-shaped data, tiny processor" if args.cpu_tiny else f"processor {setup.processor_path}"
         head = [f"bridge-thd scan: {args.recipe}, {args.split} split ({type(dataset_config).__name__}, {where})",
                 f"{len(scan.samples):,} distinct samples ({scan.total:,} dataset indices the run draws from); "
                 f"spatial merge {scan.merge}" + ("" if merge else " (assumed: the processor does not say)"),
@@ -161,7 +166,7 @@ def run(args) -> str:
                 f"wrote {out}", "", ""]
         text = "\n".join(head) + summary(scan, seq_length)
         if not args.no_plan:
-            text += "\n\n" + _prediction(args, cfg, out, seq_length, processor_path)
+            text += "\n\n" + _prediction(args, setup, out, seq_length)
     return text
 
 

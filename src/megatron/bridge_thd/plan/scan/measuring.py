@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from megatron.bridge_thd.batching.sizes import visual_grids
+
 __all__ = ["ScannedSample", "Scan", "measure"]
 
 
@@ -53,8 +57,6 @@ class Scan:
 
 def _spans(row) -> tuple[tuple[int, int], ...]:
     """Half-open runs of the nonzero positions of a 1D tensor."""
-    import torch
-
     positions = torch.nonzero(row != 0).flatten().tolist()
     spans, start = [], None
     for k, p in enumerate(positions):
@@ -72,10 +74,6 @@ def measure(batch: dict, index: int, placeholder_ids: tuple[int, ...] = ()) -> S
     Raises:
         ValueError: no 2D attention mask, or one that is not right-padded (naming the dataset index).
     """
-    import torch
-
-    from megatron.bridge_thd.batching.sizes import visual_grids
-
     mask = batch.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         raise ValueError(f"dataset sample {index}: the collate gives no 2D attention_mask, so its real length is "
