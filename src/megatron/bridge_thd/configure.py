@@ -41,7 +41,7 @@ from megatron.bridge_thd.rules import (  # noqa: F401 - the predicates users imp
     read_setup,
     uses_hybridep,
 )
-from megatron.bridge_thd.settings import (  # noqa: F401 - PackingSettings: the record, importable from here too
+from megatron.bridge_thd.settings import (
     MISSING,
     SETTINGS_ATTRIBUTE,
     CPPerSample,

@@ -187,8 +187,8 @@ def _pipeline_notes(s: Setup) -> list[str]:
     graphs is accepted where Megatron-Bridge set it."""
     notes = []
     if variable_lengths_set_by_bridge(s):
-        notes.append("model.variable_seq_lengths=True was set by Megatron-Bridge's finalize() for in-batch packing with "
-                     "PP>1; the static layout keeps the row length fixed, p2p only exchanges shapes")
+        notes.append("model.variable_seq_lengths=True was set by Megatron-Bridge's finalize() for in-batch packing "
+                     "with PP>1; the static layout keeps the row length fixed, p2p only exchanges shapes")
     if _thd_pipeline(s) or s.pp == 1:
         return notes
     if s.bridge_packing_flag:
@@ -223,8 +223,8 @@ _PIPELINE = (
     Flag(section="model", name="moe_token_dispatcher_type", value="alltoall", required=False,
          when=lambda s: (s.pp > 1 and (s.layout == "thd" or s.bridge_packing_flag) and s.model.finalizes
                          and s.model.dispatcher == "allgather" and not s.model.experts),
-         why="Megatron-Core's config check refuses variable_seq_lengths=True with the 'allgather' dispatcher even for a "
-             "model without experts, and Megatron-Bridge's setup finalizes the model config again after validate() "
+         why="Megatron-Core's config check refuses variable_seq_lengths=True with the 'allgather' dispatcher even "
+             "for a model without experts, and Megatron-Bridge's setup finalizes the model config again after validate() "
              "turned variable_seq_lengths on (in-batch packing with PP>1); a dense model dispatches no token, so "
              "nothing else changes",
          alternative=", or set pipeline_model_parallel_size=1",

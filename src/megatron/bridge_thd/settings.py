@@ -374,12 +374,13 @@ def storage_problems(dataset: Any) -> list[str]:
         vars(dataset)  # refused for an object without a __dict__
         takes_attributes = True
     except TypeError:
-        takes_attributes = SETTINGS_ATTRIBUTE in {name for klass in cls.__mro__ for name in vars(klass).get("__slots__", ())}
+        slots = {name for klass in cls.__mro__ for name in vars(klass).get("__slots__", ())}
+        takes_attributes = SETTINGS_ATTRIBUTE in slots
     if takes_attributes and not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
         return []
     return [f"cfg.dataset: a {cls.__name__} takes no new attribute, so configure cannot store its settings "
-            f"record dataset.{SETTINGS_ATTRIBUTE} (docs/settings.md); use a dataset config that does (Megatron-Bridge's "
-            f"dataset configs do), or give the class a {SETTINGS_ATTRIBUTE!r} slot"]
+            f"record dataset.{SETTINGS_ATTRIBUTE} (docs/settings.md); use a dataset config that does "
+            f"(Megatron-Bridge's dataset configs do), or give the class a {SETTINGS_ATTRIBUTE!r} slot"]
 
 
 def _default_value(obj: Any, name: str) -> Any:
