@@ -46,7 +46,9 @@ from megatron.bridge_thd import configure_flags, qwen3_vl_step
 from megatron.bridge_thd.configure import LAYOUT_NAMES, configure, cuda_graphs_enabled, uses_hybridep
 from megatron.bridge_thd.layouts import layout_for
 from megatron.bridge_thd.rules import requested_layout
-from megatron.bridge_thd.settings import SETTINGS_ATTRIBUTE, PackingSettings, is_explicit, settings_of
+from megatron.bridge_thd.settings import (
+    MISSING, SETTINGS_ATTRIBUTE, PackingSettings, explicit_value, is_explicit, settings_of,
+)
 from megatron.bridge_thd.upstream.loading import bridge_available, load_bridge_module
 from megatron.bridge_thd.upstream.line import upstream_line
 
@@ -795,6 +797,50 @@ def test_is_explicit():
     assert not is_explicit(instance, "flag")
     instance.flag = True
     assert is_explicit(instance, "flag")
+
+    class Inherited(ClassDefault):  # a class default is found on a base class too
+        @property
+        def computed(self):  # a property is no default: counts as set
+            return False
+
+    assert not is_explicit(Inherited(), "flag") and is_explicit(Inherited(), "computed")
+    assert explicit_value(D(flag=True), "flag") is True and explicit_value(D(), "flag") is MISSING
+
+
+def test_what_a_config_holds_is_reconciled_in_settings():
+    """settings.merged_settings / replaced_settings / storage_problems: the record configure stores from its arguments,
+    the stored record and the hand-set attributes, the explicit values it replaces, a dataset that cannot hold it."""
+    from megatron.bridge_thd.settings import (
+        CPPerSample, GlobalBatchPacking, merged_settings, replaced_settings, storage_problems,
+    )
+
+    hand_set = SimpleNamespace(packing_layout="bshd", overlong_samples="drop")
+    record = merged_settings(hand_set, {"layout": "thd", "cp_per_sample": None})
+    assert (record.layout, record.overlong_samples) == ("thd", "drop")  # given, then hand-set, then the default
+    assert [(r.name, r.old, r.new) for r in replaced_settings(hand_set, record)] == [("packing_layout", "bshd", "thd")]
+    stored = SimpleNamespace(bridge_thd=PackingSettings(layout="bshd", overlong_samples="refuse"),
+                             overlong_samples="drop")
+    record = merged_settings(stored, {"layout": "thd_static"})  # the stored record wins over hand-set attributes
+    assert (record.layout, record.overlong_samples) == ("thd_static", "refuse")
+    assert [r.name for r in replaced_settings(stored, record)] == ["bridge_thd.layout", "overlong_samples"]
+    assert merged_settings(SimpleNamespace(), {"cp_per_sample": CPPerSample(64)}).global_batch_packing == \
+        GlobalBatchPacking()  # a CP size per sample brings global-batch packing's default
+    with pytest.raises(ValueError, match=r"the record takes dataset.overlong_samples='cut' from the hand-set"):
+        merged_settings(SimpleNamespace(overlong_samples="cut"), {"layout": "thd"})
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        seq_length: int = 4096
+
+    class Slots:
+        __slots__ = ("seq_length",)
+
+    class SlotsWithRecord:
+        __slots__ = ("seq_length", SETTINGS_ATTRIBUTE)
+
+    assert storage_problems(SimpleNamespace()) == [] and storage_problems(SlotsWithRecord()) == []
+    for dataset in (Frozen(), Slots()):
+        assert "takes no new attribute, so configure cannot store" in storage_problems(dataset)[0]
 
 
 @pytest.mark.parametrize(
