@@ -292,18 +292,18 @@ def _link(path: Path, base: Path) -> str:
 
 
 def configure_flags() -> str:
-    """``configure``'s flag table from its records (``configure.FLAG_RULES``), with the note on
+    """``configure``'s flag table from its records (``configure_flags.FLAGS``, one row per flag), with the note on
     the attributes marked ``*``."""
-    from megatron.bridge_thd.configure import FLAG_RULES, FLAG_RULES_NOTE
+    from megatron.bridge_thd.configure_flags import FLAGS, FLAGS_NOTE
 
     rows = ["| Purpose | Megatron-Bridge 0.6.2 | Megatron-Bridge main (Aug 2026) | Set by `configure` to |",
             "| --- | --- | --- | --- |"]
-    for rule in FLAG_RULES:
-        cells = (rule.purpose, rule.name_pinned, rule.name_main, rule.set_to)
+    for flag in FLAGS:
+        cells = flag.row()
         if any("|" in cell or "\n" in cell for cell in cells):
-            raise ValueError(f"configure.FLAG_RULES: a cell with '|' or a newline breaks the table: {rule}")
+            raise ValueError(f"configure_flags.FLAGS: a cell with '|' or a newline breaks the table: {flag.name}")
         rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n\n" + FLAG_RULES_NOTE
+    return "\n".join(rows) + "\n\n" + FLAGS_NOTE
 
 
 def rules_table() -> str:
@@ -530,7 +530,7 @@ BLOCKS: dict[str, Block] = {
     "plan-discussion": Block(plan_discussion, "computed", source="bridge-thd plan"),
     "plan-calibration": Block(plan_calibration, "computed", source="bridge-thd plan --calibrate"),
     "plan-calibration-discussion": Block(plan_calibration_discussion, "computed", source="bridge-thd plan --calibrate"),
-    "configure-flags": Block(configure_flags, "computed", source="configure.FLAG_RULES"),
+    "configure-flags": Block(configure_flags, "computed", source="configure_flags.FLAGS"),
     "rules-table": Block(rules_table, "computed", source="rules.run.RULES (the registry)"),
     "edge-cases-pp": Block(_edge_cases("pp"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),
     "edge-cases-moe": Block(_edge_cases("moe"), "results", source="benchmarks/edge_cases_report.py -> results/edge_cases.json"),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _packing_helpers import keep_row, round_up, verl_keep
-from megatron.bridge_thd import pack_bshd_to_thd
+from megatron.bridge_thd.packing import pack_bshd_to_thd
 from megatron.bridge_thd.upstream.loading import bridge_available, load_bridge_module
 from megatron.core.packed_seq_params import PackedSeqParams
 

@@ -107,7 +107,7 @@ def _data_path_worker(root: str) -> dict:
     dataset = cfg.dataset
     dataset.hf_processor_path = os.path.join(root, "processor")
     dataset.seq_length = SEQ_LENGTH  # and the model's below (0.6.2 requires the two to be equal)
-    # What configure(cfg, layout="thd") sets on the dataset (configure.FLAG_RULES).
+    # What configure(cfg, layout="thd") sets on the dataset (configure_flags.FLAGS).
     dataset.defer_in_batch_packing_to_step = True
     dataset.skip_getting_attention_mask_from_dataset = False
     # CPU test bed: the collate in this process, nothing pinned.

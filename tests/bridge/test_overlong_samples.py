@@ -58,7 +58,7 @@ def _batch_for(policy: str, root: str, *, seq_length: int = SEQ_LENGTH, model=No
     dataset = cfg.dataset
     dataset.hf_processor_path = os.path.join(root, "processor")
     dataset.seq_length = seq_length
-    # What configure(cfg, layout="thd", overlong_samples=policy) sets on the dataset (configure.FLAG_RULES).
+    # What configure(cfg, layout="thd", overlong_samples=policy) sets on the dataset (configure_flags.FLAGS).
     dataset.defer_in_batch_packing_to_step, dataset.skip_getting_attention_mask_from_dataset = True, False
     packing = GlobalBatchPacking(sizes_cache=os.path.join(root, "sizes"), log=False) if global_batch else None
     dataset.bridge_thd = PackingSettings(layout="thd", overlong_samples=policy, global_batch_packing=packing)

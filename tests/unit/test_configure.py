@@ -42,11 +42,13 @@ import pytest
 import torch
 
 from megatron.bridge_thd import configure as configure_module
-from megatron.bridge_thd import qwen3_vl_step
-from megatron.bridge_thd.configure import LAYOUT_NAMES, configure, cuda_graphs_enabled, is_explicit, uses_hybridep
+from megatron.bridge_thd import configure_flags, qwen3_vl_step
+from megatron.bridge_thd.configure import LAYOUT_NAMES, configure, cuda_graphs_enabled, uses_hybridep
 from megatron.bridge_thd.layouts import layout_for
 from megatron.bridge_thd.rules.setup import requested_layout
-from megatron.bridge_thd.settings import SETTINGS_ATTRIBUTE, PackingSettings, settings_of
+from megatron.bridge_thd.settings import (
+    MISSING, SETTINGS_ATTRIBUTE, PackingSettings, explicit_value, is_explicit, settings_of,
+)
 from megatron.bridge_thd.upstream.loading import bridge_available, load_bridge_module
 from megatron.bridge_thd.upstream.line import upstream_line
 
@@ -742,6 +744,25 @@ def test_bad_force_argument(force):
         configure(make_cfg(), force=force)
 
 
+@pytest.mark.parametrize("value", [4096, None, False])
+def test_the_old_keyword_dynamic_cp_names_its_new_name(value):
+    """configure's argument for a CP size per sample is cp_per_sample; the old keyword is refused naming it, before
+    anything is read or written."""
+    cfg = make_cfg()
+    before = snapshot(cfg)
+    with pytest.raises(TypeError) as refused:
+        configure(cfg, "thd", dynamic_cp=value)
+    message = str(refused.value)
+    assert "dynamic_cp was renamed cp_per_sample" in message and "pass cp_per_sample=" in message
+    assert "max_tokens_per_rank as an int" in message
+    assert snapshot(cfg) == before and not hasattr(cfg.dataset, SETTINGS_ATTRIBUTE)
+    # Any other unknown keyword is Python's own TypeError; the new name is accepted.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dynamic_cps'"):
+        configure(cfg, "thd", dynamic_cps=4096)
+    configure(cfg, "thd", cp_per_sample=False)
+    assert settings_of(cfg.dataset).cp_per_sample is None
+
+
 def test_defer_true_given_is_kept():
     cfg = make_cfg(dataset=dict(defer_in_batch_packing_to_step=True))
     configure(cfg)
@@ -776,6 +797,50 @@ def test_is_explicit():
     assert not is_explicit(instance, "flag")
     instance.flag = True
     assert is_explicit(instance, "flag")
+
+    class Inherited(ClassDefault):  # a class default is found on a base class too
+        @property
+        def computed(self):  # a property is no default: counts as set
+            return False
+
+    assert not is_explicit(Inherited(), "flag") and is_explicit(Inherited(), "computed")
+    assert explicit_value(D(flag=True), "flag") is True and explicit_value(D(), "flag") is MISSING
+
+
+def test_what_a_config_holds_is_reconciled_in_settings():
+    """settings.merged_settings / replaced_settings / storage_problems: the record configure stores from its arguments,
+    the stored record and the hand-set attributes, the explicit values it replaces, a dataset that cannot hold it."""
+    from megatron.bridge_thd.settings import (
+        CPPerSample, GlobalBatchPacking, merged_settings, replaced_settings, storage_problems,
+    )
+
+    hand_set = SimpleNamespace(packing_layout="bshd", overlong_samples="drop")
+    record = merged_settings(hand_set, {"layout": "thd", "cp_per_sample": None})
+    assert (record.layout, record.overlong_samples) == ("thd", "drop")  # given, then hand-set, then the default
+    assert [(r.name, r.old, r.new) for r in replaced_settings(hand_set, record)] == [("packing_layout", "bshd", "thd")]
+    stored = SimpleNamespace(bridge_thd=PackingSettings(layout="bshd", overlong_samples="refuse"),
+                             overlong_samples="drop")
+    record = merged_settings(stored, {"layout": "thd_static"})  # the stored record wins over hand-set attributes
+    assert (record.layout, record.overlong_samples) == ("thd_static", "refuse")
+    assert [r.name for r in replaced_settings(stored, record)] == ["bridge_thd.layout", "overlong_samples"]
+    assert merged_settings(SimpleNamespace(), {"cp_per_sample": CPPerSample(64)}).global_batch_packing == \
+        GlobalBatchPacking()  # a CP size per sample brings global-batch packing's default
+    with pytest.raises(ValueError, match=r"the record takes dataset.overlong_samples='cut' from the hand-set"):
+        merged_settings(SimpleNamespace(overlong_samples="cut"), {"layout": "thd"})
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        seq_length: int = 4096
+
+    class Slots:
+        __slots__ = ("seq_length",)
+
+    class SlotsWithRecord:
+        __slots__ = ("seq_length", SETTINGS_ATTRIBUTE)
+
+    assert storage_problems(SimpleNamespace()) == [] and storage_problems(SlotsWithRecord()) == []
+    for dataset in (Frozen(), Slots()):
+        assert "takes no new attribute, so configure cannot store" in storage_problems(dataset)[0]
 
 
 @pytest.mark.parametrize(
@@ -831,7 +896,7 @@ def test_micro_batch_size_one_runs_the_layout_without_bridges_flag(layout, caplo
     assert cfg.dataset.pack_sequences_in_batch is True and cfg.dataset.defer_in_batch_packing_to_step is True
     assert settings_of(cfg.dataset).layout == layout and configured_layout(cfg) == layout
     assert f"train.micro_batch_size=1: dataset.enable_in_batch_packing stays False" in caplog.text
-    assert configure_module._ONE_SAMPLE[layout] in caplog.text
+    assert configure_flags.ONE_SAMPLE[layout] in caplog.text
     # Control: the same config at micro-batch size 2 turns Megatron-Bridge's flag on.
     assert configure(make_bridge_like_cfg(train=dict(micro_batch_size=2)), layout).dataset.enable_in_batch_packing
 
@@ -903,7 +968,7 @@ def test_micro_batch_size_one_with_global_batch_packing_is_accepted_and_says_wha
     cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, train=dict(micro_batch_size=1))
     setup = read_setup(cfg, layout, global_batch=GlobalBatchPacking())
     assert configure_problems(setup) == []
-    changes, notes = configure_module._plan_changes(setup, configure_module._sections(cfg), setup.settings)
+    changes, notes = configure_module._plan(setup, configure_module._sections(cfg, setup))
     assert any("one sample" in note and "only balances the DP ranks" in note for note in notes)
     planned = {c.name: c.value for c in changes}
     assert planned["enable_in_batch_packing"] is False and planned["pack_sequences_in_batch"] is True
@@ -911,8 +976,8 @@ def test_micro_batch_size_one_with_global_batch_packing_is_accepted_and_says_wha
     # Control: at micro-batch size 2 no such note.
     cfg.train.micro_batch_size = 2
     setup = read_setup(cfg, layout, global_batch=GlobalBatchPacking())
-    assert not any("one sample" in note for note in configure_module._plan_changes(
-        setup, configure_module._sections(cfg), setup.settings)[1])
+    assert not any("one sample" in note for note in configure_module._plan(
+        setup, configure_module._sections(cfg, setup))[1])
 
 
 @pytest.mark.parametrize("micro_batch_size", [2, 8])
@@ -1625,7 +1690,7 @@ def test_configured_config_passes_bridges_packing_validation(
 
 def _docs_configure_flags_block():
     """The ``configure-flags`` block of docs/configure.md as it stands, and as rendered from
-    ``configure.FLAG_RULES`` now (scripts/readme_figures.py)."""
+    ``configure_flags.FLAGS`` now (scripts/readme_figures.py)."""
     root = pathlib.Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "scripts"))
     try:
@@ -1639,7 +1704,8 @@ def _docs_configure_flags_block():
 
 
 def test_the_flag_table_is_rendered_from_configures_records():
-    names = [rule.name_pinned for rule in configure_module.FLAG_RULES]
+    names = [f"{flag.section}.{flag.name}" for flag in configure_flags.FLAGS]
+    assert len(names) == len(set(names)), "a flag listed twice"
     for flag in (
         "dataset.enable_in_batch_packing",
         "dataset.pack_sequences_in_batch",
@@ -1648,19 +1714,59 @@ def test_the_flag_table_is_rendered_from_configures_records():
         "dataset.skip_getting_attention_mask_from_dataset",
         "dataset.pad_to_max_length",
         "model.variable_seq_lengths",
+        "model._enable_in_batch_packing",
+        "model.moe_token_dispatcher_type",
         "model.moe_hybridep_pad_uneven_dispatch_inputs",
+        "model.moe_hybridep_pad_variable_tokens",
+        "model.calculate_per_token_loss",
+        "ddp.average_in_collective",
+        "model.hybrid_context_parallel",
+        "model.max_seqlen_per_dp_cp_rank",
+        "model.vision_dp_when_cp",
     ):
-        assert sum(f"`{flag}`" in name for name in names) == 1, flag
+        assert names.count(flag) == 1, flag
     in_docs, rendered = _docs_configure_flags_block()
     assert in_docs == rendered, "docs/configure.md's flag table is stale: run scripts/readme_figures.py"
-    for rule in configure_module.FLAG_RULES:
-        assert f"| {rule.purpose} | {rule.name_pinned} | {rule.name_main} | {rule.set_to} |" in in_docs
+    for flag in configure_flags.FLAGS:
+        assert "| " + " | ".join(flag.row()) + " |" in in_docs
+        assert in_docs.count(f"`{flag.section}.{flag.name}`") == 1, flag.name
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_every_attribute_configure_sets_is_one_of_its_flags(layout, caplog, monkeypatch):
+    """What configure changes (its INFO line lists every change) is a flag of configure_flags.FLAGS, or a hand-set
+    attribute the record takes the place of (docs/settings.md): no flag is set outside its record."""
+    from megatron.bridge_thd.settings import HAND_SET_ATTRIBUTES
+
+    monkeypatch.setattr(configure_module, "_wrap_loader_builder", lambda: None)
+    flags = {f"{flag.section}.{flag.name}" for flag in configure_flags.FLAGS}
+    cleared = {f"dataset.{attribute}" for attribute in HAND_SET_ATTRIBUTES.values()}
+    calls = [
+        (make_cfg(dataset={"packing_layout": layout, "dataloader_type": "cyclic"}, train=dict(micro_batch_size=1),
+                  model=dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2, **HYBRIDEP)),
+         dict(global_batch_packing=layout != "bshd")),  # global-batch packing fills packed rows only
+        (make_bridge_like_cfg(model=dict(pipeline_model_parallel_size=2)), {}),
+    ]
+    if layout == "thd":  # a CP size per sample runs the "thd" layout only
+        calls.append((make_cfg(dataset={"dataloader_type": "cyclic"}, model={"vision_dp_when_cp": False}),
+                      dict(cp_per_sample=4096)))
+        calls[-1][0].ddp = SimpleNamespace(average_in_collective=True)
+    changed = set()
+    for cfg, kwargs in calls:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            configure(cfg, layout, force=True, **kwargs)
+        changed |= set(re.findall(r"(?:changed: |; )(\w+\.\w+):", caplog.text))
+    assert changed <= flags | cleared, changed - flags - cleared
+    assert {"dataset.packing_layout", "dataset.enable_in_batch_packing", "dataset.pad_to_max_length"} <= changed
+    assert ("model.calculate_per_token_loss" in changed) is (layout != "bshd")
+    assert ("model.vision_dp_when_cp" in changed) is (layout == "thd")
 
 
 def test_docs_explain_the_refusals_and_hold_the_one_flag_table():
     docs = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "configure.md").read_text()
     header = "| Purpose | Megatron-Bridge 0.6.2 |"
-    assert header not in configure_module.__doc__, "the flag table's one copy is configure.FLAG_RULES"
+    assert header not in configure_module.__doc__, "the flag table's one copy is configure_flags.FLAGS"
     assert docs.count(header) == 1 and header in _docs_configure_flags_block()[0]
     for heading in (
         "### CUDA graphs with pipeline parallelism (every layout, at micro-batch size 1 `\"thd\"` only)",

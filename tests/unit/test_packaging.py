@@ -287,7 +287,7 @@ FLOORS = {
     "settings": 2, "rules": 2,
     # 3 the runtime
     "step": 3, "cp_per_sample": 3, "mtp": 3, "moe_padding": 3, "overlong": 3, "packing_log": 3, "run_log": 3,
-    "reporting": 3, "batching": 3, "configure": 3, "qwen3_vl_step": 3, "qwen25_vl_step": 3,
+    "reporting": 3, "batching": 3, "configure": 3, "configure_flags": 3, "qwen3_vl_step": 3, "qwen25_vl_step": 3,
     # 4 other pipelines' formats
     "interop": 4, "verl": 4,
     # 5 the planner

@@ -133,7 +133,7 @@ def test_readme_examples_are_what_the_code_gives():
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron.bridge_thd import required_alignment
+    from megatron.bridge_thd.packing import required_alignment
     from megatron.bridge_thd.interop.energon import packed_batch_from_sample_ids
     from megatron.bridge_thd.lengths import cu_seqlens_from_sample_ids
     from megatron.bridge_thd.mtp import roll_packed_left

@@ -11,20 +11,29 @@ A configuration made by hand, without ``configure``, may instead carry the four 
 ``cfg.dataset`` (``packing_layout``, ``overlong_samples``, ``global_batch_packing``, ``packing_length_fallback``,
 the names earlier releases of this package set): :func:`settings_of` reads them into the same record, through the
 same validation. With the record present, such an attribute that says something else is refused.
+
+What a config already holds is read here too, in one place: the stored record, the hand-set attributes, whether a
+value was set explicitly (:func:`is_explicit`), and how ``configure``'s arguments are reconciled with them
+(:func:`merged_settings`: the record it stores; :func:`replaced_settings`: the explicit values that record replaces).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from megatron.bridge_thd.checks import is_int_at_least
+from megatron.bridge_thd.cost.sample import sample_cost
+from megatron.bridge_thd.cost.step_time import MACHINES, model_shape
 from megatron.bridge_thd.layouts import LAYOUT_NAMES
 
-__all__ = ["PackingSettings", "GlobalBatchPacking", "CPPerSample", "settings_of", "holds_settings", "hand_set_values", "field_names",
-           "SETTINGS_ATTRIBUTE", "OVERLONG_POLICIES",
-           "LENGTH_FALLBACKS", "DEFAULT_ROW_BUCKETS", "CP_PER_SAMPLE_PLACEMENTS", "HAND_SET_ATTRIBUTES"]
+__all__ = ["PackingSettings", "GlobalBatchPacking", "CPPerSample", "settings_of", "holds_settings", "hand_set_values",
+           "stored_settings", "merged_settings", "replaced_settings", "Replaced", "storage_problems", "is_explicit",
+           "explicit_value", "MISSING", "SETTINGS_ATTRIBUTE", "OVERLONG_POLICIES", "LENGTH_FALLBACKS",
+           "DEFAULT_ROW_BUCKETS", "CP_PER_SAMPLE_PLACEMENTS", "HAND_SET_ATTRIBUTES"]
 
 # Where configure stores the record: an attribute of cfg.dataset.
 SETTINGS_ATTRIBUTE = "bridge_thd"
@@ -97,8 +106,6 @@ class GlobalBatchPacking:
             problems.append(f"global_batch_packing.lengths_file: {self.lengths_file!r} is not a file; write it with "
                             "bridge-thd scan (docs/scan.md), or unset it to scan the data when the loaders are built")
         if self.cost_model is not None:
-            from megatron.bridge_thd.cost.sample import sample_cost
-
             try:
                 sample_cost(self.cost_model)
             except (ValueError, OSError) as error:
@@ -134,8 +141,6 @@ class CPPerSample:
 
     def problems(self) -> list[str]:
         """What is wrong with the values themselves (naming the setting and what to set); empty when nothing is."""
-        from megatron.bridge_thd.cost.step_time import MACHINES
-
         problems = []
         value = self.max_tokens_per_rank
         if not is_int_at_least(value, 2) or value % 2:
@@ -162,8 +167,6 @@ class CPPerSample:
         model = self.model if self.model is not None else cost_model
         if self.placement != "time" or model is None:
             return []
-        from megatron.bridge_thd.cost.step_time import model_shape
-
         try:
             model_shape(model)
         except (ValueError, OSError) as error:
@@ -250,6 +253,10 @@ class PackingSettings:
         return problems
 
 
+
+
+# ---- what a config holds: the stored record, hand-set attributes, the values a user set explicitly ----
+
 # The plain cfg.dataset attributes a hand-made configuration may carry instead of the record, by field.
 HAND_SET_ATTRIBUTES = {
     "layout": "packing_layout",
@@ -257,17 +264,26 @@ HAND_SET_ATTRIBUTES = {
     "global_batch_packing": "global_batch_packing",
     "length_fallback": "packing_length_fallback",
 }
+# An attribute that is absent, or a default that cannot be told (:func:`explicit_value`).
+MISSING = object()
+
+
+def stored_settings(dataset: Any) -> Any:
+    """``dataset.bridge_thd`` as it stands: the record ``configure`` stored, or None (:func:`settings_of` refuses
+    anything else there)."""
+    return getattr(dataset, SETTINGS_ATTRIBUTE, None)  # optional: absent until configure stores the record
 
 
 def hand_set_values(dataset: Any) -> dict[str, Any]:
     """The hand-set attributes of ``dataset`` that hold a value, by :class:`PackingSettings` field."""
-    values = {name: getattr(dataset, attribute, None) for name, attribute in HAND_SET_ATTRIBUTES.items()}
+    values = {name: getattr(dataset, attribute, None)  # optional: a hand-made config's attributes (docs/settings.md)
+              for name, attribute in HAND_SET_ATTRIBUTES.items()}
     return {name: value for name, value in values.items() if value is not None}
 
 
 def holds_settings(dataset: Any) -> bool:
     """Whether ``dataset`` holds our settings: the record ``configure`` stores, or hand-set attributes."""
-    return getattr(dataset, SETTINGS_ATTRIBUTE, None) is not None or bool(hand_set_values(dataset))
+    return stored_settings(dataset) is not None or bool(hand_set_values(dataset))
 
 
 def settings_of(dataset: Any) -> PackingSettings:
@@ -277,7 +293,7 @@ def settings_of(dataset: Any) -> PackingSettings:
     Raises:
         ValueError: a hand-set value the record does not take, or one that contradicts the stored record.
     """
-    record = getattr(dataset, SETTINGS_ATTRIBUTE, None)
+    record = stored_settings(dataset)
     hand_set = hand_set_values(dataset)
     if record is None:
         try:
@@ -290,7 +306,7 @@ def settings_of(dataset: Any) -> PackingSettings:
         raise ValueError(f"dataset.{SETTINGS_ATTRIBUTE}: {record!r}; expected a megatron.bridge_thd.settings."
                          "PackingSettings (configure stores one)")
     contradicting = [f"dataset.{HAND_SET_ATTRIBUTES[name]}={value!r}" for name, value in hand_set.items()
-                     if value != getattr(record, name)]
+                     if value != vars(record)[name]]
     if contradicting:
         raise ValueError(f"{', '.join(contradicting)} contradicts dataset.{SETTINGS_ATTRIBUTE} ({record}), which "
                          "configure stored; remove the attribute, or call configure again with the value you want (its "
@@ -298,7 +314,117 @@ def settings_of(dataset: Any) -> PackingSettings:
     return record
 
 
-def field_names() -> tuple[str, ...]:
-    """The record's fields, in order (docs and the flag table list them)."""
-    return tuple(f.name for f in fields(PackingSettings))
+def merged_settings(dataset: Any, given: dict[str, Any]) -> PackingSettings:
+    """The record ``configure`` stores, validated when made: the fields ``given`` (its arguments); a field not given
+    keeps the stored record's value, else a hand-set attribute's, else the default. A CP size per sample without
+    global-batch packing gets global-batch packing's default (the scan its placement reads the lengths from)."""
+    stored = stored_settings(dataset)
+    held = dict(vars(stored)) if isinstance(stored, PackingSettings) else hand_set_values(dataset)
+    merged = {**held, **given}
+    if merged.get("cp_per_sample") is not None and merged.get("global_batch_packing") is None:
+        merged["global_batch_packing"] = GlobalBatchPacking()
+    try:
+        return PackingSettings(**merged)
+    except ValueError as error:
+        kept = {} if isinstance(stored, PackingSettings) else {
+            name: value for name, value in held.items() if name not in given}
+        if not kept:
+            raise
+        named = ", ".join(f"dataset.{HAND_SET_ATTRIBUTES[name]}={value!r}" for name, value in kept.items())
+        raise ValueError(f"configure: the record takes {named} from the hand-set settings: {error}") from None
 
+
+class Replaced(NamedTuple):
+    """A value the user set explicitly that the record ``configure`` stores replaces (refused unless ``force``)."""
+
+    name: str  # the dataset attribute, as a message names it: ``bridge_thd.layout``, ``packing_layout``, ...
+    old: Any
+    new: Any
+    why: str  # why the record holds ``new``
+    alternative: str  # another way out, for the refusal
+
+
+def replaced_settings(dataset: Any, record: PackingSettings) -> list[Replaced]:
+    """The values ``record`` replaces that the user set explicitly: a stored record's other layout, and each hand-set
+    attribute (a class default counts as not set, :func:`is_explicit`) that says something else than the record."""
+    replaced = []
+    stored = stored_settings(dataset)
+    if isinstance(stored, PackingSettings) and stored.layout != record.layout:
+        replaced.append(_layout_replaced(f"{SETTINGS_ATTRIBUTE}.layout", stored.layout, record.layout))
+    for name, value in hand_set_values(dataset).items():
+        attribute, wanted = HAND_SET_ATTRIBUTES[name], vars(record)[name]
+        if value == wanted or not is_explicit(dataset, attribute):
+            continue
+        replaced.append(_layout_replaced(attribute, value, wanted) if name == "layout" else Replaced(
+            attribute, value, wanted,
+            why=f"configure stores {name}={wanted!r} in dataset.{SETTINGS_ATTRIBUTE}, the one place it is read from",
+            alternative=f", or call configure with {name}={value!r}"))
+    return replaced
+
+
+def _layout_replaced(name: str, old: str, layout: str) -> Replaced:
+    return Replaced(name, old, layout, why=f"configure was called with layout={layout!r}, and the step reads its "
+                    "layout from here", alternative=", or call configure with that layout")
+
+
+def storage_problems(dataset: Any) -> list[str]:
+    """A dataset object that cannot hold the settings record (``configure`` checks it before writing anything)."""
+    cls = type(dataset)
+    try:
+        vars(dataset)  # refused for an object without a __dict__
+        takes_attributes = True
+    except TypeError:
+        slots = {name for klass in cls.__mro__ for name in vars(klass).get("__slots__", ())}
+        takes_attributes = SETTINGS_ATTRIBUTE in slots
+    if takes_attributes and not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):
+        return []
+    return [f"cfg.dataset: a {cls.__name__} takes no new attribute, so configure cannot store its settings "
+            f"record dataset.{SETTINGS_ATTRIBUTE} (docs/settings.md); use a dataset config that does "
+            f"(Megatron-Bridge's dataset configs do), or give the class a {SETTINGS_ATTRIBUTE!r} slot"]
+
+
+def _default_value(obj: Any, name: str) -> Any:
+    """The value ``obj.name`` holds when nobody set it, or :data:`MISSING` when that cannot be told.
+
+    In this order: the dataclass field's plain default; the default of the class constructor's
+    parameter of that name (Megatron-Bridge's ``GPTDatasetConfig`` takes
+    ``skip_getting_attention_mask_from_dataset`` in its own ``__init__``, not as a field); a plain
+    class attribute. A field built by ``default_factory`` or a required one has no default here.
+    """
+    cls = type(obj)
+    if dataclasses.is_dataclass(obj) and name in cls.__dataclass_fields__:
+        default = cls.__dataclass_fields__[name].default
+        return MISSING if default is dataclasses.MISSING else default
+    try:
+        parameter = inspect.signature(cls).parameters.get(name)
+    except (TypeError, ValueError):  # builtins such as SimpleNamespace have no signature
+        parameter = None
+    if parameter is not None:
+        return MISSING if parameter.default is inspect.Parameter.empty else parameter.default
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            default = vars(klass)[name]
+            descriptor = inspect.isfunction(default) or inspect.ismethoddescriptor(default) or inspect.isdatadescriptor(
+                default)
+            return MISSING if descriptor else default  # a property or a method is no default
+    return MISSING
+
+
+def explicit_value(obj: Any, name: str) -> Any:
+    """``obj.name`` when the user set it, as far as can be told, else :data:`MISSING` (docs/configure.md, "How set
+    explicitly is told").
+
+    Present and different from its default (:func:`_default_value`); present without a known default (a
+    ``types.SimpleNamespace`` attribute, a required field) counts as explicit. A value equal to the default cannot be
+    told from the default and counts as not set.
+    """
+    value = getattr(obj, name, MISSING)  # optional: a setting the user's config may lack
+    if value is MISSING:
+        return MISSING
+    default = _default_value(obj, name)
+    return value if default is MISSING or value != default else MISSING
+
+
+def is_explicit(obj: Any, name: str) -> bool:
+    """Whether ``obj.name`` was set by the user, as far as can be told (:func:`explicit_value`)."""
+    return explicit_value(obj, name) is not MISSING

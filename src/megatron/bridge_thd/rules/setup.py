@@ -16,13 +16,16 @@ from megatron.bridge_thd.settings import GlobalBatchPacking, PackingSettings, se
 
 __all__ = ["Setup", "ModelFacts", "read_setup", "read_model_facts", "read_hook_setup", "cuda_graphs_enabled", "effective_cuda_graph_impl",
            "uses_hybridep", "uses_seq_aux_loss", "requested_layout", "bridge_packing_flag", "ROUTES_REAL_TOKENS_ONLY",
-           "OFFLINE_PACKING"]
+           "OFFLINE_PACKING", "HYBRIDEP_PADDING_FIELDS"]
 
 # The mark of what makes a model's MoE routers see real tokens only: on moe_padding's pre-wrap hook and on the
 # model classes it creates (the step reads it off the built model).
 ROUTES_REAL_TOKENS_ONLY = "bridge_thd_routes_real_tokens_only"
 # Offline (pre-packed dataset) settings: current names, then the older ``packed_sequence_specs``.
 OFFLINE_PACKING = ("enable_offline_packing", "offline_packing_specs", "packed_sequence_specs")
+# Megatron-Bridge's models/transformer_config.py _HYBRIDEP_PADDING_FIELDS: the names of HybridEP's padding of uneven
+# dispatch inputs, by Megatron-Core version (the pinned one has only the first; docs/compatibility.md).
+HYBRIDEP_PADDING_FIELDS = ("moe_hybridep_pad_uneven_dispatch_inputs", "moe_hybridep_pad_variable_tokens")
 
 
 def _has_full_iteration(value: Any) -> bool:
@@ -160,6 +163,8 @@ class ModelFacts:
         linear_attention: ``experimental_attention_variant`` (Gated DeltaNet: ``"gated_delta_net"``, or ``"gdn"`` on
             the 0.7 line's Megatron-Core; None: none).
         linear_heads: ``(linear_num_key_heads, linear_num_value_heads)`` of a Gated DeltaNet (0: unset).
+        hybridep_padding_fields: the names of :data:`HYBRIDEP_PADDING_FIELDS` the config has.
+        has_vision_dp_when_cp: the config has ``vision_dp_when_cp`` (Megatron-Bridge's Qwen3-VL providers).
     """
 
     seq_length: int | None = None
@@ -192,6 +197,8 @@ class ModelFacts:
     mtp_layers: int = 0
     linear_attention: str | None = None
     linear_heads: tuple[int, int] = (0, 0)
+    hybridep_padding_fields: tuple[str, ...] = ()
+    has_vision_dp_when_cp: bool = False
 
     @property
     def seq_aux_loss(self) -> bool:
@@ -235,6 +242,8 @@ def read_model_facts(model: Any, model_root: Any = None) -> ModelFacts:
         linear_attention=_setting(model, model_root, "experimental_attention_variant"),
         linear_heads=(int(_setting(model, model_root, "linear_num_key_heads", 0) or 0),
                       int(_setting(model, model_root, "linear_num_value_heads", 0) or 0)),
+        hybridep_padding_fields=tuple(name for name in HYBRIDEP_PADDING_FIELDS if hasattr(model, name)),
+        has_vision_dp_when_cp=hasattr(model, "vision_dp_when_cp"),
     )
 
 
@@ -295,6 +304,8 @@ class Setup:
         length_fallback_pad_id: the pad id the length fallback reads (the step; None: none found).
         processor_path: ``dataset.hf_processor_path``, the Hugging Face processor of Megatron-Bridge's VLM datasets
             (None: the dataset has none; ``bridge-thd scan`` reads it).
+        has_pad_to_max_length: the dataset config has ``pad_to_max_length`` (Megatron-Bridge's fixed collate width).
+        has_average_in_collective: the config has a ``ddp`` section with ``average_in_collective``.
     """
 
     layout: str
@@ -323,6 +334,8 @@ class Setup:
     te_cp_padding_defect: str | None = None
     length_fallback_pad_id: int | None = None
     processor_path: str | None = None
+    has_pad_to_max_length: bool = False
+    has_average_in_collective: bool = False
 
     @property
     def cp_per_sample(self) -> bool:
@@ -490,4 +503,6 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
         provider=type(model_root).__name__, family=adapter, routes_real_tokens_only=bool(routes_real_tokens_only),
         row_lengths=tuple(row_lengths), built=built, te_cp_padding_defect=te_cp_padding_defect,
         length_fallback_pad_id=length_fallback_pad_id, processor_path=getattr(dataset, "hf_processor_path", None),
+        has_pad_to_max_length=hasattr(dataset, "pad_to_max_length"),
+        has_average_in_collective=hasattr(getattr(cfg, "ddp", None), "average_in_collective"),
     )
