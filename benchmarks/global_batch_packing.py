@@ -19,7 +19,7 @@ Distributions:
   grid with h, w even in [12, 40] (36..400 LLM tokens), the images after an 8-token prompt; the text
   capped so that every sample fits seq_length 4096 (the cap is the heavy tail's end).
 * ``doc-chart file``: ``benchmarks/data/global_batch_lengths.json`` (this script writes it, deterministic,
-  ``random.Random(1919)``, in ``plan.samples.load_lengths`` format, loaded back through it): 2048
+  ``random.Random(1919)``, in ``cost.sample_lengths.load_lengths`` format, loaded back through it): 2048
   samples, 60% document pages (1..8 page images of (1, 28..48, 20..36) patches, question + answer
   text lognormal median 180, sigma 0.8), 40% charts (1 image, 2 with probability 0.3, of (1, 24..48,
   32..56) patches, text lognormal median 120, sigma 0.7); image resolution lowered until the sample
@@ -105,7 +105,8 @@ from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, bala
 from megatron.bridge_thd.batching.sizes import SampleSizes  # noqa: E402
 from megatron.bridge_thd.layouts import row_bucket, thd_slots  # noqa: E402
 from megatron.bridge_thd.plan.balance import plan_steps, static_row_for_steps  # noqa: E402
-from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths  # noqa: E402
+from megatron.bridge_thd.cost.sample_lengths import load_lengths  # noqa: E402
+from megatron.bridge_thd.plan.samples import receipt_lengths  # noqa: E402
 from megatron.bridge_thd.rules import DEFAULT_ROW_BUCKETS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

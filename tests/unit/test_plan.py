@@ -13,8 +13,8 @@ from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, get_
 from megatron.bridge_thd.plan.cli import main
 from megatron.bridge_thd.cost.flops import flops_config, micro_batch_flops, moe_routed_tokens
 from megatron.bridge_thd.plan.layouts import layout_stats, micro_batches
-from megatron.bridge_thd.plan.memory import (cuda_graph_bytes, graph_static_bytes, layer_bytes_per_token,
-                                             model_state_bytes, parameter_counts)
+from megatron.bridge_thd.cost.memory import layer_bytes_per_token, parameter_counts
+from megatron.bridge_thd.plan.memory import cuda_graph_bytes, graph_static_bytes, model_state_bytes
 from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec, replace, spec_from_hf_config
 
 warnings.simplefilter("ignore")

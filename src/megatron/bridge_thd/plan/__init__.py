@@ -29,7 +29,8 @@ with warnings.catch_warnings():  # megatron.core's import-time notices (no TE / 
     from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, Parallel
     from megatron.bridge_thd.cost.presets import PRESETS, ModelSpec, get_preset, spec_from_hf_config
     from megatron.bridge_thd.plan.report import format_balance, format_plan
-    from megatron.bridge_thd.plan.samples import SampleLengths, load_lengths, receipt_lengths
+    from megatron.bridge_thd.cost.sample_lengths import SampleLengths, load_lengths
+    from megatron.bridge_thd.plan.samples import receipt_lengths
 
 __all__ = ["Plan", "PlanSettings", "plan", "LAYOUT_ORDER", "Parallel", "SampleLengths", "load_lengths", "receipt_lengths",
            "PRESETS", "ModelSpec", "get_preset", "spec_from_hf_config", "format_plan", "BalancePlan", "balance_plan",

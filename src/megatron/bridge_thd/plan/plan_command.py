@@ -110,7 +110,8 @@ def run(args) -> str:
     from megatron.bridge_thd.cost.presets import get_preset, spec_from_hf_config
     from megatron.bridge_thd.plan.report import format_plan
     from megatron.bridge_thd.plan.roofline import get_gpu
-    from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths
+    from megatron.bridge_thd.cost.sample_lengths import load_lengths
+    from megatron.bridge_thd.plan.samples import receipt_lengths
 
     spec = spec_from_hf_config(args.hf_config) if args.hf_config else get_preset(args.model)
     if args.fit_log:
@@ -214,7 +215,7 @@ def _cp_per_sample(args, spec) -> str:
     mix."""
     from megatron.bridge_thd.cost.step_time import MACHINES
     from megatron.bridge_thd.plan.cp_per_sample import compare_cp, format_cp_comparison
-    from megatron.bridge_thd.plan.samples import load_lengths
+    from megatron.bridge_thd.cost.sample_lengths import load_lengths
     from megatron.bridge_thd.plan.text_mix import text_mix_lengths
     from megatron.bridge_thd.plan.video_mix import video_mix_lengths
 

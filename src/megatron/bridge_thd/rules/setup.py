@@ -162,6 +162,9 @@ class ModelFacts:
         linear_attention: ``experimental_attention_variant`` (Gated DeltaNet: ``"gated_delta_net"``, or ``"gdn"`` on
             the 0.7 line's Megatron-Core; None: none).
         linear_heads: ``(linear_num_key_heads, linear_num_value_heads)`` of a Gated DeltaNet (0: unset).
+        spatial_merge_size: the vision tower's spatial merge (image tokens = patches / merge^2): the config's
+            ``spatial_merge_size``, else its ``vision_config``'s, else Qwen-VL's 2.
+        vision_token_ids: the image and video placeholder ids (``image_token_id``, ``video_token_id``) that are set.
     """
 
     seq_length: int | None = None
@@ -194,6 +197,8 @@ class ModelFacts:
     mtp_layers: int = 0
     linear_attention: str | None = None
     linear_heads: tuple[int, int] = (0, 0)
+    spatial_merge_size: int = 2
+    vision_token_ids: tuple[int, ...] = ()
 
     @property
     def seq_aux_loss(self) -> bool:
@@ -237,6 +242,10 @@ def read_model_facts(model: Any, model_root: Any = None) -> ModelFacts:
         linear_attention=_setting(model, model_root, "experimental_attention_variant"),
         linear_heads=(int(_setting(model, model_root, "linear_num_key_heads", 0) or 0),
                       int(_setting(model, model_root, "linear_num_value_heads", 0) or 0)),
+        spatial_merge_size=int(_setting(model, model_root, "spatial_merge_size")
+                               or getattr(_setting(model, model_root, "vision_config"), "spatial_merge_size", None) or 2),
+        vision_token_ids=tuple(int(i) for i in (_setting(model, model_root, "image_token_id"),
+                                                _setting(model, model_root, "video_token_id")) if i is not None),
     )
 
 
