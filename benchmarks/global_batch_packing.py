@@ -99,7 +99,8 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 import torch  # noqa: E402
 
-from megatron.bridge_thd.batching import assign, in_batch_assignment, placement_stats, sample_cost  # noqa: E402
+from megatron.bridge_thd.batching.policy import assign, in_batch_assignment, placement_stats  # noqa: E402
+from megatron.bridge_thd.cost.sample import sample_cost  # noqa: E402
 from megatron.bridge_thd.batching.sampler import micro_batch_slots, row_buckets_for_runs, row_lower_bound  # noqa: E402
 from megatron.bridge_thd.plan import Parallel, PlanSettings, SampleLengths, balance_plan, get_preset  # noqa: E402
 from megatron.bridge_thd.batching.sizes import SampleSizes  # noqa: E402

@@ -471,7 +471,7 @@ def loader_patch() -> Patch:
     global _LOADER_PATCH
     if _LOADER_PATCH is None:
         try:
-            from megatron.bridge.data import loaders  # Megatron-Bridge whole (Transformer Engine): when the patch is made
+            from megatron.bridge.data import loaders  # Megatron-Bridge whole (Transformer Engine)
         except ImportError as error:
             raise ValueError(
                 f"global_batch_packing: Megatron-Bridge's data loaders cannot be imported here ({error}); global-batch "

@@ -188,8 +188,8 @@ def _sample_sizes(batch: dict, seq_length: int | None,
 def visual_grids(batch: dict) -> list[tuple[int, int, int]]:
     """The ``(t, h, w)`` patch grids of a collated batch's images, then its videos (``visual_inputs``)."""
     visual = batch.get("visual_inputs")
-    # duck: Megatron-Bridge's visual inputs object, a plain dict, or none
-    inputs = visual.normalized_for_model() if hasattr(visual, "normalized_for_model") else (visual or {})
+    normalizes = hasattr(visual, "normalized_for_model")  # duck: Megatron-Bridge's visual inputs, a dict, or None
+    inputs = visual.normalized_for_model() if normalizes else (visual or {})
     grids = []
     for key in ("image_grid_thw", "video_grid_thw"):
         grid = inputs.get(key) if isinstance(inputs, dict) else None
