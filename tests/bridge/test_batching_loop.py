@@ -20,7 +20,7 @@ from megatron.bridge_thd.batching.bridge import global_batch_loader, run_row_buc
 from megatron.bridge_thd.batching.policy import DoesNotFit, assign
 from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, first_unfit_step, row_length_for_steps
 from megatron.bridge_thd.batching.sizes import SampleSizes, dataset_sizes
-from megatron.bridge_thd.rules.setup import ModelFacts, Setup
+from megatron.bridge_thd.rules.setup import ModelFacts, Setup, read_setup
 from megatron.bridge_thd.settings import GlobalBatchPacking
 from megatron.bridge_thd.upstream.loading import load_bridge_module
 
@@ -401,6 +401,16 @@ def test_a_lengths_file_gives_the_training_sets_sizes_and_one_of_another_dataset
     with pytest.raises(ValueError, match=r"lengths_file: .* holds 12 samples, but the dataset has 13 distinct samples"):
         plan_loader(_loader("single", _Indices(13), 0), label="train", setup=_setup(), settings=settings, dp_rank=0,
                     dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=1)
+    # The vision tower's merge comes from the run's facts (rules.read_setup: the provider's vision_config here): at
+    # merge 1 an image of 1 x 4 x 6 patches is 24 tokens.
+    cfg = SimpleNamespace(dataset=SimpleNamespace(seq_length=128), train=SimpleNamespace(micro_batch_size=MBS),
+                          model=SimpleNamespace(seq_length=128, vision_config=SimpleNamespace(spatial_merge_size=1),
+                                                image_token_id=7, video_token_id=None))
+    setup = read_setup(cfg, "thd_static")
+    assert (setup.model.spatial_merge_size, setup.model.vision_token_ids) == (1, (7,))
+    plan = plan_loader(_loader("single", _Indices(12), 0), label="train", setup=setup, settings=settings, dp_rank=0,
+                       dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=1)
+    assert plan.sizes.untruncated.tolist() == [t + (24 if i % 3 == 0 else 0) for i, t in enumerate(text)]
     from megatron.bridge_thd.configure import configure
 
     # A lengths file that does not exist: configure refuses it when it makes the settings record (docs/settings.md),

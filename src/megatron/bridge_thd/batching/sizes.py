@@ -61,7 +61,7 @@ class SampleSizes:
 
     ``lengths`` ``(M,)`` int64 LLM tokens that reach the step (at most ``seq_length``); ``patches`` ``(M,)``
     int64 ViT patches (sum over the sample's images and videos); ``patches_squared`` ``(M,)`` float64 its ViT
-    attention term, ``sum t * (h * w)**2`` per frame (``batching.cost.image_patches``); ``source``: where they came from (metadata, a cache path, a scan); ``total``: the dataset's
+    attention term, ``sum t * (h * w)**2`` per frame (``cost.sample.image_patches``); ``source``: where they came from (metadata, a cache path, a scan); ``total``: the dataset's
     indices (None: ``M``), index ``i`` having the sizes of distinct sample ``i % M``; ``untruncated`` /
     ``supervised``: ``(M,)`` int64 real and supervised tokens before the collate's cut to ``seq_length``, where
     a scan measured them (``overlong.LENGTHS_KEY``), else None; ``supervised_kept``: ``(M,)`` int64 supervised tokens

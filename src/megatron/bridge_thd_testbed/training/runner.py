@@ -40,7 +40,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     ``run_on_gloo(..., whole_bridge=True, initialize=False)`` inside ``hf_hub.offline_hub()``; a run
     whose checkpoint folder already holds a checkpoint resumes from it.
 
-    ``global_batch_packing``: the keywords of a ``batching.bridge.GlobalBatchPacking`` to turn it on
+    ``global_batch_packing``: the keywords of a ``settings.GlobalBatchPacking`` to turn it on
     (``sizes_cache`` defaults to ``workdir/sizes``); its per-step log lines are recorded.
     ``per_token_loss``: ``model.calculate_per_token_loss`` (and ``ddp.average_in_collective=False``,
     which Megatron-Core's DDP requires with it), as global-batch packing sets them.
