@@ -442,9 +442,11 @@ def _wrap(original):
         if not holds_settings(cfg.dataset):
             return loaders
         run_settings = settings_of(cfg.dataset)
-        # The run's facts, read once: Megatron-Bridge builds the loaders after its finalize(), the config is final.
-        setup = read_setup(cfg, run_settings.layout, settings=run_settings, final=True)
-        measure_overlong_samples(loaders, run_settings.overlong_samples, setup.model.vision_token_ids)
+        # The run's facts, read once: Megatron-Bridge builds the loaders after its finalize(), the config is final. A
+        # config without a model section has none (and no placeholder ids), which only global-batch packing needs.
+        has_facts = cfg.model is not None or run_settings.global_batch_packing is not None
+        setup = read_setup(cfg, run_settings.layout, settings=run_settings, final=True) if has_facts else None
+        measure_overlong_samples(loaders, run_settings.overlong_samples, setup.model.vision_token_ids if setup else ())
         if run_settings.global_batch_packing is None:
             return tuple(with_sample_indices(loader) for loader in loaders)
         dp_group = kwargs.get("dp_group", args[1] if len(args) > 1 else None)
