@@ -118,7 +118,7 @@ def step_time_worker(schedule_plan: list[dict], threads: int) -> dict:
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+    from megatron.bridge_thd.settings import GlobalBatchPacking
     from megatron.bridge_thd.qwen3_vl_step import forward_step
     from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
     from megatron.bridge_thd_cpu.standalone import minimal_state

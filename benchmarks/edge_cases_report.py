@@ -89,7 +89,7 @@ def _moe_batches():
 
 
 def moe_rows() -> dict:
-    from megatron.bridge_thd.moe_padding import with_padding_mask
+    from megatron.bridge_thd.moe_padding.hook import with_padding_mask
     from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 
     padded, unpadded = _moe_batches()
@@ -112,7 +112,7 @@ def moe_rows() -> dict:
 def _ep_worker(state_dict, batch, ep):
     from megatron.core import parallel_state
 
-    from megatron.bridge_thd.moe_padding import with_padding_mask
+    from megatron.bridge_thd.moe_padding.hook import with_padding_mask
     from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
     from megatron.bridge_thd_cpu.parity import global_expert_name, gradients, step_run
 

@@ -19,7 +19,7 @@ Distributions:
   grid with h, w even in [12, 40] (36..400 LLM tokens), the images after an 8-token prompt; the text
   capped so that every sample fits seq_length 4096 (the cap is the heavy tail's end).
 * ``doc-chart file``: ``benchmarks/data/global_batch_lengths.json`` (this script writes it, deterministic,
-  ``random.Random(1919)``, in ``plan.samples.load_lengths`` format, loaded back through it): 2048
+  ``random.Random(1919)``, in ``cost.sample_lengths.load_lengths`` format, loaded back through it): 2048
   samples, 60% document pages (1..8 page images of (1, 28..48, 20..36) patches, question + answer
   text lognormal median 180, sigma 0.8), 40% charts (1 image, 2 with probability 0.3, of (1, 24..48,
   32..56) patches, text lognormal median 120, sigma 0.7); image resolution lowered until the sample
@@ -99,7 +99,8 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 import torch  # noqa: E402
 
-from megatron.bridge_thd.batching import assign, in_batch_assignment, placement_stats, sample_cost  # noqa: E402
+from megatron.bridge_thd.batching.policy import assign, in_batch_assignment, placement_stats  # noqa: E402
+from megatron.bridge_thd.cost.sample import sample_cost  # noqa: E402
 from megatron.bridge_thd.batching.sampler import micro_batch_slots, row_buckets_for_runs, row_lower_bound  # noqa: E402
 from megatron.bridge_thd.cost.presets import get_preset  # noqa: E402
 from megatron.bridge_thd.plan.estimate import PlanSettings  # noqa: E402
@@ -107,7 +108,8 @@ from megatron.bridge_thd.plan.layouts import Parallel  # noqa: E402
 from megatron.bridge_thd.batching.sizes import SampleSizes  # noqa: E402
 from megatron.bridge_thd.layouts import row_bucket, thd_slots  # noqa: E402
 from megatron.bridge_thd.plan.balance import balance_plan, plan_steps, static_row_for_steps  # noqa: E402
-from megatron.bridge_thd.plan.samples import SampleLengths, load_lengths, receipt_lengths  # noqa: E402
+from megatron.bridge_thd.cost.sample_lengths import SampleLengths, load_lengths  # noqa: E402
+from megatron.bridge_thd.plan.samples import receipt_lengths  # noqa: E402
 from megatron.bridge_thd.settings import DEFAULT_ROW_BUCKETS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -91,8 +91,8 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 import torch  # noqa: E402
 
-from megatron.bridge_thd.batching import assign, in_batch_assignment, placement_stats, sample_cost  # noqa: E402
-from megatron.bridge_thd.batching.policy import aligned_lengths  # noqa: E402
+from megatron.bridge_thd.batching.policy import aligned_lengths, assign, in_batch_assignment, placement_stats  # noqa: E402
+from megatron.bridge_thd.cost.sample import sample_cost  # noqa: E402
 from megatron.bridge_thd.layouts import thd_alignment  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

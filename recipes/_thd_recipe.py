@@ -86,7 +86,7 @@ def config(base_config, layout: str, micro_batch_size=None, seq_length=None, tra
         return cfg
     if global_batch_packing is None and cp_per_sample is None:
         return configure(cfg, layout=layout)
-    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+    from megatron.bridge_thd.settings import GlobalBatchPacking
 
     cfg.ddp.average_in_collective = False  # per-token loss (configure sets it) needs DDP to sum
     placement = GlobalBatchPacking(**global_batch_packing) if global_batch_packing is not None else None

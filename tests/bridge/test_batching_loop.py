@@ -15,11 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.bridge_thd.batching.bridge import GlobalBatchPacking, check_ranks_agree, plan_loader, run_row_length
+from megatron.bridge_thd.batching.bridge import check_ranks_agree, plan_loader, run_row_length
 from megatron.bridge_thd.batching.bridge import global_batch_loader, run_row_buckets, run_static_rows
 from megatron.bridge_thd.batching.policy import DoesNotFit, assign
 from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, first_unfit_step, row_length_for_steps
 from megatron.bridge_thd.batching.sizes import SampleSizes, dataset_sizes
+from megatron.bridge_thd.rules.setup import ModelFacts, Setup, read_setup
+from megatron.bridge_thd.settings import GlobalBatchPacking
 from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 SAMPLERS = load_bridge_module("data.samplers")
@@ -86,18 +88,17 @@ def _loop_steps(iterators, steps, nmb=NMB):
     return out
 
 
-def _cfg(layout="thd_static", seq_length=128):
-    return SimpleNamespace(model=SimpleNamespace(seq_length=seq_length, tensor_model_parallel_size=1,
-                                                 context_parallel_size=1, sequence_parallel=False, fp8=None),
-                           dataset=SimpleNamespace(packing_layout=layout))
+def _setup(layout="thd_static", seq_length=128):
+    """The run's facts the loader wrapper reads once (``rules.read_setup``): the layout and seq_length."""
+    return Setup(layout=layout, model=ModelFacts(seq_length=seq_length), seq_lengths=(seq_length, seq_length))
 
 
 def _ours(kind, dataset, *, consumed=0, steps=30, row_length=None, layout="thd_static"):
     """Per rank, global-batch packing's loader as the loader builder wrapper makes it (no process group:
     every rank's side computed here), and the run's row."""
     settings = GlobalBatchPacking(row_length=row_length, log=False)
-    cfg = _cfg(layout)
-    plans = [plan_loader(_loader(kind, dataset, rank, consumed), label="train", cfg=cfg, settings=settings,
+    setup = _setup(layout)
+    plans = [plan_loader(_loader(kind, dataset, rank, consumed), label="train", setup=setup, settings=settings,
                          dp_rank=rank, dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=steps)
              for rank in range(DP)]
     row = run_row_length(plans[:1], settings=settings, align=ALIGN, capacity=MBS * 128, cost=None,
@@ -175,10 +176,10 @@ def test_evaluation_loaders_are_checked_against_the_row_when_built():
     """A validation set of longer samples: the chosen row covers its steps (one row for the run), and
     a fixed row that does not is refused at build, naming the loader and the setting."""
     settings = GlobalBatchPacking(log=False)
-    cfg = _cfg()
+    setup = _setup()
     train = Lengths(_lengths(60, seed=1, high=60))
     valid = Lengths(_lengths(48, seed=2, high=128))
-    plans = [plan_loader(_loader("single", dataset, 0), label=label, cfg=cfg, settings=settings, dp_rank=0,
+    plans = [plan_loader(_loader("single", dataset, 0), label=label, setup=setup, settings=settings, dp_rank=0,
                          dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=4)
              for label, dataset in (("train", train), ("valid", valid))]
     train_alone = run_row_length(plans[:1], settings=settings, align=ALIGN, capacity=MBS * 128, cost=None, static=True)
@@ -310,10 +311,10 @@ def test_row_buckets_are_chosen_once_from_the_run_and_every_micro_batch_takes_th
     of every micro-batch that takes it."""
     train, valid = Lengths(_lengths(60, seed=11)), Lengths(_lengths(36, seed=12, high=90))
     settings = GlobalBatchPacking(log=False)
-    cfg = _cfg()
+    setup = _setup()
 
     def build(rank):
-        return [plan_loader(_loader(kind, dataset, rank), label=label, cfg=cfg, settings=settings, dp_rank=rank,
+        return [plan_loader(_loader(kind, dataset, rank), label=label, setup=setup, settings=settings, dp_rank=rank,
                             dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=steps)
                 for label, dataset, steps in (("train", train, 5), ("valid", valid, 3))]
 
@@ -331,7 +332,7 @@ def test_row_buckets_are_chosen_once_from_the_run_and_every_micro_batch_takes_th
     for plan, steps in zip(plans, (5, 3)):
         loaders = [global_batch_loader(p, settings=settings, row_length=row, static=True, align=ALIGN, cost=None,
                                        global_batch_size=GBS, row_lengths=rows)
-                   for p in [plan_loader(_loader(kind, plan.loader.dataset, r), label=plan.label, cfg=cfg,
+                   for p in [plan_loader(_loader(kind, plan.loader.dataset, r), label=plan.label, setup=setup,
                                          settings=settings, dp_rank=r, dp_size=DP, global_batch_size=GBS,
                                          micro_batch_size=MBS, steps=steps) for r in range(DP)]]
         for rank_batches in _loop_micro_batches(loaders, steps):
@@ -357,7 +358,7 @@ def test_the_sampler_logs_the_slots_of_the_rows_its_micro_batches_take(caplog):
 
     dataset = Lengths(_lengths(48, seed=13))
     settings = GlobalBatchPacking(log=True)
-    plans = [plan_loader(_loader("single", dataset, rank), label="train", cfg=_cfg(), settings=settings, dp_rank=rank,
+    plans = [plan_loader(_loader("single", dataset, rank), label="train", setup=_setup(), settings=settings, dp_rank=rank,
                          dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=4) for rank in range(DP)]
     row = run_row_length(plans[:1], settings=settings, align=ALIGN, capacity=MBS * 128, cost=None, static=True)
     rows = run_row_buckets(plans[:1], settings=settings, count=3, row_length=row, align=ALIGN, cost=None)
@@ -390,7 +391,7 @@ def test_a_lengths_file_gives_the_training_sets_sizes_and_one_of_another_dataset
     path.write_text(json.dumps(rows))
     tokens = [t + (6 if i % 3 == 0 else 0) for i, t in enumerate(text)]
     settings = GlobalBatchPacking(lengths_file=str(path), log=False)
-    plan = plan_loader(_loader("single", _Indices(12), 0), label="train", cfg=_cfg(), settings=settings, dp_rank=0,
+    plan = plan_loader(_loader("single", _Indices(12), 0), label="train", setup=_setup(), settings=settings, dp_rank=0,
                        dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=1)
     assert plan.sizes.untruncated.tolist() == tokens
     assert plan.sizes.lengths.tolist() == [min(n, 128) for n in tokens]
@@ -398,8 +399,18 @@ def test_a_lengths_file_gives_the_training_sets_sizes_and_one_of_another_dataset
     assert plan.sizes.patches.tolist() == [24 if i % 3 == 0 else 0 for i in range(12)]
     assert plan.sizes.over(128).tolist() == [2, 7]
     with pytest.raises(ValueError, match=r"lengths_file: .* holds 12 samples, but the dataset has 13 distinct samples"):
-        plan_loader(_loader("single", _Indices(13), 0), label="train", cfg=_cfg(), settings=settings, dp_rank=0,
+        plan_loader(_loader("single", _Indices(13), 0), label="train", setup=_setup(), settings=settings, dp_rank=0,
                     dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=1)
+    # The vision tower's merge comes from the run's facts (rules.read_setup: the provider's vision_config here): at
+    # merge 1 an image of 1 x 4 x 6 patches is 24 tokens.
+    cfg = SimpleNamespace(dataset=SimpleNamespace(seq_length=128), train=SimpleNamespace(micro_batch_size=MBS),
+                          model=SimpleNamespace(seq_length=128, vision_config=SimpleNamespace(spatial_merge_size=1),
+                                                image_token_id=7, video_token_id=None))
+    setup = read_setup(cfg, "thd_static")
+    assert (setup.model.spatial_merge_size, setup.model.vision_token_ids) == (1, (7,))
+    plan = plan_loader(_loader("single", _Indices(12), 0), label="train", setup=setup, settings=settings, dp_rank=0,
+                       dp_size=DP, global_batch_size=GBS, micro_batch_size=MBS, steps=1)
+    assert plan.sizes.untruncated.tolist() == [t + (24 if i % 3 == 0 else 0) for i, t in enumerate(text)]
     from megatron.bridge_thd.configure import configure
 
     # A lengths file that does not exist: configure refuses it when it makes the settings record (docs/settings.md),

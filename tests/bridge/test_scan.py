@@ -20,7 +20,7 @@ import re
 import pytest
 
 from _datasets import ListDataset
-from megatron.bridge_thd.plan.samples import load_lengths
+from megatron.bridge_thd.cost.sample_lengths import load_lengths
 from megatron.bridge_thd.plan.cli import main
 from megatron.bridge_thd_cpu.hf_hub import offline_hub
 from megatron.bridge_thd_testbed.launcher import run_on_gloo

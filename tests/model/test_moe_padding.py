@@ -35,15 +35,10 @@ import torch
 from _real_model import FakeGroup
 
 from megatron.bridge_thd import qwen3_vl_step, step
-from megatron.bridge_thd.moe_padding import (
-    PaddingMaskForward,
-    PaddingMaskMoELayer,
-    PaddingMaskTopKRouter,
-    declares_padding_mask,
-    padding_mask_from_packed_seq_params,
-    padding_mask_pre_wrap_hook,
-    with_padding_mask,
-)
+from megatron.bridge_thd.moe_padding.hook import padding_mask_pre_wrap_hook, with_padding_mask
+from megatron.bridge_thd.moe_padding.mask import declares_padding_mask, padding_mask_from_packed_seq_params
+from megatron.bridge_thd.moe_padding.model import PaddingMaskForward
+from megatron.bridge_thd.moe_padding.routers import PaddingMaskMoELayer, PaddingMaskTopKRouter
 from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
 from megatron.bridge_thd_testbed.launcher import run_on_gloo
 from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config

@@ -22,7 +22,9 @@ import pytest
 import torch
 from _real_model import trimmed
 
-from megatron.bridge_thd.moe_padding import capacity_token_dropping, thd_sample_index, with_padding_mask
+from megatron.bridge_thd.moe_padding.capacity import capacity_token_dropping
+from megatron.bridge_thd.moe_padding.hook import with_padding_mask
+from megatron.bridge_thd.moe_padding.mask import thd_sample_index
 from megatron.bridge_thd_cpu.data import padding_free_batch, synthetic_receipt_batch
 from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd_cpu.parity import step_run
@@ -154,7 +156,7 @@ def test_megatrons_token_dropping_is_never_replaced(batches):
     calls Megatron-Core's own ``apply_router_token_dropping``."""
     from megatron.core.transformer.moe import moe_utils, router
 
-    from megatron.bridge_thd.moe_padding import PaddingMaskTopKRouter
+    from megatron.bridge_thd.moe_padding.routers import PaddingMaskTopKRouter
 
     padded, _ = batches
     wrapped = _model(True, **CAPACITY)

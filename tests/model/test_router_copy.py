@@ -56,7 +56,7 @@ import math
 import pytest
 import torch
 
-from megatron.bridge_thd.moe_padding import PaddingMaskTopKRouter
+from megatron.bridge_thd.moe_padding.routers import PaddingMaskTopKRouter
 
 pytestmark = pytest.mark.usefixtures("real_model_stack")
 

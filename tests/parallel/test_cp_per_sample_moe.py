@@ -19,7 +19,7 @@ import pytest
 import torch
 from _cp_per_sample import MAX_TOKENS_PER_RANK, PLACEMENTS, SEQ_LENGTH, WORLD, bridge_batch, place, run_hybrid_step, samples
 
-from megatron.bridge_thd.moe_padding import with_padding_mask
+from megatron.bridge_thd.moe_padding.hook import with_padding_mask
 from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
 from megatron.bridge_thd_cpu.parity import gradients, step_run, worst_relative_gradient_error
 from megatron.bridge_thd_cpu.stack import cpu_stack

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.bridge_thd.batching import assign, in_batch_assignment
+from megatron.bridge_thd.batching.policy import assign, in_batch_assignment
 from megatron.bridge_thd.batching.sampler import optimal_row_lengths
 from megatron.bridge_thd.layouts import row_bucket
 from megatron.bridge_thd.step.plan import StaticRow
@@ -187,7 +187,7 @@ def pp_step():
     # Without variable_seq_lengths the row must fill the (seq_length, micro_batch_size, H) p2p buffers.
     row = PP_MICRO_BATCH_SIZE * SEQ_LENGTH
     # A cost that grows fast with length forces unequal sample counts per micro-batch.
-    from megatron.bridge_thd.batching import SampleCost
+    from megatron.bridge_thd.cost.sample import SampleCost
 
     placed = assign(lengths, dp_size=1, num_micro_batches=num_micro_batches, row_length=row,
                     cost=SampleCost(per_token=0.0, per_token_squared=1.0))

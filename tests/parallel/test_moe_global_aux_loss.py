@@ -74,7 +74,7 @@ def router_worker(router_name, settings, rows):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron.bridge_thd.moe_padding import PaddingMaskTopKRouter
+    from megatron.bridge_thd.moe_padding.routers import PaddingMaskTopKRouter
 
     rank = torch.distributed.get_rank()
     router_class = {"ours": PaddingMaskTopKRouter, "upstream": TopKRouter}[router_name]

@@ -1,4 +1,4 @@
-"""``batching.cost.sample_cost``: a sample's cost is Megatron-Bridge's own FLOPs formula, its vision
+"""``cost.sample.sample_cost``: a sample's cost is Megatron-Bridge's own FLOPs formula, its vision
 attention counted per frame.
 
 The expectation in every case is Megatron-Bridge's ``training/utils/flop_utils.py`` evaluated

@@ -961,7 +961,7 @@ def test_micro_batch_size_one_with_pp_and_graphs_refuses_only_thd():
 
 @pytest.mark.parametrize("layout", ["thd", "thd_static"])
 def test_micro_batch_size_one_with_global_batch_packing_is_accepted_and_says_what_it_does(layout):
-    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+    from megatron.bridge_thd.settings import GlobalBatchPacking
     from megatron.bridge_thd.rules.run import configure_problems
     from megatron.bridge_thd.rules.setup import read_setup
 
@@ -1788,7 +1788,7 @@ def test_docs_explain_the_refusals_and_hold_the_one_flag_table():
     (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"]), "seq_aux_loss"),
 ])
 def test_moe_capacity_or_seq_aux_loss_with_thd_need_the_padding_hook(moe_settings, name):
-    from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
+    from megatron.bridge_thd.moe_padding.hook import padding_mask_pre_wrap_hook
 
     for layout in ("thd", "thd_static"):
         with pytest.raises(ValueError, match=f"{name}.*layout='{layout}'.*padding_mask_pre_wrap_hook"):
@@ -1807,7 +1807,7 @@ def test_moe_capacity_or_seq_aux_loss_with_thd_need_the_padding_hook(moe_setting
 
 
 def _row_bucket_setup(buckets, train=None, **model):
-    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+    from megatron.bridge_thd.settings import GlobalBatchPacking
     from megatron.bridge_thd.rules.setup import read_setup
 
     cfg = make_cfg(dataset={"dataloader_type": "cyclic"}, model=model, train=train)
@@ -1818,7 +1818,7 @@ def _row_bucket_setup(buckets, train=None, **model):
 def test_row_buckets_that_are_not_a_positive_int_are_refused(buckets):
     """The settings record refuses the value when it is made (docs/settings.md), so configure does too, before it
     changes anything."""
-    from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+    from megatron.bridge_thd.settings import GlobalBatchPacking
 
     expected = f"\n- global_batch_packing.row_buckets: {buckets!r}; expected None"
     with pytest.raises(ValueError, match=r"^dataset.bridge_thd \(megatron.bridge_thd's settings\):") as info:

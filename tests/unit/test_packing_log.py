@@ -18,12 +18,14 @@ def _record(**changes) -> RunLogRecord:
     values = dict(iteration=3, iteration_time_s=0.25, layout="thd", tp=2, cp=1, pp=1, ep=1, dp=4, micro_batch_size=1,
                   micro_batches_per_step=8, global_batch_size=32, seq_length=4096, token_slots=100_000,
                   real_tokens=98_000, supervised_tokens=40_000, attention_work=2_000_000_000, padded_slots=131_072,
-                  truncated_tokens=0, vision_patches=12_000, rank_cost_max_over_mean=1.02, cp_rows={"1": 30, "2": 2})
+                  truncated_tokens=0, vision_patches=12_000, rank_cost_max_over_mean=1.02,
+                  cp_per_sample_rows={"1": 30, "2": 2})
     return RunLogRecord(**{**values, **changes})
 
 
 def test_a_record_round_trips_through_one_json_line(tmp_path):
-    records = [_record(), _record(iteration=4, iteration_time_s=None, rank_cost_max_over_mean=None, cp_rows=None)]
+    records = [_record(), _record(iteration=4, iteration_time_s=None, rank_cost_max_over_mean=None,
+                       cp_per_sample_rows=None)]
     path = tmp_path / "run.jsonl"
     path.write_text("".join(r.to_json() + "\n" for r in records) + "\n")
     assert read_run_log(path) == records
@@ -45,6 +47,13 @@ def test_a_newer_writers_extra_field_is_ignored_and_a_missing_one_is_named(tmp_p
         RunLogRecord.from_json(json.dumps({**json.loads(_record().to_json()), "version": 99}))
     with pytest.raises(ValueError, match="not JSON"):
         RunLogRecord.from_json("{")
+
+
+def test_a_version_1_line_is_read_with_its_cp_rows_as_cp_per_sample_rows():
+    line = json.loads(_record().to_json())
+    old = {**{k: v for k, v in line.items() if k != "cp_per_sample_rows"}, "version": 1, "cp_rows": {"4": 3}}
+    assert "cp_rows" not in line and FORMAT_VERSION == 2
+    assert RunLogRecord.from_json(json.dumps(old)) == _record(cp_per_sample_rows={"4": 3}, version=1)
 
 
 def test_the_settings_refuse_what_they_cannot_use_naming_it(tmp_path):
@@ -74,7 +83,7 @@ def test_the_interval_figures_are_per_iteration_means():
     clear_placements()
     rows = [dict(iteration=i, real_tokens=r, supervised_tokens=r // 2, attention_work=0, truncated_tokens=0,
                  vision_patches=0, token_slots=1000, padded_slots=2000, micro_batches=4, truncated_samples=1,
-                 dropped_samples=0, cp_rows={"2": 1})
+                 dropped_samples=0, cp_per_sample_rows={"2": 1})
             for i, r in ((1, 900), (2, 700))]
     figures = _scalars(rows, seconds=4.0, world=8)
     assert figures["packing/real_tokens_per_iteration"] == 800

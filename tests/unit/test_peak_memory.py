@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from megatron.bridge_thd.plan.layouts import Parallel, layout_stats, micro_batches
-from megatron.bridge_thd.plan.memory import layer_bytes_per_token, vision_bytes_per_patch
+from megatron.bridge_thd.cost.memory import layer_bytes_per_token, vision_bytes_per_patch
 from megatron.bridge_thd.plan.peak_memory import (loss_bytes_per_token, memory_config, mtp_bytes_per_token,
                                                   padded_vocab_size, peak_memory_bytes, row_slots_per_rank,
                                                   upstream_estimate)

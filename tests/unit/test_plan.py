@@ -9,12 +9,12 @@ import warnings
 import pytest
 
 from megatron.bridge_thd.plan.estimate import PlanSettings, plan
-from megatron.bridge_thd.plan.samples import SampleLengths, load_lengths
+from megatron.bridge_thd.cost.sample_lengths import SampleLengths, load_lengths
 from megatron.bridge_thd.plan.cli import main
 from megatron.bridge_thd.cost.flops import flops_config, micro_batch_flops, moe_routed_tokens
 from megatron.bridge_thd.plan.layouts import Parallel, layout_stats, micro_batches
-from megatron.bridge_thd.plan.memory import (cuda_graph_bytes, graph_static_bytes, layer_bytes_per_token,
-                                             model_state_bytes, parameter_counts)
+from megatron.bridge_thd.cost.memory import layer_bytes_per_token, parameter_counts
+from megatron.bridge_thd.plan.memory import cuda_graph_bytes, graph_static_bytes, model_state_bytes
 from megatron.bridge_thd.cost.presets import ModelSpec, VisionSpec, get_preset, replace, spec_from_hf_config
 
 warnings.simplefilter("ignore")

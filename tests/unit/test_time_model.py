@@ -98,7 +98,7 @@ def test_the_weight_sync_by_hand():
     spec = ModelSpec(name="t", hf_repo="-", num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1,
                      kv_channels=4, ffn_hidden_size=16, vocab_size=128, tie_word_embeddings=True,
                      vision=VisionSpec(depth=0, hidden_size=4, num_heads=1, intermediate_size=8, out_hidden_size=8))
-    from megatron.bridge_thd.plan.memory import parameter_counts
+    from megatron.bridge_thd.cost.memory import parameter_counts
 
     params = sum(parameter_counts(spec).values())
     expected = (1e-6 + 4 * params * 3 / 4 / 1e11) + (1e-6 + 2 * params * 3 / 4 / 1e11) + 30 * params / 4 / 1e12

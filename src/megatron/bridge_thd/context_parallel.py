@@ -144,7 +144,7 @@ def thd_padding_chunks(cu_seqlens, cu_seqlens_padded: torch.Tensor | None = None
     Returns:
         A :class:`PaddingChunks`.
     """
-    if hasattr(cu_seqlens, "cu_seqlens_padded"):
+    if hasattr(cu_seqlens, "cu_seqlens_padded"):  # duck: a PackedBatch, or its boundary tensors
         if cu_seqlens_padded is not None:
             raise ValueError("cu_seqlens_padded: pass a PackedBatch alone, or both boundary tensors")
         cu_seqlens, cu_seqlens_padded = cu_seqlens.cu_seqlens, cu_seqlens.cu_seqlens_padded

@@ -107,6 +107,12 @@ class RowCP:
         return self.group is None or self.group.rank() == 0
 
 
+def _held(holder, name: str):
+    """``holder.<name>``, or None: a ``ProcessGroupCollection`` holds only the groups it was made with, and a model
+    built without process groups holds no ``pg_collection``."""
+    return getattr(holder, name, None)  # duck: a collection of some groups, a model with or without one, or None
+
+
 def find_cp_group_holders(core: torch.nn.Module) -> CPGroupHolders:
     """Where the built model ``core`` (unwrapped) keeps its CP group: the ``ProcessGroupCollection``'s ``cp`` of every
     module that holds one (shared objects once), every module attribute that is that group, and the group's size
@@ -118,7 +124,7 @@ def find_cp_group_holders(core: torch.nn.Module) -> CPGroupHolders:
     Raises:
         ValueError: the model holds no ``pg_collection`` (not a Megatron-Core model built with process groups).
     """
-    static = getattr(getattr(core, "pg_collection", None), "cp", None)
+    static = _held(_held(core, "pg_collection"), "cp")
     if static is None:
         raise ValueError(f"model: {type(core).__name__} holds no pg_collection.cp; CP per sample rebinds the CP group "
                          "of a Megatron-Core model built with its process groups")
@@ -131,7 +137,7 @@ def find_cp_group_holders(core: torch.nn.Module) -> CPGroupHolders:
             if value is static:
                 places.append((module, name))
                 holds = True
-            elif name == "pg_collection" and getattr(value, "cp", None) is static:
+            elif name == "pg_collection" and _held(value, "cp") is static:
                 holds = True
                 if id(value) not in seen:
                     seen.add(id(value))
@@ -147,9 +153,8 @@ def find_cp_group_holders(core: torch.nn.Module) -> CPGroupHolders:
 def _tp_cp_places(core: torch.nn.Module) -> tuple[tuple[tuple[object, str], ...], torch.distributed.ProcessGroup | None]:
     """At TP = 1: every place holding the model's static TP x CP group (module attributes that are it, the ``tp_cp``
     of each ``ProcessGroupCollection``), and the group; nothing above TP = 1 or without one."""
-    collection = getattr(core, "pg_collection", None)
-    static = getattr(collection, "tp_cp", None)
-    tp = getattr(collection, "tp", None)
+    collection = _held(core, "pg_collection")
+    static, tp = _held(collection, "tp_cp"), _held(collection, "tp")
     if static is None or tp is None or tp.size() != 1:
         return (), None
     places: list[tuple[object, str]] = []
@@ -158,7 +163,7 @@ def _tp_cp_places(core: torch.nn.Module) -> tuple[tuple[tuple[object, str], ...]
         for name, value in vars(module).items():
             if value is static:
                 places.append((module, name))
-            elif name == "pg_collection" and getattr(value, "tp_cp", None) is static and id(value) not in seen:
+            elif name == "pg_collection" and _held(value, "tp_cp") is static and id(value) not in seen:
                 seen.add(id(value))
                 places.append((value, "tp_cp"))
     return tuple(places), static
@@ -188,7 +193,7 @@ def _bind_size(module: torch.nn.Module, name: str, size: int, restore: list[tupl
     changed: dict[str, object] = {}
     try:
         setattr(module, name, size)
-        derive = getattr(module, "_setup_variant_attrs", None)
+        derive = getattr(module, "_setup_variant_attrs", None)  # offers: Megatron-Core's GDN re-derivation
         if callable(derive):
             derive()
     finally:
@@ -255,7 +260,7 @@ def row_cp_of(batch: dict, plan: CPPerSampleStep) -> RowCP:
     plan.alignment(size)  # refuses a size this world has no group for
     if size == 1:
         return RowCP(1, None)
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # Megatron-Core's parallel state: a row of k > 1 ranks only
 
     return RowCP(size, parallel_state.get_hybrid_data_context_parallel_groups(group_size=size))
 

@@ -32,11 +32,10 @@ def _boundaries(packed_seq_params) -> tuple[torch.Tensor, torch.Tensor]:
     """
     if packed_seq_params is None:
         raise ValueError("packed_seq_params: expected a PackedSeqParams with cu_seqlens_q, got None")
-    qkv_format = getattr(packed_seq_params, "qkv_format", None)
+    qkv_format = packed_seq_params.qkv_format
     if qkv_format not in (None, "thd"):
         raise ValueError(f"packed_seq_params: qkv_format is {qkv_format!r}; the packed roll needs 'thd'")
-    cu_real = getattr(packed_seq_params, "cu_seqlens_q", None)
-    cu_padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    cu_real, cu_padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
     if not isinstance(cu_real, torch.Tensor) or cu_real.dim() != 1 or cu_real.numel() < 2:
         raise ValueError(
             "packed_seq_params.cu_seqlens_q: expected a 1-D tensor of S + 1 >= 2 cumulative lengths, got "
@@ -124,7 +123,7 @@ def megatron_roll_is_exact(packed_seq_params) -> bool:
     cu_padded = packed_seq_params.cu_seqlens_q_padded
     if cu_padded is None:
         return True
-    flag = getattr(packed_seq_params, "pad_between_seqs", None)
+    flag = packed_seq_params.pad_between_seqs
     if flag is not None:
         return not flag
     return torch.equal(cu_real.to(torch.int64).cpu(), cu_padded.to(torch.int64).cpu())

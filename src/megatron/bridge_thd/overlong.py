@@ -31,13 +31,16 @@ The collate runs in the loader's worker processes, so the rule travels with the 
 from __future__ import annotations
 
 import contextvars
+import importlib
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from megatron.bridge_thd.settings import OVERLONG_POLICIES, settings_of
+from megatron.bridge_thd.upstream.patches import Patch, apply_permanently
 
 __all__ = ["POLICIES", "DEFAULT_POLICY", "LENGTHS_KEY", "SAMPLE_INDEX_KEY", "MEASURES", "OverlongRule",
            "OverlongCollate", "IndexedSample", "IndexedDataset", "collate_patch", "measure_rows",
@@ -229,7 +232,7 @@ class IndexedDataset:
     def __getattr__(self, name):
         if name == "dataset":  # not set yet (unpickling)
             raise AttributeError(name)
-        return getattr(self.dataset, name)
+        return getattr(self.dataset, name)  # duck: the wrapped dataset answers for every other attribute
 
 
 class OverlongCollate:
@@ -282,12 +285,8 @@ def measure_in_this_process() -> bool:
     """Apply :func:`collate_patch` here if Megatron-Bridge's Qwen-VL collate module is loaded (a collate of it being
     run, or unpickled into a worker, loads it); never import it for that (a whole Megatron-Bridge import costs
     seconds). Returns whether the collate is measured."""
-    import sys
-
     if _COLLATE_MODULE not in sys.modules:
         return False
-    from megatron.bridge_thd.upstream.patches import apply_permanently
-
     apply_permanently(collate_patch())
     return True
 
@@ -298,12 +297,7 @@ def collate_patch():
     collate module (``models/qwen_vl/data/collate_fn.py``, Qwen3-VL and Qwen3.5-VL) calls it; one per process."""
     global _COLLATE_PATCH
     if _COLLATE_PATCH is None:
-        import importlib
-
         module = importlib.import_module(_COLLATE_MODULE)
-
-        from megatron.bridge_thd.upstream.patches import Patch
-
         _COLLATE_PATCH = Patch(module, "prepare_sequence_batch", _measured(module.prepare_sequence_batch),
                                "measure each row before Megatron-Bridge's collate cuts it to seq_length, apply the "
                                "over-long policy, carry the lengths with the batch (megatron.bridge_thd.overlong)")

@@ -26,6 +26,11 @@ from typing import Any
 
 import torch
 
+from megatron.bridge_thd.rules.setup import Setup, read_setup
+from megatron.bridge_thd.run_log import RunLogRecord
+from megatron.bridge_thd.settings import holds_settings, settings_of
+from megatron.bridge_thd.upstream.patches import Patch
+
 __all__ = ["PackingTotals", "PackingLogCallback", "packing_log_wanted", "pretrain_patch", "record_placement",
            "clear_placements", "logger_configured",
            "TOTALS_ATTRIBUTE", "CP_SIZES", "figure_names"]
@@ -97,8 +102,8 @@ class PackingTotals:
         self._host[0] += int(stats.processed_tokens)
         self._host[1] += int(stats.padded_tokens)
         self._host[2] += 1
-        self._host[3] += int(getattr(stats, "truncated_samples", 0))
-        self._host[4] += int(getattr(stats, "dropped_samples", 0))
+        self._host[3] += int(stats.truncated_samples)
+        self._host[4] += int(stats.dropped_samples)
         if cp_size is not None and cp_size in CP_SIZES:
             self._host[len(_HOST) + CP_SIZES.index(cp_size)] += 1
 
@@ -132,8 +137,8 @@ class PackingTotals:
         rows = []
         for iteration, row in zip(self.iterations, values, strict=True):
             figures = dict(zip(names, row[:len(names)], strict=True), iteration=iteration)
-            figures["cp_rows"] = {str(size): count for size, count in zip(CP_SIZES, row[len(names):], strict=True)
-                                  if count}
+            figures["cp_per_sample_rows"] = {str(size): count for size, count in
+                                             zip(CP_SIZES, row[len(names):], strict=True) if count}
             rows.append(figures)
         self.device_rows, self.host_rows, self.iterations = [], [], []
         return rows
@@ -153,17 +158,14 @@ def figure_names() -> tuple[str, ...]:
 
 def logger_configured(cfg: Any) -> bool:
     """Whether the run writes to any of Megatron-Bridge's loggers (TensorBoard, W&B, MLflow, Comet)."""
-    logger = getattr(cfg, "logger", None)
-    return any(getattr(logger, name, None) for name in ("tensorboard_dir", "wandb_project", "mlflow_experiment",
-                                                        "comet_project"))
+    return any(getattr(cfg.logger, name, None)  # optional: a logger config may leave a writer's setting out
+               for name in ("tensorboard_dir", "wandb_project", "mlflow_experiment", "comet_project"))
 
 
 def packing_log_wanted(cfg: Any) -> bool:
     """Decided once per run: our settings are held (``configure``), and either ``packing_log`` is on and a logger
     is configured, or ``run_log`` names a path."""
-    from megatron.bridge_thd.settings import holds_settings, settings_of
-
-    dataset = getattr(cfg, "dataset", None)
+    dataset = cfg.dataset
     if dataset is None or not holds_settings(dataset):
         return False
     settings = settings_of(dataset)
@@ -180,19 +182,16 @@ def _interval_seconds(state, since: float) -> float | None:
         return time.perf_counter() - since if since else None
 
 
-def _parallel_sizes(cfg) -> dict:
-    """TP / CP / PP / EP / DP, micro-batch size, micro-batches per step, global batch, seq_length."""
-    model, train = cfg.model, cfg.train
-    tp = int(getattr(model, "tensor_model_parallel_size", 1) or 1)
-    cp = int(getattr(model, "context_parallel_size", 1) or 1)
-    pp = int(getattr(model, "pipeline_model_parallel_size", 1) or 1)
-    ep = int(getattr(model, "expert_model_parallel_size", 1) or 1)
+def _parallel_sizes(setup: Setup) -> dict:
+    """TP / CP / PP / EP / DP, micro-batch size, micro-batches per step, global batch, ``dataset.seq_length``, from
+    the run's facts."""
+    tp, cp, pp, ep = setup.tp, setup.cp, setup.pp, setup.ep
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     dp = max(world // (tp * cp * pp), 1)
-    micro, global_batch = int(train.micro_batch_size), int(train.global_batch_size)
+    micro, global_batch = int(setup.micro_batch_size), int(setup.global_batch_size)
     return dict(tp=tp, cp=cp, pp=pp, ep=ep, dp=dp, micro_batch_size=micro,
                 micro_batches_per_step=max(global_batch // (micro * dp), 1), global_batch_size=global_batch,
-                seq_length=int(cfg.dataset.seq_length))
+                seq_length=int(setup.seq_lengths[0]))
 
 
 def _scalars(rows: list[dict], seconds: float | None, world: int) -> dict:
@@ -223,7 +222,7 @@ def _scalars(rows: list[dict], seconds: float | None, world: int) -> dict:
         in_batch = sum(p.in_batch_rank_imbalance for p in placed) / len(placed)
         figures["packing/in_batch_rank_cost_max_over_mean"] = in_batch
     for size in CP_SIZES:
-        counts = [row["cp_rows"].get(str(size), 0) for row in rows]
+        counts = [row["cp_per_sample_rows"].get(str(size), 0) for row in rows]
         if any(counts):
             figures[f"packing/cp_per_sample_rows_{size}"] = sum(counts) / n
     return figures
@@ -249,7 +248,7 @@ def _write(state, figures: dict, iteration: int) -> None:
 
 
 def _make_callback_class():
-    from megatron.bridge.training.callbacks import Callback
+    from megatron.bridge.training.callbacks import Callback  # Megatron-Bridge's training package: when first asked for
 
     class PackingLog(Callback):
         """See :class:`PackingLogCallback`."""
@@ -264,14 +263,14 @@ def _make_callback_class():
             self._writes = False
 
         def on_train_start(self, context):
-            from megatron.bridge_thd.settings import settings_of
-
             state = context.state
             setattr(state, TOTALS_ATTRIBUTE, self.totals)
             settings = settings_of(state.cfg.dataset)
             self._writes = settings.packing_log and logger_configured(state.cfg)
             self._path = settings.run_log
-            self._run = dict(_parallel_sizes(state.cfg), layout=settings.layout)
+            # The run's facts, read once (the trainer starts after Megatron-Bridge's finalize(): the config is final).
+            setup = read_setup(state.cfg, settings.layout, settings=settings, final=True)
+            self._run = dict(_parallel_sizes(setup), layout=settings.layout)
             self._since = time.perf_counter()
 
         def on_train_step_end(self, context):
@@ -287,7 +286,7 @@ def _make_callback_class():
                 writer = context.state.tensorboard_logger if self._writes else None
                 if writer is not None:
                     writer.flush()  # the trainer flushed its writer before this event
-            if getattr(context.state, TOTALS_ATTRIBUTE, None) is self.totals:
+            if getattr(context.state, TOTALS_ATTRIBUTE, None) is self.totals:  # optional: another run may have taken it
                 delattr(context.state, TOTALS_ATTRIBUTE)
 
         def _flush(self, state, iteration: int) -> None:
@@ -307,8 +306,6 @@ def _make_callback_class():
                 self._append_run_log(rows, None if seconds is None else seconds / len(rows))
 
         def _append_run_log(self, rows: list[dict], seconds: float | None) -> None:
-            from megatron.bridge_thd.run_log import RunLogRecord
-
             with open(self._path, "a", encoding="utf-8") as handle:
                 for row in rows:
                     placed = _PLACEMENTS.get(row["iteration"])
@@ -316,7 +313,7 @@ def _make_callback_class():
                         iteration=row["iteration"], iteration_time_s=seconds, **self._run,
                         **{name: int(row[name]) for name in _DEVICE + _HOST[:2] + _HOST[3:]},
                         rank_cost_max_over_mean=None if placed is None else float(placed.rank_imbalance),
-                        cp_rows=row["cp_rows"] or None)
+                        cp_per_sample_rows=row["cp_per_sample_rows"] or None)
                     handle.write(record.to_json() + "\n")
 
     return PackingLog
@@ -348,9 +345,7 @@ def _reduction_group(state):
     context-parallel group (each row is counted by its group's first rank only)."""
     if not torch.distributed.is_initialized():
         return None
-    from megatron.core import parallel_state
-
-    from megatron.bridge_thd.settings import settings_of
+    from megatron.core import parallel_state  # Megatron-Core's parallel state: only in a distributed run
 
     with_cp = settings_of(state.cfg.dataset).cp_per_sample is not None
     return parallel_state.get_data_parallel_group(with_context_parallel=with_cp)
@@ -359,10 +354,10 @@ def _reduction_group(state):
 def _with_packing_log(original):
     def _pretrain(state, forward_step_func, callback_manager=None, *args, **kwargs):
         if packing_log_wanted(state.cfg):
-            from megatron.bridge.training.callbacks import CallbackManager
+            from megatron.bridge.training.callbacks import CallbackManager  # Megatron-Bridge's training package
 
             callback_manager = callback_manager if callback_manager is not None else CallbackManager()
-            installed = any(isinstance(getattr(fn, "__self__", None), _callback_class())
+            installed = any(isinstance(getattr(fn, "__self__", None), _callback_class())  # duck: function or method
                             for fn in callback_manager.list_callbacks("on_train_step_end"))
             if not installed:
                 callback_manager.add(PackingLogCallback())
@@ -386,10 +381,8 @@ def pretrain_patch():
     """
     global _PRETRAIN_PATCH
     if _PRETRAIN_PATCH is None:
-        from megatron.bridge_thd.upstream.patches import Patch
-
         try:
-            from megatron.bridge.training import pretrain
+            from megatron.bridge.training import pretrain  # Megatron-Bridge's training package: when the patch is made
         except ImportError as error:
             raise ValueError(f"packing_log: Megatron-Bridge's training.pretrain cannot be imported here ({error}); set "
                              "packing_log=False to run without the packing figures") from error

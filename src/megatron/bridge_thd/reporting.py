@@ -81,7 +81,7 @@ def iteration_recorder():
                 "loss": float(loss) if loss is not None else None,
                 "grad_norm": None if context.grad_norm is None else float(context.grad_norm),
                 "flops": None,
-                "flops_tokens": int(getattr(state, "_flops_seqlen_sum", 0)),
+                "flops_tokens": int(getattr(state, "_flops_seqlen_sum", 0)),  # offers: the trainer's FLOPs tokens
                 "seconds": time.perf_counter() - self._start,
                 "peak_memory_bytes": _peak_memory_bytes(),
             })
@@ -124,7 +124,7 @@ class _RealTokenCounter:
         return batch
 
     def __getattr__(self, name):
-        return getattr(self.iterator, name)
+        return getattr(self.iterator, name)  # duck: the wrapped iterator answers for every other attribute
 
 
 def counting_step(step, counts: list):
@@ -136,8 +136,9 @@ def counting_step(step, counts: list):
     @functools.wraps(step)
     def counted(state, data_iterator, model, *args, **kwargs):
         if data_iterator is not None:
-            data_iterator = _RealTokenCounter(data_iterator, counts, training=bool(getattr(model, "training", True)))
-        if not isinstance(getattr(state, "bridge_thd_stats", None), list):
+            training = bool(getattr(model, "training", True))  # duck: one model chunk (its mode) or a list of them
+            data_iterator = _RealTokenCounter(data_iterator, counts, training=training)
+        if not isinstance(getattr(state, "bridge_thd_stats", None), list):  # optional: our step's list, once made
             state.bridge_thd_stats = []  # our step appends each micro-batch's PackingStats here
         before = len(state.bridge_thd_stats)
         result = step(state, data_iterator, model, *args, **kwargs)

@@ -4,7 +4,8 @@
 The format lives here, in the runtime (never in ``megatron.bridge_thd.plan``, which the runtime does not import):
 :class:`RunLogRecord` (one line; :meth:`RunLogRecord.to_json` / :meth:`RunLogRecord.from_json`) and
 :func:`read_run_log`. The field names are stable: a new field is added with a default, none is renamed or removed
-without raising :data:`FORMAT_VERSION`.
+without raising :data:`FORMAT_VERSION` (version 2 renamed ``cp_rows`` to ``cp_per_sample_rows``; a version-1 line
+is read with its ``cp_rows`` as ``cp_per_sample_rows``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from dataclasses import asdict, dataclass, field, fields
 
 __all__ = ["RunLogRecord", "read_run_log", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Older lines' names of fields since renamed: {old name: field}.
+_RENAMED = {"cp_rows": "cp_per_sample_rows"}
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,8 @@ class RunLogRecord:
             were logged).
         rank_cost_max_over_mean: under global-batch packing, the step's per-rank cost max / mean as placed (the
             same on every rank); None otherwise.
-        cp_rows: under a CP size per sample, rows the step ran per CP size (``{"1": n, "2": m, ...}``); None
-            otherwise.
+        cp_per_sample_rows: under a CP size per sample, rows the step ran per CP size (``{"1": n, "2": m, ...}``);
+            None otherwise (``cp_rows`` in a version-1 line).
     """
 
     iteration: int
@@ -74,7 +77,7 @@ class RunLogRecord:
     truncated_tokens: int
     vision_patches: int
     rank_cost_max_over_mean: float | None = None
-    cp_rows: dict | None = None
+    cp_per_sample_rows: dict | None = None
     truncated_samples: int = 0
     dropped_samples: int = 0
     version: int = field(default=FORMAT_VERSION)
@@ -86,7 +89,8 @@ class RunLogRecord:
     @classmethod
     def from_json(cls, line: str) -> RunLogRecord:
         """The record of one line :meth:`to_json` wrote; keys this version does not know are ignored (a newer
-        writer's additions), a missing required key is an error naming it.
+        writer's additions), an older line's name of a renamed field is read as the field, a missing required key is
+        an error naming it.
 
         Raises:
             ValueError: the line is not a JSON object, lacks a field, or has a newer :data:`FORMAT_VERSION`.
@@ -101,6 +105,8 @@ class RunLogRecord:
             raise ValueError(f"run log: a line of format version {values['version']}; this reader knows up to "
                              f"{FORMAT_VERSION} (update megatron-bridge-thd)")
         known = {f.name for f in fields(cls)}
+        values = {_RENAMED.get(name, name): value for name, value in values.items()
+                  if not (name in _RENAMED and _RENAMED[name] in values)}
         try:
             return cls(**{name: value for name, value in values.items() if name in known})
         except TypeError as error:

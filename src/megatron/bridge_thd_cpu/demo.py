@@ -202,8 +202,7 @@ def placement_comparison(lengths, patches=None, *, micro_batch_size: int, seq_le
         ``rows``: per placement ``{"label", "placement", "layout", "assignment", "row_lengths"`` (None:
         each micro-batch's own tokens)``, "slots", "padding", "rank_imbalance"}``, in-batch first.
     """
-    from megatron.bridge_thd.batching import assign, in_batch_assignment, placement_stats
-    from megatron.bridge_thd.batching.policy import sample_costs
+    from megatron.bridge_thd.batching.policy import assign, in_batch_assignment, placement_stats, sample_costs
     from megatron.bridge_thd.batching.sampler import micro_batch_slots, optimal_row_lengths, row_length_for_steps
     from megatron.bridge_thd.batching.sizes import SampleSizes
     from megatron.bridge_thd.settings import DEFAULT_ROW_BUCKETS

@@ -99,7 +99,7 @@ def minimal_state(
         micro_batch_size: ``train.micro_batch_size``.
         packing: ``dataset.pack_sequences_in_batch``.
         packing_layout: the settings' ``layout`` (None = the default, ``"thd"``).
-        global_batch_packing: the settings' ``global_batch_packing`` (a ``batching.bridge.GlobalBatchPacking``).
+        global_batch_packing: the settings' ``global_batch_packing`` (a ``settings.GlobalBatchPacking``).
         static_rows: ``step_plan.StaticRow``s (ascending length) recorded as global-batch packing records its
             run's rows (``train_state.bridge_thd_rows``), where the step's plan reads them; empty: none recorded.
         model_settings: extra ``cfg.model`` attributes (``variable_seq_lengths``, ``fp8``,

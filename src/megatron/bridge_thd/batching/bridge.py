@@ -19,33 +19,37 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron.bridge_thd.packing import round_up
-from megatron.bridge_thd.upstream.patches import Patch
-from megatron.bridge_thd.settings import GlobalBatchPacking, holds_settings, settings_of
+import torch
+from torch.utils.data import DataLoader
 
-__all__ = ["GlobalBatchPacking", "loader_patch", "global_batch_loader", "cp_per_sample_loader", "plan_loader", "run_row_length",
+from megatron.bridge_thd.batching.cp_per_sample import check_fits_the_world
+from megatron.bridge_thd.batching.cp_per_sample_loader import CPRowSampler, RowCollate, RowDataset, StepPlacer
+from megatron.bridge_thd.batching.sampler import (GlobalBatchSampler, cycles, first_unfit_step, micro_batch_slots,
+                                                  rank_samplers, row_buckets_for_runs, row_length_for_steps, run_draws)
+from megatron.bridge_thd.batching.sizes import dataset_sizes, file_sizes, is_global_rank_zero, read_cached_sizes
+from megatron.bridge_thd.cost.sample import sample_cost
+from megatron.bridge_thd.overlong import IndexedDataset, OverlongCollate
+from megatron.bridge_thd.packing import round_up
+from megatron.bridge_thd.packing_log import clear_placements, record_placement
+from megatron.bridge_thd.rules.registry import LOADERS
+from megatron.bridge_thd.rules.run import refuse
+from megatron.bridge_thd.rules.rows import row_buckets
+from megatron.bridge_thd.rules.setup import Setup, read_setup
+from megatron.bridge_thd.settings import GlobalBatchPacking, holds_settings, settings_of
+from megatron.bridge_thd.step.plan import ROWS_ATTRIBUTE, GlobalBatchRows, StaticRow
+from megatron.bridge_thd.upstream.patches import Patch
+
+__all__ = ["loader_patch", "global_batch_loader", "cp_per_sample_loader", "plan_loader", "run_row_length",
            "run_row_buckets", "run_static_rows", "check_overlong", "measure_overlong_samples", "with_sample_indices",
            "shared_sizes", "check_ranks_agree", "LoaderPlan"]
 
 logger = logging.getLogger(__name__)
 
 
-def _alignment(cfg) -> int:
-    from megatron.bridge_thd.layouts import thd_alignment
-
-    model = cfg.model
-    return thd_alignment(getattr(model, "tensor_model_parallel_size", 1) or 1,
-                         getattr(model, "context_parallel_size", 1) or 1,
-                         sequence_parallel=bool(getattr(model, "sequence_parallel", False)),
-                         fp8=bool(getattr(model, "fp8", None)))
-
-
 def _distributed() -> bool:
-    import torch
-
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
@@ -56,8 +60,6 @@ def _node_scanner() -> bool:
 
 
 def _any_rank(flag: bool) -> bool:
-    import torch
-
     flags = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(flags, bool(flag))
     return any(flags)
@@ -66,10 +68,6 @@ def _any_rank(flag: bool) -> bool:
 def _scan_once_per_node(path, scan):
     """``dataset_sizes``'s ``share``: global rank 0 scans into ``path`` while the others wait; then the
     first rank (``LOCAL_RANK`` 0) of each node that still cannot see the file scans; every rank reads it."""
-    import torch
-
-    from megatron.bridge_thd.batching.sizes import read_cached_sizes
-
     if torch.distributed.get_rank() == 0 and not path.is_file():
         scan()
     torch.distributed.barrier()
@@ -88,11 +86,9 @@ def shared_sizes(loader, *, seq_length: int, cache_dir: str | None, label: str):
     """Every sample's sizes for ``loader``'s dataset, the same on every rank: metadata when the dataset
     has it; otherwise the cache, scanned once per node (:func:`_scan_once_per_node`) in loader worker
     processes started as the loader's are. Every rank calls it, in the same order of loaders."""
-    from megatron.bridge_thd.batching.sizes import dataset_sizes
-
     return dataset_sizes(loader.dataset, loader.collate_fn, seq_length=seq_length, cache_dir=cache_dir,
-                         num_workers=getattr(loader, "num_workers", 0) or 0,
-                         context=getattr(loader, "multiprocessing_context", None), label=f" ({label} loader)",
+                         num_workers=loader.num_workers or 0, context=loader.multiprocessing_context,
+                         label=f" ({label} loader)",
                          share=_scan_once_per_node if _distributed() else None)
 
 
@@ -102,8 +98,6 @@ def check_ranks_agree(sizes, *, label: str) -> None:
     name the first sample that differs and each rank's value."""
     if not _distributed():
         return
-    import torch
-
     world = torch.distributed.get_world_size()
     digests = [None] * world
     torch.distributed.all_gather_object(digests, sizes.digest())
@@ -150,10 +144,6 @@ def check_overlong(sizes, *, seq_length: int, policy: str | None, label: str) ->
     * otherwise the over-long samples are named once in the log (global rank 0): cut, or under ``"drop"`` dropped
       from the loss.
     """
-    import torch
-
-    from megatron.bridge_thd.batching.sampler import is_global_rank_zero
-
     over = sizes.over(seq_length)
     if not len(over):
         return
@@ -204,35 +194,24 @@ class LoaderPlan:
     draws: Any
 
 
-def _spatial_merge_size(cfg) -> int:
-    """The vision tower's spatial merge (image tokens = patches / merge^2): the model provider's, else Qwen-VL's 2."""
-    model = cfg.model
-    merge = getattr(model, "spatial_merge_size", None) or getattr(getattr(model, "vision_config", None),
-                                                                  "spatial_merge_size", None)
-    return int(merge) if merge else 2
-
-
-def plan_loader(loader, *, label: str, cfg, settings: GlobalBatchPacking, dp_rank: int, dp_size: int,
+def plan_loader(loader, *, label: str, setup: Setup, settings: GlobalBatchPacking, dp_rank: int, dp_size: int,
                 global_batch_size: int, micro_batch_size: int, steps: int) -> LoaderPlan:
-    """Sizes (shared, checked across ranks) and the run's first ``steps`` draws of one loader."""
-    from megatron.bridge_thd.batching.sampler import cycles, rank_samplers, run_draws
-
+    """Sizes (shared, checked across ranks) and the run's first ``steps`` draws of one loader (``setup``: the run's
+    facts, for ``seq_length``, the over-long policy and the vision tower's spatial merge)."""
     inner = loader.batch_sampler
     # The rule global_batch_sampler refuses a dataloader_type without these samplers; this checks the argument.
     if type(inner).__name__ not in ("MegatronPretrainingSampler", "MegatronPretrainingRandomSampler"):
         raise TypeError(f"loader ({label}): its batch sampler is {type(inner).__name__}, not Megatron-Bridge's "
                         "MegatronPretrainingSampler / MegatronPretrainingRandomSampler")
     num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
+    seq_length = setup.seq_length
     if label == "train" and settings.lengths_file is not None:
-        from megatron.bridge_thd.batching.sizes import file_sizes
-
-        sizes = file_sizes(settings.lengths_file, loader.dataset, seq_length=cfg.model.seq_length,
-                           spatial_merge_size=_spatial_merge_size(cfg))
+        sizes = file_sizes(settings.lengths_file, loader.dataset, seq_length=seq_length,
+                           spatial_merge_size=setup.model.spatial_merge_size)
     else:
-        sizes = shared_sizes(loader, seq_length=cfg.model.seq_length, cache_dir=settings.sizes_cache, label=label)
+        sizes = shared_sizes(loader, seq_length=seq_length, cache_dir=settings.sizes_cache, label=label)
     check_ranks_agree(sizes, label=label)
-    check_overlong(sizes, seq_length=cfg.model.seq_length, policy=settings_of(cfg.dataset).overlong_samples,
-                   label=label)
+    check_overlong(sizes, seq_length=seq_length, policy=setup.settings.overlong_samples, label=label)
     draws = run_draws(rank_samplers(inner, dp_size, from_start=True), num_micro_batches, max(steps, 1),
                       cycle=cycles(inner))
     return LoaderPlan(label, loader, inner, dp_rank, dp_size, micro_batch_size, num_micro_batches, sizes, draws)
@@ -246,8 +225,6 @@ def run_row_length(plans: list[LoaderPlan], *, settings: GlobalBatchPacking, ali
     does not fit), else the smallest row at which every loader's steps fit (one static shape for
     training and evaluation alike). ``thd``: ``micro_batch_size * seq_length`` (``capacity``), checked.
     """
-    from megatron.bridge_thd.batching.sampler import first_unfit_step, row_length_for_steps
-
     def unfit(plan: LoaderPlan, row: int):
         if not len(plan.draws):
             return None
@@ -266,8 +243,6 @@ def run_row_length(plans: list[LoaderPlan], *, settings: GlobalBatchPacking, ali
         # a loader whose own row this is was checked at it).
         while any(unfit(plan, row) is not None for plan in plans if rows.get(plan.label) != row):
             row = round_up(int(row * 1.005 + 1), align)
-        from megatron.bridge_thd.batching.sampler import is_global_rank_zero
-
         if is_global_rank_zero():
             needs = ", ".join(f"{label} {value}" for label, value in rows.items())
             logger.info("bridge_thd.batching: thd_static row fixed at %d slots for the run (micro_batch_size * seq_length "
@@ -291,10 +266,6 @@ def run_static_rows(plans: list[LoaderPlan], *, row_lengths, align: int, seq_len
     (ascending): that many slots; as many segments as the most samples such a row can hold (the run's shortest
     drawn samples, aligned, until the row is full; at most a whole step), plus the tail; ``max_seqlen``
     ``round_up(seq_length, align)`` (a sample is at most ``seq_length`` long once collated), at most the row."""
-    import torch
-
-    from megatron.bridge_thd.step.plan import StaticRow
-
     drawn = [plan.sizes.take(plan.draws.reshape(-1).unique())[0] for plan in plans if len(plan.draws)]
     slots = round_up(torch.cat(drawn), align).clamp(min=1).sort().values if drawn else torch.ones(1, dtype=torch.int64)
     filled = slots.cumsum(0)
@@ -311,8 +282,6 @@ def run_row_buckets(plans: list[LoaderPlan], *, settings: GlobalBatchPacking, co
     """``thd_static``'s rows for the run, ascending: ``row_length`` (every step fits it) and up to ``count - 1``
     shorter ones (``count``: ``rules.row_buckets``), chosen from how the sampler places every loader's whole-run
     steps in rows of ``row_length`` (:func:`.sampler.micro_batch_slots`, :func:`.sampler.row_buckets_for_runs`)."""
-    from megatron.bridge_thd.batching.sampler import micro_batch_slots, row_buckets_for_runs
-
     if count == 1:
         return (row_length,)
     runs = [micro_batch_slots(plan.draws, sizes=plan.sizes, dp_size=plan.dp_size,
@@ -325,8 +294,6 @@ def global_batch_loader(plan: LoaderPlan, *, settings: GlobalBatchPacking, row_l
                         cost, global_batch_size: int, row_lengths=None):
     """Megatron-Bridge's loader rebuilt around a :class:`.sampler.GlobalBatchSampler` (same dataset,
     collate, workers, pinned memory, prefetch); ``row_lengths``: ``thd_static``'s rows (the log's padding)."""
-    from megatron.bridge_thd.batching.sampler import GlobalBatchSampler, cycles, rank_samplers
-
     loader, inner = plan.loader, plan.sampler
     sampler = GlobalBatchSampler(rank_samplers(inner, plan.dp_size), dp_rank=plan.dp_rank,
                                  num_micro_batches=plan.num_micro_batches, row_length=row_length, sizes=plan.sizes,
@@ -343,8 +310,6 @@ def _placement_recorder(label: str):
     ``packing/rank_cost_max_over_mean`` figure); None for the evaluation loaders."""
     if label != "train":
         return None
-    from megatron.bridge_thd.packing_log import clear_placements, record_placement
-
     clear_placements()  # a new run's training loader: the steps are numbered afresh
     return record_placement
 
@@ -354,10 +319,6 @@ def _rebuilt(loader, dataset, batch_sampler, collate_fn):
     method, timeout, prefetch) over ``dataset`` with ``batch_sampler`` and ``collate_fn``. A collate that judges
     over-long samples (``overlong.OverlongCollate``) gets each sample with its dataset index
     (``overlong.IndexedDataset``), to name refused samples by index and attach the indices for the step."""
-    from torch.utils.data import DataLoader
-
-    from megatron.bridge_thd.overlong import IndexedDataset, OverlongCollate
-
     if isinstance(collate_fn, OverlongCollate) and not isinstance(dataset, IndexedDataset):
         dataset = IndexedDataset(dataset)
     extra = {} if not loader.num_workers else dict(prefetch_factor=loader.prefetch_factor)
@@ -369,16 +330,12 @@ def _rebuilt(loader, dataset, batch_sampler, collate_fn):
 
 def cp_per_sample_loader(plan: LoaderPlan, *, cp_per_sample, global_batch_size: int, cost_model=None, tp: int = 1,
                    ep: int = 1, log: bool = True):
-    """Megatron-Bridge's loader rebuilt for a CP size per sample (:mod:`.cp_rows`): one item per step, this rank's
+    """Megatron-Bridge's loader rebuilt for a CP size per sample (:mod:`.cp_per_sample_loader`): one item per step, this rank's
     rows of the step's placement (``cp_per_sample``, a :class:`~megatron.bridge_thd.settings.CPPerSample`: Megatron-Core's
     scheduler or ours on the time model, for ``cost_model`` / ``tp`` / ``ep``, chosen once here), each collated whole
     by the loader's collate (same dataset, workers, pinned memory, prefetch). A drawn sample longer than the whole DP
     x CP world holds is refused here, before training. Its log numbers the steps as the trainer does, from the
     sampler's resume point (``global_batch_size``: the loader's samples per step)."""
-    from megatron.bridge_thd.batching.cp_per_sample_loader import CPRowSampler, RowCollate, RowDataset, StepPlacer
-    from megatron.bridge_thd.batching.cp_per_sample import check_fits_the_world
-    from megatron.bridge_thd.batching.sampler import cycles, rank_samplers
-
     max_tokens_per_rank = cp_per_sample.max_tokens_per_rank
     placer = StepPlacer.of(cp_per_sample, world=plan.dp_size, cost_model=cost_model, tp=tp, ep=ep)
     loader, inner = plan.loader, plan.sampler
@@ -394,8 +351,6 @@ def cp_per_sample_loader(plan: LoaderPlan, *, cp_per_sample, global_batch_size: 
 
 
 def _log_rows(row_lengths: tuple[int, ...], count: int) -> None:
-    from megatron.bridge_thd.batching.sampler import is_global_rank_zero
-
     if is_global_rank_zero():
         logger.info("bridge_thd.batching: thd_static rows for the run: %s slots (each micro-batch takes the shortest "
                     "that holds it; at most %d: global_batch_packing.row_buckets)",
@@ -407,23 +362,15 @@ def _run_steps(cfg) -> dict:
     ``eval_iters`` per ``eval_interval`` plus the final one (Megatron-Bridge sizes its validation set
     the same way, ``loaders.get_train_valid_test_num_samples``); test ``eval_iters``."""
     train_iters = cfg.train.train_iters or 0
-    eval_iters = getattr(cfg.validation, "eval_iters", 0) or 0
-    interval = getattr(cfg.validation, "eval_interval", None)
+    eval_iters = cfg.validation.eval_iters or 0
+    interval = cfg.validation.eval_interval
     valid = (train_iters // interval + 1) * eval_iters if interval else eval_iters
     return {"train": train_iters, "valid": valid, "test": eval_iters}
-
-
-def _vision_token_ids(cfg) -> tuple[int, ...]:
-    """The model's image and video placeholder ids (the provider's ``image_token_id`` / ``video_token_id``)."""
-    return tuple(int(i) for i in (getattr(cfg.model, "image_token_id", None), getattr(cfg.model, "video_token_id", None))
-                 if i is not None)
 
 
 def measure_overlong_samples(loaders, policy: str, vision_token_ids: tuple[int, ...] = ()) -> None:
     """Each built loader's collate wrapped in ``overlong.OverlongCollate``: it measures every row before
     Megatron-Bridge's collate cuts it and applies the run's over-long ``policy`` (in the loader's workers)."""
-    from megatron.bridge_thd.overlong import OverlongCollate
-
     for loader in loaders:
         if loader is not None and not isinstance(loader.collate_fn, OverlongCollate):
             loader.collate_fn = OverlongCollate(loader.collate_fn, policy, vision_token_ids)
@@ -432,13 +379,58 @@ def measure_overlong_samples(loaders, policy: str, vision_token_ids: tuple[int, 
 def with_sample_indices(loader):
     """``loader`` rebuilt (:func:`_rebuilt`: its own dataset, batch sampler and collate) so that its over-long
     collate gets dataset indices; a loader that is not a ``DataLoader`` with such a collate is returned as it is."""
-    from torch.utils.data import DataLoader
-
-    from megatron.bridge_thd.overlong import OverlongCollate
-
     if not isinstance(loader, DataLoader) or not isinstance(loader.collate_fn, OverlongCollate):
         return loader
     return _rebuilt(loader, loader.dataset, loader.batch_sampler, loader.collate_fn)
+
+
+def _global_batch_loaders(cfg, train_state, loaders, setup: Setup, *, dp_group, eval_group) -> tuple:
+    """The loaders rebuilt around the placement (``setup``: the run's facts, its settings' ``global_batch_packing``
+    set); under ``thd_static`` the run's rows go on Megatron-Bridge's ``train_state`` for the step's plan."""
+    settings = setup.global_batch
+    setup = replace(setup, dp=torch.distributed.get_world_size(group=dp_group))
+    refuse(setup, LOADERS, "global_batch_packing: the loaders cannot be built")
+    mbs, gbs = setup.micro_batch_size, setup.global_batch_size
+    eval_mbs = cfg.validation.eval_micro_batch_size or mbs
+    eval_gbs = cfg.validation.eval_global_batch_size or gbs
+    groups = {"train": (dp_group, gbs, mbs), "valid": (eval_group, eval_gbs, eval_mbs),
+              "test": (eval_group, eval_gbs, eval_mbs)}
+    steps = _run_steps(cfg)
+    plans = []
+    for label, loader in zip(("train", "valid", "test"), loaders):
+        if loader is None:
+            continue
+        group, global_batch, micro_batch = groups[label]
+        plans.append(plan_loader(loader, label=label, setup=setup, settings=settings,
+                                 dp_rank=torch.distributed.get_rank(group=group),
+                                 dp_size=torch.distributed.get_world_size(group=group),
+                                 global_batch_size=global_batch, micro_batch_size=micro_batch, steps=steps[label]))
+    if not plans:
+        return loaders
+    if setup.settings.cp_per_sample is not None:
+        built = {plan.label: cp_per_sample_loader(plan, cp_per_sample=setup.settings.cp_per_sample,
+                                                  global_batch_size=groups[plan.label][1],
+                                                  cost_model=settings.cost_model, tp=setup.tp, ep=setup.ep,
+                                                  log=settings.log)
+                 for plan in plans}
+        return built.get("train"), built.get("valid"), built.get("test")
+    align = setup.align  # the rules above refuse every layout but "thd" / "thd_static": every THD slot's alignment
+    static = setup.layout == "thd_static"
+    cost = sample_cost(settings.cost_model) if settings.cost_model is not None else None
+    capacity = mbs * round_up(setup.seq_length, align)
+    row = run_row_length(plans, settings=settings, align=align, capacity=capacity, cost=cost, static=static)
+    row_lengths = None
+    if static:
+        count = row_buckets(setup)  # the setup judged above: layout "thd_static" here
+        row_lengths = run_row_buckets(plans, settings=settings, count=count, row_length=row, align=align, cost=cost)
+        _log_rows(row_lengths, count)
+        # Where the step's plan reads the run's rows: Megatron-Bridge's runtime state, not the user's config.
+        setattr(train_state, ROWS_ATTRIBUTE, GlobalBatchRows(run_static_rows(
+            plans, row_lengths=row_lengths, align=align, seq_length=setup.seq_length)))
+    built = {plan.label: global_batch_loader(plan, settings=settings, row_length=row, static=static, align=align,
+                                             cost=cost, global_batch_size=groups[plan.label][1],
+                                             row_lengths=row_lengths) for plan in plans}
+    return built.get("train"), built.get("valid"), built.get("test")
 
 
 def _wrap(original):
@@ -451,70 +443,16 @@ def _wrap(original):
         if not holds_settings(cfg.dataset):
             return loaders
         run_settings = settings_of(cfg.dataset)
-        measure_overlong_samples(loaders, run_settings.overlong_samples, _vision_token_ids(cfg))
-        settings = run_settings.global_batch_packing
-        if settings is None:
+        # The run's facts, read once: Megatron-Bridge builds the loaders after its finalize(), the config is final. A
+        # config without a model section has none (and no placeholder ids), which only global-batch packing needs.
+        has_facts = cfg.model is not None or run_settings.global_batch_packing is not None
+        setup = read_setup(cfg, run_settings.layout, settings=run_settings, final=True) if has_facts else None
+        measure_overlong_samples(loaders, run_settings.overlong_samples, setup.model.vision_token_ids if setup else ())
+        if run_settings.global_batch_packing is None:
             return tuple(with_sample_indices(loader) for loader in loaders)
-        import torch
-
-        from megatron.bridge_thd.rules.registry import LOADERS
-        from megatron.bridge_thd.rules.run import refuse
-        from megatron.bridge_thd.rules.setup import read_setup
-
-        from megatron.bridge_thd.cost.sample import sample_cost
-
         dp_group = kwargs.get("dp_group", args[1] if len(args) > 1 else None)
-        eval_group = kwargs.get("eval_dp_group") or dp_group
-        mbs, gbs = cfg.train.micro_batch_size, cfg.train.global_batch_size
-        eval_mbs = getattr(cfg.validation, "eval_micro_batch_size", None) or mbs
-        eval_gbs = getattr(cfg.validation, "eval_global_batch_size", None) or gbs
-        groups = {"train": (dp_group, gbs, mbs), "valid": (eval_group, eval_gbs, eval_mbs),
-                  "test": (eval_group, eval_gbs, eval_mbs)}
-        setup = read_setup(cfg, run_settings.layout, settings=run_settings,
-                           dp=torch.distributed.get_world_size(group=dp_group), final=True)
-        refuse(setup, LOADERS, "global_batch_packing: the loaders cannot be built")
-        steps = _run_steps(cfg)
-        plans = []
-        for label, loader in zip(("train", "valid", "test"), loaders):
-            if loader is None:
-                continue
-            group, global_batch, micro_batch = groups[label]
-            plans.append(plan_loader(loader, label=label, cfg=cfg, settings=settings,
-                                     dp_rank=torch.distributed.get_rank(group=group),
-                                     dp_size=torch.distributed.get_world_size(group=group),
-                                     global_batch_size=global_batch, micro_batch_size=micro_batch,
-                                     steps=steps[label]))
-        if not plans:
-            return loaders
-        if run_settings.cp_per_sample is not None:
-            tp = getattr(cfg.model, "tensor_model_parallel_size", 1) or 1
-            ep = getattr(cfg.model, "expert_model_parallel_size", 1) or 1
-            built = {plan.label: cp_per_sample_loader(plan, cp_per_sample=run_settings.cp_per_sample,
-                                                global_batch_size=groups[plan.label][1], cost_model=settings.cost_model,
-                                                tp=tp, ep=ep, log=settings.log)
-                     for plan in plans}
-            return built.get("train"), built.get("valid"), built.get("test")
-        align = _alignment(cfg)
-        static = run_settings.layout == "thd_static"
-        cost = sample_cost(settings.cost_model) if settings.cost_model is not None else None
-        capacity = mbs * round_up(cfg.model.seq_length, align)
-        row = run_row_length(plans, settings=settings, align=align, capacity=capacity, cost=cost, static=static)
-        row_lengths = None
-        if static:
-            from megatron.bridge_thd.step.plan import ROWS_ATTRIBUTE, GlobalBatchRows
-
-            from megatron.bridge_thd.rules.rows import row_buckets
-
-            count = row_buckets(setup)  # the setup judged above: layout "thd_static" here
-            row_lengths = run_row_buckets(plans, settings=settings, count=count, row_length=row, align=align, cost=cost)
-            _log_rows(row_lengths, count)
-            # Where the step's plan reads the run's rows: Megatron-Bridge's runtime state, not the user's config.
-            setattr(train_state, ROWS_ATTRIBUTE, GlobalBatchRows(run_static_rows(
-                plans, row_lengths=row_lengths, align=align, seq_length=cfg.model.seq_length)))
-        built = {plan.label: global_batch_loader(plan, settings=settings, row_length=row, static=static, align=align,
-                                                 cost=cost, global_batch_size=groups[plan.label][1],
-                                                 row_lengths=row_lengths) for plan in plans}
-        return built.get("train"), built.get("valid"), built.get("test")
+        return _global_batch_loaders(cfg, train_state, loaders, setup, dp_group=dp_group,
+                                     eval_group=kwargs.get("eval_dp_group") or dp_group)
 
     build_train_valid_test_data_loaders.__wrapped__ = original
     build_train_valid_test_data_loaders.__doc__ = _wrap.__doc__
@@ -536,7 +474,7 @@ def loader_patch() -> Patch:
     global _LOADER_PATCH
     if _LOADER_PATCH is None:
         try:
-            from megatron.bridge.data import loaders
+            from megatron.bridge.data import loaders  # Megatron-Bridge whole (Transformer Engine)
         except ImportError as error:
             raise ValueError(
                 f"global_batch_packing: Megatron-Bridge's data loaders cannot be imported here ({error}); global-batch "

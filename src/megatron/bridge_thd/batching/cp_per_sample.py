@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron.bridge_thd.checks import check_int
-from megatron.bridge_thd.packing import round_up
+from megatron.bridge_thd.packing import required_alignment, round_up
 
-__all__ = ["CPRow", "CPPerSamplePlacement", "cp_slots", "row_alignment", "timeline", "check_fits_the_world", "place_with_cp_per_sample",
+__all__ = ["CPRow", "CPPerSamplePlacement", "cp_slots", "timeline", "check_fits_the_world", "place_with_cp_per_sample",
            "TooLongForTheWorld"]
 
 
@@ -137,12 +137,7 @@ class CPPerSamplePlacement:
 def cp_slots(length: int, world: int) -> int:
     """A sample's slots as the scheduler sees them: ``length`` aligned to ``2 * world``, which every CP size up to
     ``world`` divides (the scheduler then never gives a sample a CP size its aligned length does not fit)."""
-    return round_up(length, 2 * world) if world > 1 else length
-
-
-def row_alignment(cp_size: int) -> int:
-    """THD alignment of a row run by ``cp_size`` ranks (``2 * cp_size`` under CP; TP 1, no SP / FP8)."""
-    return 2 * cp_size if cp_size > 1 else 1
+    return round_up(length, required_alignment(cp_size=world))
 
 
 class _Group:
@@ -185,7 +180,7 @@ def _blocks(rank_samples: Sequence[Sequence[int]], group: int) -> list[tuple[tup
 def _rows_of_block(group: int, block: tuple[int, ...], samples: list[int], lengths: Sequence[int],
                    capacity: int) -> list[CPRow]:
     """A block's samples in rows of at most ``capacity`` slots: first fit, in decreasing slots (ties by position)."""
-    align = row_alignment(len(block))
+    align = required_alignment(cp_size=len(block))  # a row of that CP size: TP 1, no SP / FP8
     slots = {sample: round_up(int(lengths[sample]), align) for sample in samples}
     rows: list[list[int]] = []
     used: list[int] = []

@@ -29,6 +29,7 @@ import torch
 from megatron.bridge_thd.batching.cp_per_sample import CPPerSamplePlacement, place_with_cp_per_sample
 from megatron.bridge_thd.batching.sampler import step_draws
 from megatron.bridge_thd.batching.sizes import SampleSizes, is_global_rank_zero
+from megatron.bridge_thd.batching.time_placement import RowPricer, place_by_time, works_from_sizes
 from megatron.bridge_thd.overlong import IndexedSample, OverlongCollate
 
 __all__ = ["RowKey", "StepPlacer", "CPRowSampler", "RowDataset", "RowCollate"]
@@ -74,8 +75,6 @@ class StepPlacer:
         None); ``tp`` / ``ep``: the run's tensor- and expert-parallel sizes (the time model's)."""
         if settings.placement == "megatron":
             return cls(world, settings.max_tokens_per_rank)
-        from megatron.bridge_thd.batching.time_placement import RowPricer
-
         model = settings.model if settings.model is not None else cost_model
         return cls(world, settings.max_tokens_per_rank, RowPricer.of(model, settings.gpu, tp=tp, ep=ep))
 
@@ -84,8 +83,6 @@ class StepPlacer:
         sample's images (``SampleSizes.take``)."""
         if self.pricer is None:
             return place_with_cp_per_sample(lengths, world=self.world, max_tokens_per_rank=self.max_tokens_per_rank)
-        from megatron.bridge_thd.batching.time_placement import place_by_time, works_from_sizes
-
         return place_by_time(works_from_sizes(lengths, patches, patches_squared), world=self.world,
                              max_tokens_per_rank=self.max_tokens_per_rank, pricer=self.pricer)
 

@@ -55,7 +55,7 @@ def rank_samplers(sampler, dp_size: int, *, from_start: bool = False) -> list:
         twin.data_parallel_rank = rank
         if from_start:
             twin.consumed_samples = 0
-            if hasattr(twin, "dataset"):
+            if type(twin).__name__ == "MegatronPretrainingRandomSampler":  # the sampler that holds the dataset
                 twin.dataset = None
         copies.append(twin)
     return copies

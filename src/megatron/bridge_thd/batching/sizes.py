@@ -27,14 +27,18 @@ import hashlib
 import logging
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from torch.utils.data import DataLoader
+
 from megatron.bridge_thd.cost.sample import image_patches
-from megatron.bridge_thd.overlong import (LENGTHS_KEY, SUPERVISED, SUPERVISED_KEPT, TOKENS, VISION_CUT,
+from megatron.bridge_thd.cost.sample_lengths import load_lengths
+from megatron.bridge_thd.overlong import (LENGTHS_KEY, SUPERVISED, SUPERVISED_KEPT, TOKENS, VISION_CUT, OverlongCollate,
                                           supervision_emptied)
 
 __all__ = ["SampleSizes", "dataset_sizes", "scan_sizes", "default_cache_dir", "is_global_rank_zero", "repeat_period",
@@ -57,7 +61,7 @@ class SampleSizes:
 
     ``lengths`` ``(M,)`` int64 LLM tokens that reach the step (at most ``seq_length``); ``patches`` ``(M,)``
     int64 ViT patches (sum over the sample's images and videos); ``patches_squared`` ``(M,)`` float64 its ViT
-    attention term, ``sum t * (h * w)**2`` per frame (``batching.cost.image_patches``); ``source``: where they came from (metadata, a cache path, a scan); ``total``: the dataset's
+    attention term, ``sum t * (h * w)**2`` per frame (``cost.sample.image_patches``); ``source``: where they came from (metadata, a cache path, a scan); ``total``: the dataset's
     indices (None: ``M``), index ``i`` having the sizes of distinct sample ``i % M``; ``untruncated`` /
     ``supervised``: ``(M,)`` int64 real and supervised tokens before the collate's cut to ``seq_length``, where
     a scan measured them (``overlong.LENGTHS_KEY``), else None; ``supervised_kept``: ``(M,)`` int64 supervised tokens
@@ -127,7 +131,7 @@ def default_cache_dir() -> Path:
 
 def _base(dataset):
     # Megatron-Bridge's RandomSeedDataset (data/samplers.py) wraps the dataset for the cyclic sampler.
-    return getattr(dataset, "dataset", dataset) if type(dataset).__name__ == "RandomSeedDataset" else dataset
+    return dataset.dataset if type(dataset).__name__ == "RandomSeedDataset" else dataset
 
 
 def repeat_period(dataset) -> int:
@@ -136,21 +140,21 @@ def repeat_period(dataset) -> int:
     to the length the trainer asks for (``train_iters * global_batch_size``): its period is the number
     of base examples. Any other dataset: its length."""
     base = _base(dataset)
-    examples = getattr(base, "_base_examples", None)
-    if type(base).__name__ == "DirectSFTDataset" and isinstance(examples, list) and examples:
-        return min(len(examples), len(dataset))
-    return len(dataset)
+    if type(base).__name__ != "DirectSFTDataset":
+        return len(dataset)
+    examples = getattr(base, "_base_examples", None)  # offers: the installed DirectSFTDataset's base examples
+    return min(len(examples), len(dataset)) if isinstance(examples, list) and examples else len(dataset)
 
 
 def _from_metadata(dataset) -> SampleSizes | None:
     base = _base(dataset)
-    lengths = getattr(base, "sample_lengths", None)
+    lengths = getattr(base, "sample_lengths", None)  # optional: a dataset's own length metadata
     if lengths is None:
         return None
     lengths = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)
     if lengths.numel() != len(dataset):
         raise ValueError(f"dataset.sample_lengths: {lengths.numel()} entries for {len(dataset)} samples")
-    grids = getattr(base, "sample_image_grids", None)
+    grids = getattr(base, "sample_image_grids", None)  # optional: a dataset's own image-grid metadata
     if grids is None:
         zeros = torch.zeros_like(lengths)
         return SampleSizes(lengths, zeros, zeros.to(torch.float64), "dataset metadata (sample_lengths)")
@@ -184,7 +188,8 @@ def _sample_sizes(batch: dict, seq_length: int | None,
 def visual_grids(batch: dict) -> list[tuple[int, int, int]]:
     """The ``(t, h, w)`` patch grids of a collated batch's images, then its videos (``visual_inputs``)."""
     visual = batch.get("visual_inputs")
-    inputs = visual.normalized_for_model() if hasattr(visual, "normalized_for_model") else (visual or {})
+    normalizes = hasattr(visual, "normalized_for_model")  # duck: Megatron-Bridge's visual inputs, a dict, or None
+    inputs = visual.normalized_for_model() if normalizes else (visual or {})
     grids = []
     for key in ("image_grid_thw", "video_grid_thw"):
         grid = inputs.get(key) if isinstance(inputs, dict) else None
@@ -197,8 +202,6 @@ def _measuring(collate_fn):
     """``collate_fn`` with the rows measured before Megatron-Bridge's cut (``overlong.collate_patch``, applied in
     this worker when its Qwen-VL collate is loaded) under the scan's rule: no policy, never a refusal, the loader's
     placeholder ids (``overlong.OverlongCollate.for_scan``)."""
-    from megatron.bridge_thd.overlong import OverlongCollate
-
     return OverlongCollate.for_scan(collate_fn)
 
 
@@ -247,8 +250,6 @@ def collate_in_workers(dataset, collate, indices: list[int], *, num_workers: int
     """``collate`` over ``indices`` in chunks, run by ``max(1, num_workers)`` loader worker processes
     (``context``: a multiprocessing start method or context, None for the default): yields each
     chunk's result in order. The calling process never runs ``collate``."""
-    from torch.utils.data import DataLoader
-
     chunks = [indices[k:k + chunk] for k in range(0, len(indices), chunk)]
     loader = DataLoader(_Indexed(dataset), batch_sampler=chunks, num_workers=max(1, num_workers),
                         collate_fn=collate, multiprocessing_context=context)
@@ -341,8 +342,8 @@ def write_cached_sizes(sizes: SampleSizes, path: Path) -> None:
 
 def file_sizes(path, dataset, *, seq_length: int | None, spatial_merge_size: int = 2,
                setting: str = "global_batch_packing.lengths_file") -> SampleSizes:
-    """The sizes of ``dataset``'s distinct samples from a lengths file (``bridge-thd scan``'s, read by the planner's
-    ``plan.samples.load_lengths``): row ``i`` is distinct sample ``i`` (:func:`repeat_period`). ``lengths`` are the
+    """The sizes of ``dataset``'s distinct samples from a lengths file (``bridge-thd scan``'s, read by
+    :func:`megatron.bridge_thd.cost.sample_lengths.load_lengths`, as the planner reads it): row ``i`` is distinct sample ``i`` (:func:`repeat_period`). ``lengths`` are the
     file's tokens cut to ``seq_length``; ``untruncated`` / ``supervised`` the file's; ``vision_cut`` from the file's
     ``image_end`` where it gives them (``supervised_kept`` is not in a lengths file: None).
 
@@ -350,8 +351,6 @@ def file_sizes(path, dataset, *, seq_length: int | None, spatial_merge_size: int
         ValueError: the file does not read (naming it), or it has another number of samples than the dataset has
             distinct samples (naming ``setting``).
     """
-    from megatron.bridge_thd.plan.samples import load_lengths
-
     samples = load_lengths(path, spatial_merge_size=spatial_merge_size)
     period = repeat_period(dataset)
     if len(samples.tokens) != period:
@@ -410,8 +409,6 @@ def dataset_sizes(dataset, collate_fn=None, *, seq_length: int | None = None, ca
 def scan_and_cache(dataset, collate_fn, path: Path, *, seq_length: int | None, num_workers: int = 1, context=None,
                    label: str = "") -> SampleSizes:
     """:func:`scan_sizes`, written to ``path``, with a log line before and after."""
-    import time
-
     period = repeat_period(dataset)
     logger.info("bridge_thd.batching: scanning the lengths of %d distinct samples (%d dataset indices)%s in %d worker "
                 "process(es); cached at %s", period, len(dataset), label, max(1, num_workers), path)

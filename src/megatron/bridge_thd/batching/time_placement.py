@@ -34,11 +34,11 @@ from typing import Any, Sequence
 
 from megatron.bridge_thd.cost import step_time
 from megatron.bridge_thd.batching.cp_per_sample import (
-    CPRow, CPPerSamplePlacement, check_fits_the_world, row_alignment, timeline,
+    CPRow, CPPerSamplePlacement, check_fits_the_world, timeline,
 )
 from megatron.bridge_thd.cost.step_time import Machine, ModelShape, SampleWork, TimeParameters
 from megatron.bridge_thd.checks import check_int
-from megatron.bridge_thd.packing import round_up
+from megatron.bridge_thd.packing import required_alignment, round_up
 
 __all__ = ["RowPricer", "place_by_time", "choose_cp_sizes", "works_from_sizes", "BALANCE_TARGET"]
 
@@ -76,7 +76,7 @@ class RowPricer:
     def parts(self, works: Sequence[SampleWork], cp: int) -> step_time.RowTime:
         """One micro-batch (forward and backward) of a row of ``works`` at CP ``cp``, aligned ``2 cp``, by part."""
         return step_time.row_time(self.shape, works, self.machine, self.params, cp=cp, tp=self.tp, ep=self.ep,
-                                  align=row_alignment(cp))
+                                  align=required_alignment(cp_size=cp))
 
     def seconds(self, works: Sequence[SampleWork], cp: int) -> float:
         """:meth:`parts`' total."""
@@ -127,7 +127,7 @@ class _Prices:
 
 def _smallest_cp(tokens: int, limit: int, world: int) -> int:
     k = 1
-    while round_up(tokens, row_alignment(k)) > k * limit and k < world:
+    while round_up(tokens, required_alignment(cp_size=k)) > k * limit and k < world:
         k *= 2
     return k
 
@@ -203,7 +203,7 @@ def _greedy(ks: Sequence[int], prices: _Prices, lengths: Sequence[int], world: i
     rows: list[_Row] = []
     for s in order:
         k = ks[s]
-        slots = round_up(int(lengths[s]), row_alignment(k))
+        slots = round_up(int(lengths[s]), required_alignment(cp_size=k))
         options = []  # (finish, kind: 0 appended / 1 new row, offset, the row's seconds, its start)
         for offset in range(0, world, k):
             start = max(free[offset:offset + k])
@@ -247,7 +247,7 @@ def _cover_idle_ranks(rows: list[_Row], prices: _Prices, lengths: Sequence[int],
             lo = rank - rank % size
             inside = [i for i, row in enumerate(rows) if lo <= row.ranks[0] and row.ranks[-1] < lo + size]
             fits = [i for i in inside
-                    if sum(round_up(int(lengths[s]), row_alignment(size)) for s in rows[i].samples) <= size * limit]
+                    if sum(round_up(int(lengths[s]), required_alignment(cp_size=size)) for s in rows[i].samples) <= size * limit]
             if fits:
                 break
             if size >= world:
@@ -256,7 +256,7 @@ def _cover_idle_ranks(rows: list[_Row], prices: _Prices, lengths: Sequence[int],
         i = max(fits, key=lambda j: (rows[j].seconds, -j))
         row = rows[i]
         row.ranks = tuple(range(lo, lo + size))
-        row.slots = sum(round_up(int(lengths[s]), row_alignment(size)) for s in row.samples)
+        row.slots = sum(round_up(int(lengths[s]), required_alignment(cp_size=size)) for s in row.samples)
         row.seconds = prices.row(row.samples, size)
 
 

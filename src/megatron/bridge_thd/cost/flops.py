@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from megatron.bridge_thd.cost.presets import ModelSpec
+from megatron.bridge_thd.upstream.loading import load_flop_utils
 
 __all__ = ["FlopsBreakdown", "flops_config", "micro_batch_flops", "moe_routed_tokens"]
 
@@ -75,8 +76,6 @@ def micro_batch_flops(cfg: SimpleNamespace, batch_size: int, slots: int, attenti
     """Evaluate ``num_floating_point_operations`` for one micro-batch of ``batch_size`` samples
     with ``slots`` token slots, ``attention_work`` = sum of s_i^2 (tokens^2) and ``patches`` ViT
     patches, split term by term (module docstring)."""
-    from megatron.bridge_thd.upstream.loading import load_flop_utils
-
     f = load_flop_utils().num_floating_point_operations
 
     def call(squared: int, vision_patches: int) -> float:

@@ -34,6 +34,10 @@ from typing import Sequence
 
 import torch
 
+from megatron.bridge_thd.cost.flops import flops_config
+from megatron.bridge_thd.cost.presets import ModelSpec, get_preset, spec_from_hf_config
+from megatron.bridge_thd.upstream.loading import load_flop_utils
+
 __all__ = ["SampleCost", "sample_cost", "image_patches", "frame_lengths"]
 
 # Evaluation points: powers of two keep every term an exact integer in double precision, and
@@ -116,8 +120,6 @@ def resolve_model_spec(model):
     Raises:
         ValueError: an unknown preset name or an unreadable config (naming it).
     """
-    from megatron.bridge_thd.cost.presets import ModelSpec, get_preset, spec_from_hf_config
-
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, (str, Path)) and (str(model).endswith(".json") or Path(model).is_file()):
@@ -137,9 +139,6 @@ def sample_cost(model) -> SampleCost:
     Raises:
         ValueError: an unknown preset name or an unreadable config (naming it).
     """
-    from megatron.bridge_thd.cost.flops import flops_config
-    from megatron.bridge_thd.upstream.loading import load_flop_utils
-
     spec = resolve_model_spec(model)
     flop_utils = load_flop_utils()
     cfg = flops_config(spec, tensor_parallel=1)

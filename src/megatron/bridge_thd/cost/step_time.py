@@ -34,11 +34,15 @@ arithmetic on Python numbers: no tensors, no device.
 from __future__ import annotations
 
 import bisect
+import json
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Sequence
 
-from megatron.bridge_thd.cost.sample import SampleCost, frame_lengths
+from megatron.bridge_thd.cost.memory import (layer_bytes_per_token, output_bytes_per_token, parameter_counts,
+                                             vision_bytes_per_patch)
+from megatron.bridge_thd.cost.sample import SampleCost, frame_lengths, resolve_model_spec, sample_cost
 
 __all__ = ["Link", "Machine", "MACHINES", "get_machine", "RateCurve", "TimeParameters", "PUBLISHED", "FITTED",
            "ModelShape",
@@ -320,7 +324,7 @@ def row_time(shape: ModelShape, samples: Sequence[SampleWork], machine: Machine,
     return RowTime(gemm, attention, vision, ring, dispatch, params.per_micro_batch_s, elementwise)
 
 
-def _activation_bytes_per_token(spec, layer_bytes_per_token, output_bytes_per_token) -> float:
+def _activation_bytes_per_token(spec) -> float:
     """A token's activation bytes: the decoder layers and the output, and per MTP layer one more layer (the last
     layer's kind) and one more output (its own logits and loss)."""
     layers = layer_bytes_per_token(spec)
@@ -335,10 +339,6 @@ def model_shape(model) -> ModelShape:
     Raises:
         ValueError: as :func:`~megatron.bridge_thd.cost.sample.sample_cost`.
     """
-    from megatron.bridge_thd.cost.sample import resolve_model_spec, sample_cost
-    from megatron.bridge_thd.plan.memory import (
-        layer_bytes_per_token, output_bytes_per_token, parameter_counts, vision_bytes_per_patch)
-
     spec = resolve_model_spec(model)
     counts = parameter_counts(spec)
     experts_touched = (counts["experts"] * spec.moe_router_topk / spec.num_moe_experts) if spec.is_moe else 0
@@ -349,7 +349,7 @@ def model_shape(model) -> ModelShape:
         weight_bytes=2 * (counts["dense"] + counts["embedding"] + experts_touched),
         hidden_size=spec.hidden_size, moe_topk=spec.moe_router_topk if spec.is_moe else 0,
         moe_layers=spec.num_layers if spec.is_moe else 0,
-        activation_bytes_per_token=_activation_bytes_per_token(spec, layer_bytes_per_token, output_bytes_per_token),
+        activation_bytes_per_token=_activation_bytes_per_token(spec),
         activation_bytes_per_patch=vision_bytes_per_patch(spec))
 
 
@@ -360,8 +360,9 @@ _SCALARS = ("gemm_efficiency", "per_micro_batch_s", "ring_step_s", "per_step_s")
 def time_parameters_to_dict(params: TimeParameters) -> dict:
     """``params`` as the JSON object :func:`load_time_parameters` reads (curves as ``[[length, flop_per_s], ...]``)."""
     out = {"source": params.source, "fitted": list(params.fitted)}
-    out.update({name: getattr(params, name) for name in _SCALARS})
-    out.update({name: [list(p) for p in getattr(params, name).points] for name in _CURVES})
+    fields = vars(params)
+    out.update({name: fields[name] for name in _SCALARS})
+    out.update({name: [list(p) for p in fields[name].points] for name in _CURVES})
     return out
 
 
@@ -372,9 +373,6 @@ def load_time_parameters(path, base: TimeParameters | None = None) -> TimeParame
     Raises:
         ValueError: the file is missing or not JSON, or a field is not what it must be (naming the file and field).
     """
-    import json
-    from pathlib import Path
-
     base = FITTED if base is None else base
     try:
         data = json.loads(Path(path).read_text())

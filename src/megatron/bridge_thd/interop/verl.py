@@ -250,8 +250,7 @@ def postprocess_packed_seqs(
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise ValueError(f"output: expected this rank's packed row (1, N / cp, ...), got {shape}")
     _check_mask(attention_mask, batch_size, seq_len)
-    cu_real = getattr(packed_seq_params, "cu_seqlens_q", None)
-    cu_padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    cu_real, cu_padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
     if cu_padded is None:
         cu_padded = cu_real
     if not isinstance(cu_padded, torch.Tensor) or cu_padded.dim() != 1 or cu_padded.numel() < batch_size + 1:

@@ -5,19 +5,19 @@ every padding slot of a packed row (alignment padding, the ``thd_static`` tail, 
 aux loss, z-loss and expert-bias statistics. On the other it declares one and derives it from the THD
 boundaries when omitted, but with host reads, refusing zero-length segments, and Megatron-Core's router
 still crashes with expert bias, fills expert capacity with padding and computes ``seq_aux_loss`` over the
-whole row (docs/compatibility.md, ``upstream_line.model_takes_padding_mask``). :func:`with_padding_mask`
+whole row (docs/compatibility.md, ``upstream_line.model_takes_padding_mask``). :func:`.hook.with_padding_mask`
 makes both the same, through one mechanism: padding-aware subclasses, assigned in place (same parameters
 and state-dict keys). The model becomes ``PaddingMask<Class>``, whose ``forward`` takes ``padding_mask``
 (True = padding; derived from the boundaries without a host read when omitted), hands it to the model's
 own ``padding_mask`` where the model declares one (cut for CP as the model expects), and for the duration
 of the call makes the mask, cut as the model cuts its hidden states (CP, SP), available through one
 context variable; each decoder MoE
-layer becomes :class:`PaddingMaskMoELayer` (takes that mask; from there Megatron-Core's own path
-carries it to the router) and its router :class:`PaddingMaskTopKRouter` (expert-bias counts that
+layer becomes :class:`.routers.PaddingMaskMoELayer` (takes that mask; from there Megatron-Core's own path
+carries it to the router) and its router :class:`.routers.PaddingMaskTopKRouter` (expert-bias counts that
 take the mask, capacity from the real tokens, ``seq_aux_loss`` per sample). Usage, before
 Megatron wraps the model::
 
-    from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
+    from megatron.bridge_thd.moe_padding.hook import padding_mask_pre_wrap_hook
     cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)   # or: model = with_padding_mask(model)
 
 Refused with the setting named: full recompute, CUDA graphs, ``mlp_chunks_for_training > 1``.
@@ -30,27 +30,5 @@ Modules, by job: :mod:`.mask` (the padding mask and the sample index of a THD ro
 :mod:`.capacity` (expert capacity from the real tokens), :mod:`.forward_padding` (the one context variable from
 the model's forward to its MoE layers), :mod:`.routers` (the padding-aware ``MoELayer`` and ``TopKRouter``),
 :mod:`.model` (the ``PaddingMask<Class>`` factory and its forward), :mod:`.refusals` (the settings refused),
-:mod:`.hook` (:func:`with_padding_mask`, :func:`padding_mask_pre_wrap_hook`).
+:mod:`.hook` (:func:`.hook.with_padding_mask`, :func:`.hook.padding_mask_pre_wrap_hook`).
 """
-
-from megatron.bridge_thd.moe_padding.capacity import capacity_token_dropping
-from megatron.bridge_thd.moe_padding.hook import padding_mask_pre_wrap_hook, with_padding_mask
-from megatron.bridge_thd.moe_padding.mask import (
-    declares_padding_mask,
-    padding_mask_from_packed_seq_params,
-    thd_sample_index,
-)
-from megatron.bridge_thd.moe_padding.model import PaddingMaskForward
-from megatron.bridge_thd.moe_padding.routers import PaddingMaskMoELayer, PaddingMaskTopKRouter
-
-__all__ = [
-    "with_padding_mask",
-    "padding_mask_pre_wrap_hook",
-    "declares_padding_mask",
-    "padding_mask_from_packed_seq_params",
-    "PaddingMaskForward",
-    "PaddingMaskMoELayer",
-    "PaddingMaskTopKRouter",
-    "capacity_token_dropping",
-    "thd_sample_index",
-]

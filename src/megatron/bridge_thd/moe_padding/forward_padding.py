@@ -1,4 +1,4 @@
-"""The one channel from a :func:`~megatron.bridge_thd.moe_padding.with_padding_mask` model's forward to its MoE
+"""The one channel from a :func:`~megatron.bridge_thd.moe_padding.hook.with_padding_mask` model's forward to its MoE
 layers and routers: a single context variable, set for the duration of the call."""
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def with_padding_mask(model):
     if isinstance(model, (list, tuple)):
         raise TypeError("model: with_padding_mask takes one model chunk; for a list use padding_mask_pre_wrap_hook")
     core = model
-    while hasattr(core, "module"):
+    while hasattr(core, "module"):  # duck: a DDP / Float16Module wrapper chain, or the model itself
         core = core.module
     if isinstance(core, PaddingMaskForward) or not _is_a_qwen3_vl_model(core):
         return model
@@ -60,7 +60,7 @@ def with_padding_mask(model):
     use_padding_aware_modules(layers)
     _warn_if_the_mtp_block_has_moe_layers(core)
     core.__class__ = padding_mask_class(type(core))
-    expert_bias = any(getattr(layer.mlp.router, "enable_expert_bias", False) for layer in layers)
+    expert_bias = any(layer.mlp.router.enable_expert_bias for layer in layers)
     logger.info(
         "bridge_thd: %s.forward now declares padding_mask (True = padding); %d MoE layer(s) of the decoder get it%s",
         type(core).__name__,
@@ -82,7 +82,7 @@ def _is_a_qwen3_vl_model(core) -> bool:
             f"model: with_padding_mask takes Megatron-Bridge's Qwen3VLModel (or a .module wrapper chain around "
             f"one); got {type(core).__name__}, whose forward declares no padding_mask"
         )
-    missing = [name for name in CP_HELPERS if not hasattr(model_module, name)]
+    missing = [name for name in CP_HELPERS if not hasattr(model_module, name)]  # offers: the model module's CP helpers
     if missing:
         raise TypeError(
             f"model: this Megatron-Bridge's modelling_qwen3_vl/model.py lacks {missing}, which with_padding_mask uses "
@@ -92,7 +92,8 @@ def _is_a_qwen3_vl_model(core) -> bool:
 
 
 def _warn_if_the_mtp_block_has_moe_layers(core) -> None:
-    mtp = getattr(getattr(core, "language_model", None), "mtp", None)
+    language_model = core.language_model
+    mtp = getattr(language_model, "mtp", None)  # optional: only a stage that runs the MTP block has one
     if mtp is not None and any(isinstance(module, MoELayer) for module in mtp.modules()):
         logger.warning(
             "bridge_thd: with_padding_mask does not reach the MoE layers of the multi-token-prediction block; "

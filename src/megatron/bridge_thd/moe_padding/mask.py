@@ -1,6 +1,6 @@
 """The padding mask and the sample of each slot of a packed THD row, from its boundaries (``PackedSeqParams``).
 
-Pure tensor ops, no host synchronisation: what :class:`~megatron.bridge_thd.moe_padding.PaddingMaskForward`
+Pure tensor ops, no host synchronisation: what :class:`~megatron.bridge_thd.moe_padding.model.PaddingMaskForward`
 derives when the caller passes no mask, and what ``seq_aux_loss`` per sample counts by.
 """
 
@@ -50,7 +50,7 @@ def _physical_segments(packed_seq_params, total_tokens: int):
         inside: ``(N,)`` bool, False for slots at or past the last boundary.
     """
     cu_real = packed_seq_params.cu_seqlens_q
-    cu_physical = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    cu_physical = packed_seq_params.cu_seqlens_q_padded
     if cu_physical is None:
         cu_physical = cu_real
     if cu_real is None or cu_real.dim() != 1 or cu_physical.shape != cu_real.shape or cu_real.numel() < 2:

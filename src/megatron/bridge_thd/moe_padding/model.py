@@ -61,7 +61,7 @@ class PaddingMaskForward:
         parallelism: rank r of the TP group keeps the r-th of ``tp`` equal chunks of the sequence, as
         ``scatter_to_sequence_parallel_region`` does. ``(b, s_local)``."""
         tp_size = self.pg_collection.tp.size()
-        if not (getattr(self.config, "sequence_parallel", False) and tp_size > 1):
+        if not (self.config.sequence_parallel and tp_size > 1):
             return model_mask
         length = model_mask.size(1)
         if length % tp_size:
@@ -152,10 +152,9 @@ def padding_mask_class(cls: type) -> type:
         f"{cls.__name__}.forward with ``padding_mask``: ``(b, s)`` bool, the shape of ``input_ids``, True = "
         "padding (derived from ``packed_seq_params`` for a THD row when omitted). The MoE routers of the decoder "
         "leave padding tokens out of their aux-loss, z-loss and expert-bias statistics; outputs are unchanged. "
-        "See megatron.bridge_thd.moe_padding.\n\n" + (cls.forward.__doc__ or "")
+        "See megatron.bridge_thd.moe_padding.hook.\n\n" + (cls.forward.__doc__ or "")
     )
-    # __module__: the package users import (megatron.bridge_thd.moe_padding), as before the split into modules.
-    namespace = {"forward": forward, "__module__": __package__, "__qualname__": name}
+    namespace = {"forward": forward, "__module__": __name__, "__qualname__": name}
     subclass = type(name, (PaddingMaskForward, cls), namespace)
     _SUBCLASSES[cls] = subclass
     return subclass

@@ -1,4 +1,4 @@
-"""What :func:`~megatron.bridge_thd.moe_padding.with_padding_mask` refuses: the registry's rules for the hook
+"""What :func:`~megatron.bridge_thd.moe_padding.hook.with_padding_mask` refuses: the registry's rules for the hook
 (:mod:`megatron.bridge_thd.rules`, place ``hook``), run when the hook installs and on every forward."""
 
 from __future__ import annotations

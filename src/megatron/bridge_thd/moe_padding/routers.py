@@ -10,15 +10,15 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron.bridge_thd.moe_padding.capacity import capacity_token_dropping
 from megatron.bridge_thd.moe_padding.forward_padding import FORWARD_PADDING
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 
 
 def moe_layers(model) -> list:
     """The decoder's MoE ``TransformerLayer`` s on this pipeline stage (empty without a language model)."""
-    language_model = getattr(model, "language_model", None)
-    decoder = getattr(language_model, "decoder", None)
-    if decoder is None:
+    language_model = model.language_model  # None on a Qwen3VLModel built without one
+    if language_model is None:
         return []
-    return [layer for layer in decoder.layers if isinstance(getattr(layer, "mlp", None), MoELayer)]
+    return [layer for layer in language_model.decoder.layers if isinstance(layer.mlp, MoELayer)]
 
 
 class PaddingMaskMoELayer(MoELayer):
@@ -270,8 +270,6 @@ def register_for_weight_conversion() -> None:
     this the load of a Qwen3-VL MoE checkpoint fails. The router's weight is whole on every TP rank, as
     ``TopKRouter``'s: registered as replicated (once per process; registering again changes nothing).
     """
-    from megatron.bridge_thd.upstream.loading import load_bridge_module
-
     try:
         mapping = load_bridge_module("models.conversion.param_mapping").AutoMapping
     except ModuleNotFoundError:  # no Megatron-Bridge here (a Megatron-Core model outside its loop): nothing converts

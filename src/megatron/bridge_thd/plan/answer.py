@@ -20,7 +20,7 @@ from megatron.bridge_thd.plan.estimate import PlanSettings
 from megatron.bridge_thd.plan.layouts import Parallel
 from megatron.bridge_thd.plan.peak_memory import peak_memory_bytes
 from megatron.bridge_thd.cost.presets import ModelSpec
-from megatron.bridge_thd.plan.samples import SampleLengths
+from megatron.bridge_thd.cost.sample_lengths import SampleLengths
 
 __all__ = ["Candidate", "rank_candidates", "cp_per_sample_candidates", "best_first", "format_candidates"]
 

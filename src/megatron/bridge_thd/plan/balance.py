@@ -53,7 +53,8 @@ from megatron.bridge_thd.cost.sample import frame_lengths, image_patches, sample
 from megatron.bridge_thd.plan.estimate import PlanSettings
 from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, MicroBatch, layout_stats
 from megatron.bridge_thd.plan.memory import GraphMemory, activation_bytes, cuda_graph_bytes
-from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
+from megatron.bridge_thd.cost.sample_lengths import SampleLengths
+from megatron.bridge_thd.plan.samples import check_seq_length
 from megatron.bridge_thd.rules.run import RULES
 from megatron.bridge_thd.rules.setup import Setup
 from megatron.bridge_thd.settings import DEFAULT_ROW_BUCKETS

@@ -32,7 +32,7 @@ from megatron.bridge_thd.batching.policy import DoesNotFit, assign
 from megatron.bridge_thd.cost.step_time import SampleWork, TimeParameters, sample_work
 from megatron.bridge_thd.batching.time_placement import RowPricer, place_by_time
 from megatron.bridge_thd.packing import round_up
-from megatron.bridge_thd.plan.samples import SampleLengths
+from megatron.bridge_thd.cost.sample_lengths import SampleLengths
 
 __all__ = ["CPEstimate", "compare_cp", "format_cp_comparison", "MEGATRON", "OURS"]
 

@@ -16,7 +16,7 @@ from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, Parallel, layout_stat
 from megatron.bridge_thd.plan.memory import activation_bytes, model_state_bytes
 from megatron.bridge_thd.cost.presets import ModelSpec
 from megatron.bridge_thd.plan.roofline import GPU, get_gpu
-from megatron.bridge_thd.plan.samples import SampleLengths
+from megatron.bridge_thd.cost.sample_lengths import SampleLengths
 from megatron.bridge_thd.plan.step_model import StepModel, step_model
 
 __all__ = ["PlanSettings", "LayoutEstimate", "Plan", "plan"]

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from megatron.bridge_thd import layouts
 from megatron.bridge_thd.cost.sample import frame_lengths
 from megatron.bridge_thd.checks import check_int
-from megatron.bridge_thd.plan.samples import SampleLengths, check_seq_length
+from megatron.bridge_thd.cost.sample_lengths import SampleLengths
+from megatron.bridge_thd.plan.samples import check_seq_length
 
 __all__ = ["LAYOUT_ORDER", "Parallel", "MicroBatch", "micro_batches", "layout_stats"]
 

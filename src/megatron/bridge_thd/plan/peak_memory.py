@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from megatron.bridge_thd.checks import check_int
 from megatron.bridge_thd.plan.layouts import Parallel
-from megatron.bridge_thd.plan.memory import (layer_bytes_per_token, mixer_parameters, parameter_counts,
+from megatron.bridge_thd.cost.memory import (layer_bytes_per_token, mixer_parameters, parameter_counts,
                                              vision_bytes_per_patch)
 from megatron.bridge_thd.cost.presets import ModelSpec, replace
 from megatron.bridge_thd.upstream import loading

@@ -34,7 +34,8 @@ from megatron.bridge_thd.plan.layouts import LAYOUT_ORDER, Parallel
 from megatron.bridge_thd.plan.plot import write_plot
 from megatron.bridge_thd.plan.report import format_plan
 from megatron.bridge_thd.plan.roofline import GPUS, get_gpu
-from megatron.bridge_thd.plan.samples import load_lengths, receipt_lengths
+from megatron.bridge_thd.cost.sample_lengths import load_lengths
+from megatron.bridge_thd.plan.samples import receipt_lengths
 from megatron.bridge_thd.plan.text_mix import text_mix_lengths
 from megatron.bridge_thd.plan.video_mix import video_mix_lengths
 from megatron.bridge_thd.rules.registry import PLANNER

@@ -23,7 +23,7 @@ from megatron.bridge_thd import layouts
 from megatron.bridge_thd.cost.step_time import (
     Machine, ModelShape, RowTime, SampleWork, TimeParameters, model_shape, row_time)
 from megatron.bridge_thd.plan.layouts import Parallel
-from megatron.bridge_thd.plan.memory import parameter_counts
+from megatron.bridge_thd.cost.memory import parameter_counts
 from megatron.bridge_thd.cost.presets import ModelSpec
 
 __all__ = ["StepModel", "sync_seconds", "step_model"]

@@ -15,7 +15,7 @@ import math
 import torch
 
 from megatron.bridge_thd.checks import check_int
-from megatron.bridge_thd.plan.samples import SampleLengths
+from megatron.bridge_thd.cost.sample_lengths import SampleLengths
 
 __all__ = ["text_mix_lengths", "TEXT_MIX"]
 

@@ -21,7 +21,8 @@ import math
 import torch
 
 from megatron.bridge_thd.checks import check_int
-from megatron.bridge_thd.plan.samples import SampleLengths, receipt_lengths
+from megatron.bridge_thd.cost.sample_lengths import SampleLengths
+from megatron.bridge_thd.plan.samples import receipt_lengths
 
 __all__ = ["video_mix_lengths", "VIDEO_GEOMETRY"]
 

@@ -105,7 +105,7 @@ def _moe_routing(s: Setup) -> list[str]:
         return []
     return [
         f"{setting} with layout={s.layout!r}: {why} (measured on the tiny MoE model in docs/moe-routing.md); register "
-        "megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook (cfg.model.register_pre_wrap_hook) so the "
+        "megatron.bridge_thd.moe_padding.hook.padding_mask_pre_wrap_hook (cfg.model.register_pre_wrap_hook) so the "
         "routers see real tokens only, or set layout='bshd'"
         for setting, why in layout_dependent_moe_settings(s.model)
     ]

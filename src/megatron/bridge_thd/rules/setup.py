@@ -165,6 +165,9 @@ class ModelFacts:
         linear_heads: ``(linear_num_key_heads, linear_num_value_heads)`` of a Gated DeltaNet (0: unset).
         hybridep_padding_fields: the names of :data:`HYBRIDEP_PADDING_FIELDS` the config has.
         has_vision_dp_when_cp: the config has ``vision_dp_when_cp`` (Megatron-Bridge's Qwen3-VL providers).
+        spatial_merge_size: the vision tower's spatial merge (image tokens = patches / merge^2): the config's
+            ``spatial_merge_size``, else its ``vision_config``'s, else Qwen-VL's 2.
+        vision_token_ids: the image and video placeholder ids (``image_token_id``, ``video_token_id``) that are set.
     """
 
     seq_length: int | None = None
@@ -199,6 +202,8 @@ class ModelFacts:
     linear_heads: tuple[int, int] = (0, 0)
     hybridep_padding_fields: tuple[str, ...] = ()
     has_vision_dp_when_cp: bool = False
+    spatial_merge_size: int = 2
+    vision_token_ids: tuple[int, ...] = ()
 
     @property
     def seq_aux_loss(self) -> bool:
@@ -244,6 +249,10 @@ def read_model_facts(model: Any, model_root: Any = None) -> ModelFacts:
                       int(_setting(model, model_root, "linear_num_value_heads", 0) or 0)),
         hybridep_padding_fields=tuple(name for name in HYBRIDEP_PADDING_FIELDS if hasattr(model, name)),
         has_vision_dp_when_cp=hasattr(model, "vision_dp_when_cp"),
+        spatial_merge_size=int(_setting(model, model_root, "spatial_merge_size")
+                               or getattr(_setting(model, model_root, "vision_config"), "spatial_merge_size", None) or 2),
+        vision_token_ids=tuple(int(i) for i in (_setting(model, model_root, "image_token_id"),
+                                                _setting(model, model_root, "video_token_id")) if i is not None),
     )
 
 

@@ -328,7 +328,7 @@ def _warn_padded_moe_routing(setup) -> None:
     if setup.layout == "bshd" and settings and not setup.routes_real_tokens_only:
         setting, why = settings[0]
         logger.warning("bridge_thd: %s with the padded layout: padding counts as tokens (%s); register "
-                       "megatron.bridge_thd.moe_padding.padding_mask_pre_wrap_hook to exclude it", setting, why)
+                       "megatron.bridge_thd.moe_padding.hook.padding_mask_pre_wrap_hook to exclude it", setting, why)
 
 
 def _log_plan(plan: StepPlan) -> None:

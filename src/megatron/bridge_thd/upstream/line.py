@@ -51,7 +51,7 @@ class UpstreamLine:
 
     def describe(self) -> list[str]:
         """One ``name=value`` line per seam, for logs and ``bridge-thd`` reports."""
-        return [f"{field.name}={getattr(self, field.name)!r}" for field in dataclasses.fields(self)]
+        return [f"{name}={value!r}" for name, value in dataclasses.asdict(self).items()]
 
 
 def takes_parameter(function, name: str) -> bool:
@@ -74,7 +74,7 @@ def _flop_utils() -> types.ModuleType | None:
 
 def _hybridep_dispatch_takes_uses_thd() -> bool:
     transformer_config = load_bridge_module("models.transformer_config")
-    dispatch = getattr(transformer_config, "_enable_safe_hybridep_dispatch", None)
+    dispatch = getattr(transformer_config, "_enable_safe_hybridep_dispatch", None)  # offers: the HybridEP guard
     return dispatch is not None and takes_parameter(dispatch, "uses_thd")
 
 
@@ -87,20 +87,20 @@ def _gdn_torch_rule_module() -> str | None:
             module = importlib.import_module(name)
         except ImportError:
             continue
-        rule = getattr(module, "torch_chunk_gated_delta_rule", None)
+        rule = getattr(module, "torch_chunk_gated_delta_rule", None)  # offers: the GDN torch rule
         if rule is not None:
             return rule.__module__  # where it is defined, not where it is re-imported
     return None
 
 
 def _qwen3_vl_attention_tests_te_attention() -> bool:
-    return hasattr(load_bridge_module(_QWEN3_VL_ATTENTION_MODULE), "TEDotProductAttention")
+    return hasattr(load_bridge_module(_QWEN3_VL_ATTENTION_MODULE), "TEDotProductAttention")  # offers: TE's test
 
 
 def _mtp_tests_inference_linear() -> bool:
     import megatron.core.transformer.multi_token_prediction as multi_token_prediction
 
-    return hasattr(multi_token_prediction, "is_inference_column_parallel_linear")
+    return hasattr(multi_token_prediction, "is_inference_column_parallel_linear")  # offers: the MTP linear test
 
 
 @functools.cache
@@ -111,7 +111,8 @@ def upstream_line() -> UpstreamLine:
         model_takes_padding_mask=_model_takes_padding_mask(),
         flops_vision_patch_stats=flop_utils is not None
         and takes_parameter(flop_utils.accumulate_flops_metadata, "vision_patch_stats"),
-        flops_runtime_stats_record=flop_utils is not None and hasattr(flop_utils, "GlobalFlopsRuntimeStats"),
+        flops_runtime_stats_record=flop_utils is not None
+        and hasattr(flop_utils, "GlobalFlopsRuntimeStats"),  # offers: the trainer's FLOPs statistics record
         hybridep_dispatch_takes_uses_thd=_hybridep_dispatch_takes_uses_thd(),
         gdn_torch_rule_module=_gdn_torch_rule_module(),
         qwen3_vl_attention_tests_te_attention=_qwen3_vl_attention_tests_te_attention(),

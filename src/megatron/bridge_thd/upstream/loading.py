@@ -34,7 +34,7 @@ def _full_package_importable() -> bool:
     module = sys.modules.get(_BRIDGE)
     if module is not None:
         # The real package has its __init__ file; the bare namespace our finder makes has none.
-        return getattr(module, "__file__", None) is not None
+        return getattr(module, "__file__", None) is not None  # offers: the real package (a file) or our bare one
     return importlib.util.find_spec("transformer_engine") is not None
 
 

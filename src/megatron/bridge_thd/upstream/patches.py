@@ -110,7 +110,7 @@ class Patch:
             return f"sys.modules[{self.name!r}]"
         if isinstance(self.owner, type):
             return f"{self.owner.__module__}.{self.owner.__qualname__}.{self.name}"
-        return f"{getattr(self.owner, '__name__', type(self.owner).__name__)}.{self.name}"
+        return f"{getattr(self.owner, '__name__', type(self.owner).__name__)}.{self.name}"  # duck: module or object
 
 
 def _key(patch: Patch) -> tuple[int, str]:
@@ -120,7 +120,7 @@ def _key(patch: Patch) -> tuple[int, str]:
 def _get(owner, name: str):
     if isinstance(owner, MutableMapping):
         return owner.get(name, _ABSENT)
-    return getattr(owner, name, _ABSENT)
+    return getattr(owner, name, _ABSENT)  # duck: the name a patch sets, absent where the patch adds it
 
 
 def _set(owner, name: str, value) -> None:
@@ -130,7 +130,7 @@ def _set(owner, name: str, value) -> None:
         else:
             owner[name] = value
     elif value is _ABSENT:
-        if hasattr(owner, name):
+        with contextlib.suppress(AttributeError):  # the name the patch added, gone already if someone removed it
             delattr(owner, name)
     else:
         setattr(owner, name, value)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
+from megatron.bridge_thd.upstream.loading import load_bridge_module
 from megatron.bridge_thd.upstream.patches import Patch
 
 __all__ = ["visual_inputs_pin_patch", "pin_visual_inputs"]
@@ -19,8 +22,9 @@ __all__ = ["visual_inputs_pin_patch", "pin_visual_inputs"]
 
 def pin_visual_inputs(visual_inputs):
     """A copy of ``visual_inputs`` (a dataclass of tensors and None) with every tensor in pinned memory."""
-    pinned = {field.name: value.pin_memory() for field in dataclasses.fields(visual_inputs)
-              if hasattr(value := getattr(visual_inputs, field.name), "pin_memory")}
+    values = vars(visual_inputs)  # a plain dataclass: its fields are its instance attributes
+    pinned = {field.name: values[field.name].pin_memory() for field in dataclasses.fields(visual_inputs)
+              if isinstance(values[field.name], torch.Tensor)}
     return dataclasses.replace(visual_inputs, **pinned)
 
 
@@ -30,8 +34,6 @@ def visual_inputs_pin_patch() -> Patch:
     Raises:
         ValueError: Megatron-Bridge's visual inputs cannot be imported here.
     """
-    from megatron.bridge_thd.upstream.loading import load_bridge_module
-
     try:
         visual_inputs = load_bridge_module("training.utils.visual_inputs")
     except ImportError as error:

@@ -40,7 +40,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     ``run_on_gloo(..., whole_bridge=True, initialize=False)`` inside ``hf_hub.offline_hub()``; a run
     whose checkpoint folder already holds a checkpoint resumes from it.
 
-    ``global_batch_packing``: the keywords of a ``batching.bridge.GlobalBatchPacking`` to turn it on
+    ``global_batch_packing``: the keywords of a ``settings.GlobalBatchPacking`` to turn it on
     (``sizes_cache`` defaults to ``workdir/sizes``); its per-step log lines are recorded.
     ``per_token_loss``: ``model.calculate_per_token_loss`` (and ``ddp.average_in_collective=False``,
     which Megatron-Core's DDP requires with it), as global-batch packing sets them.
@@ -74,7 +74,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
     if tensorboard:
         cfg.logger.tensorboard_dir = os.path.join(paths["workdir"], "tensorboard", run_name or f"{recipe}-{layout}")
     if moe_padding:
-        from megatron.bridge_thd.moe_padding import padding_mask_pre_wrap_hook
+        from megatron.bridge_thd.moe_padding.hook import padding_mask_pre_wrap_hook
 
         cfg.model.register_pre_wrap_hook(padding_mask_pre_wrap_hook)
     if per_token_loss or global_batch_packing is not None or cp_per_sample is not None:
@@ -85,7 +85,7 @@ def run_recipe_on_cpu(recipe: str, paths: dict, layout: str, *, train_iters: int
         cfg.model.calculate_per_token_loss = True
     placement = None
     if global_batch_packing is not None:
-        from megatron.bridge_thd.batching.bridge import GlobalBatchPacking
+        from megatron.bridge_thd.settings import GlobalBatchPacking
 
         placement = GlobalBatchPacking(**{"sizes_cache": os.path.join(paths["workdir"], "sizes"),
                                           **global_batch_packing})

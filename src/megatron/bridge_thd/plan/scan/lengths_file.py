@@ -16,7 +16,7 @@ FORMAT = "bridge-thd lengths"
 
 
 def lengths_document(scan: Scan, source: dict | None = None) -> dict:
-    """The planner's JSON lengths file (``plan.samples.load_lengths``) with the scan's extra fields: per sample
+    """The planner's JSON lengths file (``cost.sample_lengths.load_lengths``) with the scan's extra fields: per sample
     ``index``, ``tokens`` (untruncated), ``text_tokens`` (``tokens`` minus the image tokens, ``t*h*w/merge**2``
     per grid), ``supervised_tokens``, ``images`` (image then video grids), ``image_end`` (where known) and
     ``supervised_spans``."""
