@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # adapters imports torch and the MRoPE code; the rules need o
 
 __all__ = ["Setup", "ModelFacts", "read_setup", "read_model_facts", "read_hook_setup", "cuda_graphs_enabled", "effective_cuda_graph_impl",
            "uses_hybridep", "uses_seq_aux_loss", "requested_layout", "bridge_packing_flag", "ROUTES_REAL_TOKENS_ONLY",
-           "OFFLINE_PACKING"]
+           "OFFLINE_PACKING", "read_pad_id"]
 
 # The mark of what makes a model's MoE routers see real tokens only: on moe_padding's pre-wrap hook and on the
 # model classes it creates (the step reads it off the built model).
@@ -295,6 +295,8 @@ class Setup:
             ``finalize()``; the hook): its ``variable_seq_lengths`` is read as it is, not foreseen.
         te_cp_padding_defect: the installed Transformer Engine's CP padding defect, if any (the step).
         length_fallback_pad_id: the pad id the length fallback reads (the step; None: none found).
+        check_nan, check_spiky: Megatron-Bridge's loss checks (``rerun_state_machine.check_for_nan_in_loss`` /
+            ``check_for_spiky_loss``; its defaults without that section).
     """
 
     layout: str
@@ -322,6 +324,8 @@ class Setup:
     built: bool = False
     te_cp_padding_defect: str | None = None
     length_fallback_pad_id: int | None = None
+    check_nan: bool = True
+    check_spiky: bool = False
 
     @property
     def cp_per_sample(self) -> bool:
@@ -478,6 +482,7 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
 
         adapter = family_of_model_class(model_class)
     train = getattr(cfg, "train", None)
+    rerun = getattr(cfg, "rerun_state_machine", None)
     return Setup(
         layout=layout, settings=settings, model=model, tp=tp, cp=cp, pp=pp, ep=ep, dp=dp, cuda_graphs=cuda_graphs,
         moe_overlap=_moe_overlap_setting(cfg, model),
@@ -491,4 +496,17 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
         provider=type(model_root).__name__, family=adapter, routes_real_tokens_only=bool(routes_real_tokens_only),
         row_lengths=tuple(row_lengths), built=built, te_cp_padding_defect=te_cp_padding_defect,
         length_fallback_pad_id=length_fallback_pad_id,
+        check_nan=bool(getattr(rerun, "check_for_nan_in_loss", True)),
+        check_spiky=bool(getattr(rerun, "check_for_spiky_loss", False)),
     )
+
+
+def read_pad_id(tokenizer: Any, model_config: Any) -> int | None:
+    """The pad id the length fallback ``"pad_token"`` reads: the tokenizer's (``pad_id``, then ``pad_token_id``), else
+    the model config's (its ``text_config``'s where it has one); None where none is set."""
+    pad_id = getattr(tokenizer, "pad_id", None)
+    if pad_id is None:
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_id is None:
+        pad_id = getattr(getattr(model_config, "text_config", model_config), "pad_token_id", None)
+    return pad_id
