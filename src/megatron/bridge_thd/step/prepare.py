@@ -438,9 +438,9 @@ def decoder_signature(forward_args: dict) -> tuple:
         return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
 
     params = forward_args.get("packed_seq_params")
+    fields = tuple((name, getattr(params, name, None)) for name in _PACKED_SEQ_FIELDS)  # duck: PackedSeqParams or None
     return (tuple((name, describe(forward_args.get(name))) for name in _DECODER_INPUTS)
-            # duck: PackedSeqParams, None (the padded layout) or an older line's record without some fields
-            + tuple((name, describe(getattr(params, name, None))) for name in _PACKED_SEQ_FIELDS))
+            + tuple((name, describe(value)) for name, value in fields))
 
 
 def _packing_stats(c: _Captured, built: _Built, forward_args: dict, plan: StepPlan,
