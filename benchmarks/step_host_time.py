@@ -91,7 +91,7 @@ from megatron.bridge_thd.qwen3_vl_step import prepare_micro_batch  # noqa: E402
 
 try:  # the step's plan and its host path; absent on the "before" commit
     from megatron.bridge_thd.adapters import QWEN3_VL  # noqa: E402
-    from megatron.bridge_thd.step import prepare_with_plan  # noqa: E402
+    from megatron.bridge_thd.step.prepare import prepare_with_plan  # noqa: E402
     from megatron.bridge_thd.step.plan import build_step_plan  # noqa: E402
 except ImportError:
     prepare_with_plan = build_step_plan = QWEN3_VL = None

@@ -18,7 +18,7 @@ import torch
 from _real_model import FakeGroup, receipt_batch, tiny_real_model, trimmed, video_receipt_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.bridge_thd.step import prepare as step_prepare
+import megatron.bridge_thd.step.prepare as step_prepare
 from megatron.bridge_thd.adapters import QWEN3_VL
 from megatron.bridge_thd.configure import configure
 from megatron.bridge_thd.qwen3_vl_step import forward_step, prepare_micro_batch, prepare_with_plan
@@ -62,17 +62,18 @@ def signature(forward_args: dict) -> dict:
 # the plan: decided once, read per micro-batch
 
 
-def test_the_forward_step_builds_its_plan_once(model, monkeypatch):
-    built = []
-    original = step_prepare.build_step_plan
-    monkeypatch.setattr(step_prepare, "build_step_plan", lambda *args: built.append(1) or original(*args))
+def test_the_forward_step_builds_its_plan_once(model):
+    """The plan built at the first micro-batch is the one every later micro-batch reads (kept on the state: the same
+    object, not an equal one built again)."""
     state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd")
     batches = [receipt_batch("right", seed=seed) for seed in (1, 2, 3)]
+    kept = []
     with cpu_stack():
         for batch in batches:
             forward_step(state, iter([batch]), model)
-    assert len(built) == 1
-    assert isinstance(state.bridge_thd_plan, StepPlan)
+            kept.append(state.bridge_thd_plan)
+    assert isinstance(kept[0], StepPlan)
+    assert all(plan is kept[0] for plan in kept)
 
 
 def test_the_micro_batch_path_reads_no_config_and_inspects_no_signature(model, monkeypatch):
@@ -102,6 +103,38 @@ def test_a_changed_config_is_a_new_plan(model):
     assert second.static_row == in_batch_static_row(MBS + 1, SEQ, 1) != first.static_row
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.layout = "thd"
+
+
+def test_a_static_row_is_checked_once_when_the_plan_is_built(model):
+    """The packer's checks of a static row (``packing.check_static_row``) run when the plan is built, once per run,
+    not at every micro-batch: a recorded row the packer cannot take is refused there, before any batch is read."""
+    row = StaticRow(length=MBS * SEQ, segments=MBS + 1, max_seqlen=0)
+    state = minimal_state(seq_length=SEQ, micro_batch_size=MBS, packing_layout="thd_static", static_rows=(row,))
+    with pytest.raises(ValueError, match=r"max_seqlen: expected an int >= 1, got 0"):
+        build_step_plan(state, model, model.pg_collection, QWEN3_VL)
+
+
+# What one micro-batch runs of the runtime before model(**args) (docs/step-plan.md, block step-path): at most these.
+PATH_LIMITS = {"modules": 10, "module_changes": 30, "cross_module_calls": 22}
+# The calls between the step's modules the data's way allows: forward_step runs the preparation, then the FLOPs
+# feed; both read the plan. Nothing calls back into the module that called it, and no primitive calls the step.
+STEP_CALLS = {("forward", "prepare"), ("forward", "flops"), ("forward", "plan"), ("prepare", "plan")}
+
+
+# The device batch's path differs only inside mrope (its torch ops); scripts/readme_figures.py's block step-path, which
+# tests/unit/test_readme_figures.py recomputes, holds both placements' figures.
+@pytest.mark.parametrize("on_host", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["host batch", "device batch"])
+def test_one_micro_batch_crosses_few_modules_one_way(on_host):
+    from megatron.bridge_thd_testbed.callpath import step_call_paths
+
+    step = "megatron.bridge_thd.step."
+    for layout, path in step_call_paths(batch_on_host=on_host).items():
+        figures = path.figures()
+        assert all(figures[name] <= limit for name, limit in PATH_LIMITS.items()), (layout, figures)
+        into_step = {(c.caller.removeprefix(step), c.module.removeprefix(step)) for c in path.calls
+                     if c.caller is not None and c.caller != c.module and c.module.startswith(step)}
+        assert into_step <= STEP_CALLS, (layout, into_step - STEP_CALLS)
 
 
 def test_the_plan_records_what_the_model_takes(model):

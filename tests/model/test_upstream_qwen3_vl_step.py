@@ -161,8 +161,8 @@ class _OurSeams:
 def _our_get_batch_from_iterator(data_iterator, use_mtp=False, skip_getting_attention_mask_from_dataset=True, *,
                                  is_first_pp_stage, is_last_pp_stage):
     """Ours reads the iterator's batch where upstream's ``get_batch_from_iterator`` does: the step's batch reader
-    (``step.batch.read_batch``), the micro-batch's tensors where they arrived; returned under the batch's names."""
-    from megatron.bridge_thd.step.batch import read_batch
+    (``step.prepare.read_batch``), the micro-batch's tensors where they arrived; returned under the batch's names."""
+    from megatron.bridge_thd.step.prepare import read_batch
 
     inputs = read_batch(next(data_iterator), is_last_pp_stage)
     return {"input_ids": inputs.tokens, "tokens": inputs.tokens, "labels": inputs.labels,

@@ -12,7 +12,7 @@ from _real_model import FakeGroup
 
 from megatron.bridge_thd import layouts
 from megatron.bridge_thd.plan.layouts import MicroBatch, Parallel, layout_stats
-from megatron.bridge_thd.step import prepare_micro_batch
+from megatron.bridge_thd.step.prepare import prepare_micro_batch
 from megatron.bridge_thd_cpu.data import synthetic_receipt_batch
 from megatron.bridge_thd_cpu.reference import ReferenceQwen3VL
 from megatron.bridge_thd_cpu.standalone import minimal_state

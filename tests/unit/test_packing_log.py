@@ -103,7 +103,7 @@ def test_over_long_samples_are_counted_from_the_collates_measures_and_summed():
 
     from megatron.bridge_thd.overlong import DROPPED, MEASURES, TOKENS
     from megatron.bridge_thd.packing_log import PackingTotals
-    from megatron.bridge_thd.step.capture import overlong_sample_counts
+    from megatron.bridge_thd.step.prepare import overlong_sample_counts
 
     measures = torch.zeros(len(MEASURES), 4, dtype=torch.int64)
     measures[TOKENS] = torch.tensor([600, 400, 700, 512])  # seq_length 512: rows 0 and 2 over it, row 3 exactly at it

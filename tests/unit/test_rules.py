@@ -215,10 +215,10 @@ ALLOWED = {
     ("cost/presets.py", "model preset"): "an argument check of the planner",
     ("cost/presets.py", ": field"): "a config.json file's content",
     ("cost/presets.py", ": no such config.json"): "a missing file",
-    ("step/capture.py", "attention_mask:"): "a batch without a mask (the data)",
+    ("step/prepare.py", "attention_mask:"): "a batch without a mask (the data)",
     ("cp_per_sample.py", "batch: no 'local_cp_size'"): "an iterator that is not Megatron-Core's hybrid-CP schedule's",
-    ("step/rows.py", "batch:  samples for train.micro_batch_size"): "a batch of another size than the loaders'",
-    ("step/rows.py", "batch:  samples, but the run's static row"): "a batch the static row cannot hold",
+    ("step/prepare.py", "batch:  samples for train.micro_batch_size"): "a batch of another size than the loaders'",
+    ("step/prepare.py", "batch:  samples, but the run's static row"): "a batch the static row cannot hold",
 }
 
 

@@ -2,7 +2,7 @@
 
 The step (:mod:`megatron.bridge_thd.step`) is family-agnostic: it captures the keep mask,
 truncates, packs and calls the model. A family supplies the four things that differ
-(:class:`ModelAdapter`); a family's step is ``step.make_forward_step(adapter)``, handed to
+(:class:`ModelAdapter`); a family's step is ``step.forward.make_forward_step(adapter)``, handed to
 Megatron-Bridge as its ``forward_step_func``. Reasoning and how to add one: docs/adapters.md.
 """
 

@@ -32,6 +32,9 @@ from megatron.bridge_thd.lengths import real_lengths as lengths_of_keep_mask
 __all__ = [
     "PackedBatch",
     "pack_bshd_to_thd",
+    "pack_kept",
+    "check_static_row",
+    "relay_right_padded",
     "unpack_thd_to_bshd",
     "required_alignment",
     "segment_index",
@@ -167,6 +170,19 @@ def scatter_into_row(values: torch.Tensor, index: torch.Tensor, row_length: int,
     return row[..., :row_length].unsqueeze(-2)
 
 
+def relay_right_padded(values: torch.Tensor, keep: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """``(..., B, T)`` -> ``(..., B, width)``: each sample's real tokens first, then ``fill``.
+
+    One scatter; a sample's k-th real token lands in column k. The padded layout (``bshd``) re-lays left-padded or
+    truncated samples this way, so that they reach the model in the causal-safe right-padded form.
+    """
+    batch_size = keep.shape[0]
+    row_length = batch_size * width
+    index = row_index(keep, torch.arange(batch_size, device=keep.device) * width, row_length)
+    row = scatter_into_row(values, index, row_length, fill)  # (..., 1, B * width)
+    return row.reshape(*values.shape[:-2], batch_size, width)
+
+
 def gather_from_row(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``values[index]`` along dim 0, where index N (one past the end) reads zeros.
 
@@ -295,11 +311,77 @@ def pack_bshd_to_thd(
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids: expected a (B, T) tensor, got {shape}; add a batch dimension")
     batch_size, seq_len = input_ids.shape
-    device = input_ids.device
     check_int("align_to", align_to, 1, "use required_alignment(tp, cp, sequence_parallel=..., fp8=...)")
     check_int("min_length", min_length, 0, "pass 0 (no minimum) or align_to")
     if min_length % align_to:
         raise ValueError(f"min_length: {min_length} is not a multiple of align_to={align_to}; pass align_to")
+    _check_companions(labels, loss_mask, position_ids, batch_size, seq_len)
+    keep, mask_checks = _keep_mask(attention_mask, real_lengths, keep, batch_size, seq_len, input_ids.device)
+    if total_length is not None:
+        segments = batch_size + 1 if segments is None else segments
+        check_static_row(total_length, segments, max_seqlen, align_to, batch_size=batch_size)
+    return _pack(input_ids, keep, labels, loss_mask, position_ids, align_to=align_to, total_length=total_length,
+                 segments=segments, max_seqlen=max_seqlen, min_length=min_length, pad_token_id=pad_token_id,
+                 checks=mask_checks + list(checks), host_values=host_values)
+
+
+def check_static_row(total_length: int, segments: int, max_seqlen: int | None, align_to: int, *,
+                     batch_size: int = 0) -> None:
+    """The static row's arguments of :func:`pack_bshd_to_thd`, checked: ``total_length`` (a multiple of
+    ``align_to`` that int32 ``cu_seqlens`` can describe), ``segments`` (one per sample of ``batch_size`` and the
+    tail) and ``max_seqlen`` (None: derived). :func:`pack_bshd_to_thd` checks them at every call; a caller whose
+    rows are fixed for a run checks them once and packs with :func:`pack_kept` (the step, when it builds its plan).
+
+    Raises:
+        ValueError: naming the argument and what to pass.
+    """
+    check_int("total_length", total_length, 0, "pass micro_batch_size * seq_length rounded up to align_to")
+    if total_length % align_to:
+        raise ValueError(
+            f"total_length: {total_length} is not a multiple of align_to={align_to}; round it up to "
+            f"{round_up(total_length, align_to)}"
+        )
+    if total_length > INT32_MAX:
+        raise ValueError(f"total_length: {total_length} exceeds int32 cu_seqlens ({INT32_MAX}); use a smaller row")
+    check_int("segments", segments, batch_size + 1,
+              f"a static row of {batch_size} samples needs a segment per sample and one for the tail")
+    if max_seqlen is not None:
+        check_int("max_seqlen", max_seqlen, 1, "pass round_up(seq_length, align_to)")
+
+
+def pack_kept(
+    input_ids: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    labels: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    align_to: int,
+    total_length: int | None = None,
+    segments: int | None = None,
+    max_seqlen: int | None = None,
+    min_length: int = 0,
+    checks: Sequence[DeferredCheck] = (),
+    host_values: torch.Tensor | None = None,
+) -> PackedBatch:
+    """:func:`pack_bshd_to_thd` for a caller that checked its integer arguments before its first batch and derived
+    the keep mask itself: the step, which checks them once per run when it builds its plan (the alignment, and a
+    static row's ``total_length``, ``segments`` >= B + 1 and ``max_seqlen`` with :func:`check_static_row`).
+
+    ``input_ids`` ``(B, T)`` and ``keep`` ``(B, T)`` bool on one device; the other arguments as
+    :func:`pack_bshd_to_thd` takes them (``segments`` and ``max_seqlen`` given with ``total_length``). The tensors
+    that come with each batch (``labels``, ``loss_mask``, ``position_ids``) are still checked against ``input_ids``.
+    """
+    batch_size, seq_len = input_ids.shape
+    _check_companions(labels, loss_mask, position_ids, batch_size, seq_len)
+    return _pack(input_ids, keep, labels, loss_mask, position_ids, align_to=align_to, total_length=total_length,
+                 segments=segments, max_seqlen=max_seqlen, min_length=min_length, pad_token_id=0,
+                 checks=list(checks), host_values=host_values)
+
+
+def _check_companions(labels, loss_mask, position_ids, batch_size: int, seq_len: int) -> None:
+    """The tensors packed with ``input_ids`` ``(B, T)``: ``labels`` and ``loss_mask`` ``(B, T)``, ``position_ids``
+    ``(B, T)`` or MRoPE ``(3, B, T)``."""
     _check_companion("labels", labels, (batch_size, seq_len))
     _check_companion("loss_mask", loss_mask, (batch_size, seq_len))
     _check_tensor("position_ids", position_ids)
@@ -308,77 +390,28 @@ def pack_bshd_to_thd(
             f"position_ids: shape {tuple(position_ids.shape)} does not match input_ids; expected "
             f"({batch_size}, {seq_len}) or MRoPE (3, {batch_size}, {seq_len})"
         )
-    keep, mask_checks = _keep_mask(attention_mask, real_lengths, keep, batch_size, seq_len, device)
-    checks = mask_checks + list(checks)
 
+
+def _pack(input_ids, keep, labels, loss_mask, position_ids, *, align_to: int, total_length: int | None,
+          segments: int | None, max_seqlen: int | None, min_length: int, pad_token_id: int,
+          checks: list[DeferredCheck], host_values: torch.Tensor | None) -> PackedBatch:
+    """The packer itself, its arguments checked (:func:`pack_bshd_to_thd`, :func:`pack_kept`): the row's
+    boundaries (:func:`_dynamic_row` or :func:`_static_row`), then one scatter per tensor."""
+    batch_size, seq_len = input_ids.shape
     lengths = lengths_of_keep_mask(keep)
     slots = round_up(lengths, align_to)
     cu_seqlens = cu_seqlens_from_lengths(lengths)
     cu_seqlens_padded = cu_seqlens_from_lengths(slots)
-    worst_case_length = batch_size * round_up(seq_len, align_to)
-
     if total_length is None:
-        checks = checks + [
-            DeferredCheck(
-                cu_seqlens_padded[-1] > INT32_MAX,
-                f"input_ids: the packed row would exceed {INT32_MAX} tokens, which int32 cu_seqlens cannot "
-                "describe; use a smaller micro-batch",
-            )
-        ]
-        # The one host synchronisation: the row length sizes the output, and the validity flags
-        # ride along so that checking costs nothing extra.
-        (row_length, max_seqlen, real_total), read_values = read_once(
-            [cu_seqlens_padded[-1], slots.max() if batch_size else slots.new_zeros(()), cu_seqlens[-1]], checks,
-            host_values)
-        # Padding anywhere (also in the last slot only) makes the padded total exceed the real one.
-        pad_between_seqs = row_length != real_total
-        if row_length < min_length:
-            # e.g. a micro-batch of padding only: a (1, 0) row cannot go through a model (empty
-            # reshapes; Megatron-Bridge's CP code would take N = 0 for a pre-sharded row).
-            row_length, max_seqlen, pad_between_seqs = min_length, max(max_seqlen, min_length), True
-            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:]])
-            cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((1,), row_length)])
+        row_length, max_seqlen, pad_between_seqs, cu_seqlens, cu_seqlens_padded, read_values = _dynamic_row(
+            cu_seqlens, cu_seqlens_padded, slots, min_length, checks, host_values)
     else:
-        check_int("total_length", total_length, 0, "pass micro_batch_size * seq_length rounded up to align_to")
-        if total_length % align_to:
-            raise ValueError(
-                f"total_length: {total_length} is not a multiple of align_to={align_to}; round it up to "
-                f"{round_up(total_length, align_to)}"
-            )
-        if total_length > INT32_MAX:
-            raise ValueError(f"total_length: {total_length} exceeds int32 cu_seqlens ({INT32_MAX}); use a smaller row")
-        if total_length < worst_case_length:
-            checks = checks + [
-                DeferredCheck(
-                    cu_seqlens_padded[-1] > total_length,
-                    f"total_length: the batch's aligned real tokens do not fit in {total_length}; raise it "
-                    f"(B * round_up(T, align_to) = {worst_case_length} always fits)",
-                )
-            ]
-        segments = batch_size + 1 if segments is None else segments
-        check_int("segments", segments, batch_size + 1,
-                   f"a static row of {batch_size} samples needs a segment per sample and one for the tail")
-        if max_seqlen is None:
-            max_seqlen = round_up(seq_len, align_to)
-        else:
-            check_int("max_seqlen", max_seqlen, 1, "pass round_up(seq_length, align_to)")
-            if max_seqlen < round_up(seq_len, align_to):
-                checks = checks + [DeferredCheck(
-                    slots.max() > max_seqlen,
-                    f"max_seqlen: a sample's aligned slot is longer than the static max_seqlen={max_seqlen}; "
-                    "truncate samples to seq_length before packing")]
-        for check in checks:
-            torch._assert_async(~check.failed, check.message)
-        row_length = total_length
-        read_values = None
+        max_seqlen, cu_seqlens, cu_seqlens_padded = _static_row(
+            cu_seqlens, cu_seqlens_padded, slots, batch_size * round_up(seq_len, align_to), align_to, seq_len,
+            total_length, segments, max_seqlen, checks)
+        row_length, read_values = total_length, None
         # Known without a host read: True is always correct (TE then honours the padded pair).
         pad_between_seqs = True
-        # The tail after the last sample is its own segment with no real token, so no real sample's
-        # physical slot grows and max_seqlen stays a bound for every real segment; the segments past
-        # it have length 0, so the entry count is fixed.
-        fixed = segments - batch_size
-        cu_seqlens = torch.cat([cu_seqlens, *[cu_seqlens[-1:]] * fixed])
-        cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((fixed,), total_length)])
 
     # slot = start of the sample's slot + rank among its real tokens; padding -> trash slot N.
     packed_index = row_index(keep, cu_seqlens_padded[:batch_size], row_length)
@@ -402,6 +435,65 @@ def pack_bshd_to_thd(
         packed_index=packed_index,
         host_values=read_values,
     )
+
+
+def _dynamic_row(cu_seqlens, cu_seqlens_padded, slots, min_length: int, checks: list[DeferredCheck], host_values):
+    """A row as long as its aligned samples: ``(row_length, max_seqlen, pad_between_seqs, cu_seqlens,
+    cu_seqlens_padded, host_values as read)`` from the one host read (row length, longest slot, real total, every
+    check's flag, ``host_values``)."""
+    checks = checks + [
+        DeferredCheck(
+            cu_seqlens_padded[-1] > INT32_MAX,
+            f"input_ids: the packed row would exceed {INT32_MAX} tokens, which int32 cu_seqlens cannot "
+            "describe; use a smaller micro-batch",
+        )
+    ]
+    # The one host synchronisation: the row length sizes the output, and the validity flags
+    # ride along so that checking costs nothing extra.
+    (row_length, max_seqlen, real_total), read_values = read_once(
+        [cu_seqlens_padded[-1], slots.max() if slots.numel() else slots.new_zeros(()), cu_seqlens[-1]], checks,
+        host_values)
+    # Padding anywhere (also in the last slot only) makes the padded total exceed the real one.
+    pad_between_seqs = row_length != real_total
+    if row_length < min_length:
+        # e.g. a micro-batch of padding only: a (1, 0) row cannot go through a model (empty
+        # reshapes; Megatron-Bridge's CP code would take N = 0 for a pre-sharded row).
+        row_length, max_seqlen, pad_between_seqs = min_length, max(max_seqlen, min_length), True
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:]])
+        cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((1,), row_length)])
+    return row_length, max_seqlen, pad_between_seqs, cu_seqlens, cu_seqlens_padded, read_values
+
+
+def _static_row(cu_seqlens, cu_seqlens_padded, slots, worst_case_length: int, align_to: int, seq_len: int,
+                total_length: int, segments: int | None, max_seqlen: int | None, checks: list[DeferredCheck]):
+    """A row of exactly ``total_length`` slots and ``segments`` segments, checks as device asserts (no host read):
+    ``(max_seqlen, cu_seqlens, cu_seqlens_padded)``."""
+    if total_length < worst_case_length:
+        checks = checks + [
+            DeferredCheck(
+                cu_seqlens_padded[-1] > total_length,
+                f"total_length: the batch's aligned real tokens do not fit in {total_length}; raise it "
+                f"(B * round_up(T, align_to) = {worst_case_length} always fits)",
+            )
+        ]
+    batch_size = slots.shape[0]
+    segments = batch_size + 1 if segments is None else segments
+    if max_seqlen is None:
+        max_seqlen = round_up(seq_len, align_to)
+    elif max_seqlen < round_up(seq_len, align_to):
+        checks = checks + [DeferredCheck(
+            slots.max() > max_seqlen,
+            f"max_seqlen: a sample's aligned slot is longer than the static max_seqlen={max_seqlen}; "
+            "truncate samples to seq_length before packing")]
+    for check in checks:
+        torch._assert_async(~check.failed, check.message)
+    # The tail after the last sample is its own segment with no real token, so no real sample's
+    # physical slot grows and max_seqlen stays a bound for every real segment; the segments past
+    # it have length 0, so the entry count is fixed.
+    fixed = segments - batch_size
+    cu_seqlens = torch.cat([cu_seqlens, *[cu_seqlens[-1:]] * fixed])
+    cu_seqlens_padded = torch.cat([cu_seqlens_padded, cu_seqlens_padded.new_full((fixed,), total_length)])
+    return max_seqlen, cu_seqlens, cu_seqlens_padded
 
 
 def unpack_thd_to_bshd(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:

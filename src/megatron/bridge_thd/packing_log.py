@@ -4,7 +4,7 @@ Megatron-Bridge logs ``consumed_samples x seq_length`` (padding included); these
 Three parts:
 
 * :class:`PackingTotals`, on ``state.bridge_thd_packing_totals``: the step (``step.forward._account``) adds each
-  training micro-batch's :class:`~megatron.bridge_thd.step.stats.PackingStats` there. Device tensors are summed on
+  training micro-batch's :class:`~megatron.bridge_thd.step.prepare.PackingStats` there. Device tensors are summed on
   the device, host ints on the host: no host synchronisation, no collective per micro-batch.
 * :class:`PackingLogCallback`, a Megatron-Bridge ``Callback``: at the end of each training step it closes the
   step's sums; at Megatron-Bridge's ``logger.log_interval`` it reduces the interval's sums over the data-parallel

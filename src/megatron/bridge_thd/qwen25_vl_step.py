@@ -11,7 +11,7 @@ docs/adapters.md and docs/qwen25-vl.md.
 """
 
 from megatron.bridge_thd.adapters import QWEN25_VL
-from megatron.bridge_thd.step import make_forward_step
+from megatron.bridge_thd.step.forward import make_forward_step
 
 __all__ = ["forward_step"]
 

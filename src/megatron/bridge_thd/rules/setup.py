@@ -16,7 +16,7 @@ from megatron.bridge_thd.settings import GlobalBatchPacking, PackingSettings, se
 
 __all__ = ["Setup", "ModelFacts", "read_setup", "read_model_facts", "read_hook_setup", "cuda_graphs_enabled", "effective_cuda_graph_impl",
            "uses_hybridep", "uses_seq_aux_loss", "requested_layout", "bridge_packing_flag", "ROUTES_REAL_TOKENS_ONLY",
-           "OFFLINE_PACKING", "HYBRIDEP_PADDING_FIELDS"]
+           "OFFLINE_PACKING", "HYBRIDEP_PADDING_FIELDS", "read_pad_id"]
 
 # The mark of what makes a model's MoE routers see real tokens only: on moe_padding's pre-wrap hook and on the
 # model classes it creates (the step reads it off the built model).
@@ -315,6 +315,8 @@ class Setup:
             (None: the dataset has none; ``bridge-thd scan`` reads it).
         has_pad_to_max_length: the dataset config has ``pad_to_max_length`` (Megatron-Bridge's fixed collate width).
         has_average_in_collective: the config has a ``ddp`` section with ``average_in_collective``.
+        check_nan, check_spiky: Megatron-Bridge's loss checks (``rerun_state_machine.check_for_nan_in_loss`` /
+            ``check_for_spiky_loss``; its defaults without that section).
     """
 
     layout: str
@@ -345,6 +347,8 @@ class Setup:
     processor_path: str | None = None
     has_pad_to_max_length: bool = False
     has_average_in_collective: bool = False
+    check_nan: bool = True
+    check_spiky: bool = False
 
     @property
     def cp_per_sample(self) -> bool:
@@ -499,6 +503,7 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
     if adapter is None and model_class is not None:
         adapter = family_of_model_class(model_class)
     train = getattr(cfg, "train", None)
+    rerun = getattr(cfg, "rerun_state_machine", None)
     return Setup(
         layout=layout, settings=settings, model=model, tp=tp, cp=cp, pp=pp, ep=ep, dp=dp, cuda_graphs=cuda_graphs,
         moe_overlap=_moe_overlap_setting(cfg, model),
@@ -514,4 +519,17 @@ def read_setup(cfg: Any, layout: str, cuda_graphs: bool | None = None, global_ba
         length_fallback_pad_id=length_fallback_pad_id, processor_path=getattr(dataset, "hf_processor_path", None),
         has_pad_to_max_length=hasattr(dataset, "pad_to_max_length"),
         has_average_in_collective=hasattr(getattr(cfg, "ddp", None), "average_in_collective"),
+        check_nan=bool(getattr(rerun, "check_for_nan_in_loss", True)),
+        check_spiky=bool(getattr(rerun, "check_for_spiky_loss", False)),
     )
+
+
+def read_pad_id(tokenizer: Any, model_config: Any) -> int | None:
+    """The pad id the length fallback ``"pad_token"`` reads: the tokenizer's (``pad_id``, then ``pad_token_id``), else
+    the model config's (its ``text_config``'s where it has one); None where none is set."""
+    pad_id = getattr(tokenizer, "pad_id", None)
+    if pad_id is None:
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_id is None:
+        pad_id = getattr(getattr(model_config, "text_config", model_config), "pad_token_id", None)
+    return pad_id

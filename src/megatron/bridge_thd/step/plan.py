@@ -1,10 +1,11 @@
 """The step's plan: everything decided once per run, as one frozen record (docs/step-plan.md).
 
-In the spirit of Megatron-Core's ``PackedSeqParams``: data only. :func:`build_step_plan` reads the config, the
-built model (its config, its ``forward`` signature, its MoE routing), the process groups and the model family's
-adapter once, runs the refusal rules (:mod:`megatron.bridge_thd.rules`) and returns a :class:`StepPlan`. The
-per-micro-batch path (:mod:`megatron.bridge_thd.step`) reads only the plan: no config lookups, no signature
-inspection, no re-validation.
+In the spirit of Megatron-Core's ``PackedSeqParams``: data only. :func:`build_step_plan` reads the config (through
+:mod:`megatron.bridge_thd.rules`' ``Setup``), the built model (its config, its ``forward`` signature, its MoE
+routing), the process groups and the model family's adapter once, runs the refusal rules, checks the static rows
+the packer will take, and returns a :class:`StepPlan`. The per-micro-batch path
+(:mod:`~megatron.bridge_thd.step.prepare`, :mod:`~megatron.bridge_thd.step.forward`) reads only the plan: no config
+lookups, no signature inspection, no re-validation.
 
 What global-batch packing decides when the loaders are built (the run's static row) reaches the plan through
 :class:`GlobalBatchRows`, recorded on Megatron-Bridge's ``state.train_state`` (runtime state, not the user's
@@ -21,18 +22,20 @@ import torch
 
 from megatron.bridge_thd.adapters import ModelAdapter, VisionTokens
 from megatron.bridge_thd.layouts import layout_for, static_row_length, thd_alignment
-from megatron.bridge_thd.packing import round_up
+from megatron.bridge_thd.packing import check_static_row, round_up
 from megatron.bridge_thd.rules.moe import layout_dependent_moe_settings
 from megatron.bridge_thd.rules.registry import STEP
 from megatron.bridge_thd.rules.run import refuse
-from megatron.bridge_thd.rules.setup import ROUTES_REAL_TOKENS_ONLY, read_model_facts, read_setup, requested_layout
+from megatron.bridge_thd.rules.setup import (
+    ROUTES_REAL_TOKENS_ONLY, read_model_facts, read_pad_id, read_setup, requested_layout,
+)
 from megatron.bridge_thd.settings import settings_of
 from megatron.bridge_thd.cp_per_sample import CPPerSampleStep, find_cp_group_holders
 from megatron.bridge_thd.upstream.loading import load_bridge_module
 from megatron.bridge_thd.upstream.line import upstream_line
 
-__all__ = ["StaticRow", "GlobalBatchRows", "StepPlan", "build_step_plan", "in_batch_static_row", "OPTIONAL_MODEL_EXTRAS",
-           "ROWS_ATTRIBUTE"]
+__all__ = ["StaticRow", "GlobalBatchRows", "StepPlan", "build_step_plan", "in_batch_static_row", "unwrap_model",
+           "OPTIONAL_MODEL_EXTRAS", "ROWS_ATTRIBUTE"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,7 @@ class StepPlan:
             Megatron-Bridge's ``Qwen3VLModel`` declares ``padding_mask`` itself (``upstream_line``) it takes a given
             mask cut as it cuts its row, and no hook (``moe_padding.with_padding_mask``) cuts it (CP > 1 only).
         tokens: the family's constants (the adapter's ``tokens(model_config)``: vision token ids, merge size).
+        uncuttable: the token ids truncation to ``seq_length`` must not cut (``tokens.uncuttable``).
         adapter: the model family (:mod:`megatron.bridge_thd.adapters`).
         pad_token_id: the pad id lengths fall back to without a mask (``length_fallback=
             "pad_token"``), or None (a batch without a mask is refused).
@@ -114,6 +118,8 @@ class StepPlan:
         check_nan, check_spiky: Megatron-Bridge's loss checks (``rerun_state_machine``).
         device: where the model's parameters are.
         model_name: the model's class name (logs).
+        builds_schedule_plan: the model has ``build_schedule_plan`` (Megatron-Core's MoE overlap schedule plan,
+            ``return_schedule_plan``).
         cp_per_sample: Megatron-Core's ``hybrid_context_parallel``: a CP size per row, the alignment of each and where
             the model keeps its CP group (:class:`~megatron.bridge_thd.cp_per_sample.CPPerSampleStep`); None
             otherwise.
@@ -134,6 +140,7 @@ class StepPlan:
     extras_refused: tuple[str, ...]
     padding_mask_cut_for_cp: bool
     tokens: VisionTokens
+    uncuttable: tuple[int, ...]
     adapter: ModelAdapter
     pad_token_id: int | None
     overlong_samples: str
@@ -141,6 +148,7 @@ class StepPlan:
     check_spiky: bool
     device: torch.device
     model_name: str
+    builds_schedule_plan: bool
     cp_per_sample: CPPerSampleStep | None = None
 
     @property
@@ -166,7 +174,7 @@ class StepPlan:
 
 def unwrap_model(model):
     """The model inside its DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
+    while hasattr(model, "module"):  # duck: a wrapper (DDP, Float16Module) or the model itself
         model = model.module
     return model
 
@@ -183,31 +191,21 @@ def declared_extras(model) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return accepted, tuple(name for name in OPTIONAL_MODEL_EXTRAS if name not in named)
 
 
-def _sizes(pg_collection) -> dict[str, int]:
-    def size(name):
-        group = getattr(pg_collection, name, None)
-        return group.size() if group is not None else 1
-
-    return {name: size(name) for name in ("tp", "cp", "pp", "ep")}
-
-
-def _dp_size(pg_collection) -> int | None:
-    """The data-parallel size (with CP = 1 under hybrid CP: every DP x CP rank), or None without a DP group."""
-    group = getattr(pg_collection, "dp", None)
-    return group.size() if group is not None else None
+def _group_sizes(pg_collection) -> tuple[dict[str, int], int | None]:
+    """The sizes of the TP, CP, PP and EP groups (1 where there is none), and the data-parallel size (with CP = 1
+    under hybrid CP: every DP x CP rank), or None without a DP group."""
+    names = ("tp", "cp", "pp", "ep", "dp")
+    groups = {name: getattr(pg_collection, name, None) for name in names}  # optional: a group the collection lacks
+    sizes = {name: group.size() if group is not None else 1 for name, group in groups.items() if name != "dp"}
+    return sizes, groups["dp"].size() if groups["dp"] is not None else None
 
 
-def _fallback_pad_id(state, model_config, fallback: str | None) -> int | None:
-    """The pad id of the length fallback ``"pad_token"`` (tokenizer, then model config), or None when the fallback
-    is off or no pad id is set (the rule ``length_fallback_pad_id`` refuses the latter)."""
+def _fallback_pad_id(tokenizer, model_config, fallback: str | None) -> int | None:
+    """The pad id of the length fallback ``"pad_token"`` (``rules.setup.read_pad_id``: tokenizer, then model config),
+    or None when the fallback is off or no pad id is set (the rule ``length_fallback_pad_id`` refuses the latter)."""
     if fallback != "pad_token":
         return None
-    tokenizer = getattr(state, "tokenizer", None)
-    pad_id = getattr(tokenizer, "pad_id", None)
-    if pad_id is None:
-        pad_id = getattr(tokenizer, "pad_token_id", None)
-    if pad_id is None:
-        pad_id = getattr(getattr(model_config, "text_config", model_config), "pad_token_id", None)
+    pad_id = read_pad_id(tokenizer, model_config)
     if pad_id is not None:
         logger.info("bridge_thd: without an attention mask, lengths = 1 + last position whose id != pad id %d", pad_id)
     return pad_id
@@ -224,18 +222,19 @@ def _te_cp_padding_defect(layout: str, cp: int) -> str | None:
     return None if accepted else reason
 
 
-def _static_rows(state, layout: str, micro_batch_size: int | None, seq_length: int,
+def _static_rows(recorded: tuple[StaticRow, ...], layout: str, micro_batch_size: int | None, seq_length: int,
                  align: int) -> tuple[StaticRow, ...]:
-    """``thd_static``'s rows: global-batch packing's (recorded when the loaders were built), else the in-batch one.
-    None for the other layouts, and outside a trainer without a micro-batch size (sized per batch then)."""
+    """``thd_static``'s rows: global-batch packing's (``recorded`` when the loaders were built), else the in-batch one.
+    None for the other layouts, and outside a trainer without a micro-batch size (sized per batch then). Each row is
+    checked once here as the packer would check it at every micro-batch (``packing.check_static_row``)."""
     if layout != "thd_static":
         return ()
-    rows = getattr(getattr(state, "train_state", None), ROWS_ATTRIBUTE, None)
-    if isinstance(rows, GlobalBatchRows):
-        return rows.rows
-    if micro_batch_size is None:
-        return ()
-    return (in_batch_static_row(micro_batch_size, seq_length, align),)
+    rows = recorded
+    if not rows and micro_batch_size is not None:
+        rows = (in_batch_static_row(micro_batch_size, seq_length, align),)
+    for row in rows:
+        check_static_row(row.length, row.segments, row.max_seqlen, align)
+    return rows
 
 
 def _resolved_layout(cfg, sizes: dict[str, int], variable_seq_lengths: bool) -> str:
@@ -261,38 +260,40 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
         adapter: the model family (:mod:`megatron.bridge_thd.adapters`).
     """
     core = unwrap_model(model)
-    model_config = getattr(core, "config", None)
+    model_config = getattr(core, "config", None)  # optional: a model chunk without a config
     cfg = state.cfg
     settings = settings_of(cfg.dataset)
-    sizes = _sizes(pg_collection)
+    sizes, dp = _group_sizes(pg_collection)
     layout = _resolved_layout(cfg, sizes, read_model_facts(model_config, cfg.model).variable_seq_lengths)
-    recorded = getattr(getattr(state, "train_state", None), ROWS_ATTRIBUTE, None)
+    parts = ("tokenizer", "train_state")
+    tokenizer, train_state = (getattr(state, name, None) for name in parts)  # optional: a stand-in state lacks them
+    recorded = getattr(train_state, ROWS_ATTRIBUTE, None)  # optional: only where global-batch packing built loaders
     recorded = recorded.rows if isinstance(recorded, GlobalBatchRows) else ()
     setup = read_setup(cfg, layout, settings=settings, model_config=model_config, sizes=sizes, adapter=adapter,
                        built_model=type(core),
-                       routes_real_tokens_only=bool(getattr(core, ROUTES_REAL_TOKENS_ONLY, False)),
+                       routes_real_tokens_only=_routes_real_tokens_only(core),
                        row_lengths=tuple(row.length for row in recorded),
                        te_cp_padding_defect=_te_cp_padding_defect(layout, sizes["cp"]),
-                       length_fallback_pad_id=_fallback_pad_id(state, model_config, settings.length_fallback),
-                       dp=_dp_size(pg_collection))
+                       length_fallback_pad_id=_fallback_pad_id(tokenizer, model_config, settings.length_fallback),
+                       dp=dp)
     refuse(setup, STEP, "bridge_thd: the configuration cannot run this step")
     _warn_padded_moe_routing(setup)
     extras, refused = declared_extras(model)
-    static_rows = _static_rows(state, layout, setup.micro_batch_size, setup.seq_length, setup.align)
-    rerun = getattr(cfg, "rerun_state_machine", None)
+    tokens = adapter.tokens(model_config)
     plan = StepPlan(
         layout=layout, tp=setup.tp, cp=setup.cp, pp=setup.pp, ep=setup.ep, seq_length=setup.seq_length,
-        align=setup.align, micro_batch_size=setup.micro_batch_size, static_rows=static_rows,
+        align=setup.align, micro_batch_size=setup.micro_batch_size,
+        static_rows=_static_rows(recorded, layout, setup.micro_batch_size, setup.seq_length, setup.align),
         fixed_p2p_shapes=setup.fixed_p2p_shapes,
         p2p_micro_batch_size=setup.micro_batch_size if layout == "thd_static" and setup.fixed_p2p_shapes else None,
         extras=extras, extras_refused=refused,
         padding_mask_cut_for_cp="padding_mask" in extras and setup.cp > 1 and not setup.routes_real_tokens_only
         and _takes_a_cp_local_padding_mask(core),
-        tokens=adapter.tokens(model_config), adapter=adapter,
+        tokens=tokens, uncuttable=tokens.uncuttable, adapter=adapter,
         pad_token_id=setup.length_fallback_pad_id, overlong_samples=settings.overlong_samples,
-        check_nan=bool(getattr(rerun, "check_for_nan_in_loss", True)),
-        check_spiky=bool(getattr(rerun, "check_for_spiky_loss", False)),
+        check_nan=setup.check_nan, check_spiky=setup.check_spiky,
         device=next(core.parameters()).device, model_name=type(core).__name__,
+        builds_schedule_plan=bool(setup.built_model_plans),
         cp_per_sample=_cp_per_sample(setup, core, pg_collection),
     )
     _log_plan(plan)
@@ -311,6 +312,12 @@ def _cp_per_sample(setup, core, pg_collection) -> CPPerSampleStep | None:
     alignments = tuple((k, thd_alignment(setup.tp, k, sequence_parallel=setup.model.sequence_parallel,
                                          fp8=setup.model.fp8)) for k in sizes)
     return CPPerSampleStep(world=world, alignments=alignments, holders=find_cp_group_holders(core))
+
+
+def _routes_real_tokens_only(core) -> bool:
+    """The model's MoE routers see real tokens only: the mark of the model classes ``moe_padding`` builds
+    (``rules.ROUTES_REAL_TOKENS_ONLY``)."""
+    return bool(getattr(core, ROUTES_REAL_TOKENS_ONLY, False))  # optional: only moe_padding's models carry the mark
 
 
 def _takes_a_cp_local_padding_mask(core) -> bool:
