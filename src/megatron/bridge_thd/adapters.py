@@ -29,8 +29,9 @@ class ModelAdapter(Protocol):
 
     name: str
 
-    def tokens(self, model_config: Any) -> VisionTokens:
-        """The family's constants, read once from the model config when the step builds its plan."""
+    def tokens(self, facts: Any) -> VisionTokens:
+        """The family's constants, from the model's facts (``rules.setup.ModelFacts``, read once from its config)
+        when the step builds its plan."""
 
     def position_ids(self, tokens: torch.Tensor, keep: torch.Tensor, multi_modal: dict,
                      ids: VisionTokens, *, on_host: bool = False) -> tuple[torch.Tensor | None, list[DeferredCheck]]:
@@ -84,15 +85,14 @@ class VisionTokens:
         return (self.image_token_id, self.video_token_id)
 
 
-def _merge_size(model_config) -> int:
-    vision_config = getattr(model_config, "vision_config", None)
-    return getattr(model_config, "spatial_merge_size", None) or getattr(vision_config, "spatial_merge_size", 2)
-
-
-def _vision_tokens(model_config) -> VisionTokens:
-    return VisionTokens(image_token_id=model_config.image_token_id, video_token_id=model_config.video_token_id,
-                        vision_start_token_id=getattr(model_config, "vision_start_token_id", None),
-                        spatial_merge_size=_merge_size(model_config))
+def _vision_tokens(facts) -> VisionTokens:
+    """The placeholder ids and merge size of a model, from its facts (``rules.setup.ModelFacts``, read once)."""
+    for name, value in (("image_token_id", facts.image_token_id), ("video_token_id", facts.video_token_id)):
+        if value is None:
+            raise ValueError(f"bridge_thd: the model config sets no {name}; a Qwen-VL model config carries its image "
+                             f"and video placeholder ids: set {name} (the Hugging Face config's value)")
+    return VisionTokens(image_token_id=facts.image_token_id, video_token_id=facts.video_token_id,
+                        vision_start_token_id=facts.vision_start_token_id, spatial_merge_size=facts.spatial_merge_size)
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,8 @@ class Qwen3VLAdapter:
     takes_thd_static: bool = True
     takes_context_parallel: bool = True
 
-    def tokens(self, model_config) -> VisionTokens:
-        return _vision_tokens(model_config)
+    def tokens(self, facts) -> VisionTokens:
+        return _vision_tokens(facts)
 
     def position_ids(self, tokens, keep, multi_modal, ids, *, on_host=False):
         return qwen3_vl_position_ids_deferred(
@@ -119,7 +119,7 @@ class Qwen3VLAdapter:
         )
 
     def p2p_decoder(self, model):
-        return getattr(getattr(model, "language_model", None), "decoder", None)
+        return getattr(getattr(model, "language_model", None), "decoder", None)  # duck: a pipeline stage without them
 
     def data_checks(self, layout, keep):
         return []
@@ -145,14 +145,14 @@ class Qwen25VLAdapter:
     takes_thd_static: bool = False  # it rebuilds positions per THD segment and needs a real token in each
     takes_context_parallel: bool = False  # no context-parallel split of its input (its recipes set CP=1)
 
-    def tokens(self, model_config) -> VisionTokens:
-        return _vision_tokens(model_config)
+    def tokens(self, facts) -> VisionTokens:
+        return _vision_tokens(facts)
 
     def position_ids(self, tokens, keep, multi_modal, ids, *, on_host=False):
         return None, []
 
     def p2p_decoder(self, model):
-        return getattr(getattr(model, "language_model", None), "decoder", None)
+        return getattr(getattr(model, "language_model", None), "decoder", None)  # duck: a pipeline stage without them
 
     def data_checks(self, layout, keep):
         if layout != "thd":

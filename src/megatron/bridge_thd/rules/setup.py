@@ -168,6 +168,8 @@ class ModelFacts:
         spatial_merge_size: the vision tower's spatial merge (image tokens = patches / merge^2): the config's
             ``spatial_merge_size``, else its ``vision_config``'s, else Qwen-VL's 2.
         vision_token_ids: the image and video placeholder ids (``image_token_id``, ``video_token_id``) that are set.
+        image_token_id, video_token_id, vision_start_token_id: the placeholder ids themselves (None: not set), as the
+            model family's adapter reads them (``adapters.ModelAdapter.tokens``).
     """
 
     seq_length: int | None = None
@@ -204,6 +206,9 @@ class ModelFacts:
     has_vision_dp_when_cp: bool = False
     spatial_merge_size: int = 2
     vision_token_ids: tuple[int, ...] = ()
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
 
     @property
     def seq_aux_loss(self) -> bool:
@@ -253,6 +258,9 @@ def read_model_facts(model: Any, model_root: Any = None) -> ModelFacts:
                                or getattr(_setting(model, model_root, "vision_config"), "spatial_merge_size", None) or 2),
         vision_token_ids=tuple(int(i) for i in (_setting(model, model_root, "image_token_id"),
                                                 _setting(model, model_root, "video_token_id")) if i is not None),
+        image_token_id=_setting(model, model_root, "image_token_id"),
+        video_token_id=_setting(model, model_root, "video_token_id"),
+        vision_start_token_id=_setting(model, model_root, "vision_start_token_id"),
     )
 
 

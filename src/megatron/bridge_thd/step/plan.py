@@ -33,6 +33,7 @@ from megatron.bridge_thd.settings import settings_of
 from megatron.bridge_thd.cp_per_sample import CPPerSampleStep, find_cp_group_holders
 from megatron.bridge_thd.upstream.loading import load_bridge_module
 from megatron.bridge_thd.upstream.line import upstream_line
+from megatron.bridge_thd.upstream.te_compat import te_cp_padding_verdict
 
 __all__ = ["StaticRow", "GlobalBatchRows", "StepPlan", "build_step_plan", "in_batch_static_row", "unwrap_model",
            "OPTIONAL_MODEL_EXTRAS", "ROWS_ATTRIBUTE"]
@@ -216,8 +217,6 @@ def _te_cp_padding_defect(layout: str, cp: int) -> str | None:
     docs/te-cp-padding.md), detected once; None where there is none or it cannot arise."""
     if layout == "bshd" or cp <= 1:
         return None
-    from megatron.bridge_thd.upstream.te_compat import te_cp_padding_verdict
-
     accepted, reason = te_cp_padding_verdict(cp)
     return None if accepted else reason
 
@@ -279,7 +278,7 @@ def build_step_plan(state, model, pg_collection, adapter) -> StepPlan:
     refuse(setup, STEP, "bridge_thd: the configuration cannot run this step")
     _warn_padded_moe_routing(setup)
     extras, refused = declared_extras(model)
-    tokens = adapter.tokens(model_config)
+    tokens = adapter.tokens(setup.model)
     plan = StepPlan(
         layout=layout, tp=setup.tp, cp=setup.cp, pp=setup.pp, ep=setup.ep, seq_length=setup.seq_length,
         align=setup.align, micro_batch_size=setup.micro_batch_size,
