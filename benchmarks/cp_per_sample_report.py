@@ -11,7 +11,7 @@ activation tokens, padding and the CP sizes used. No timing is measured: the fig
 
 The mixes are synthetic (``plan.video_mix``: 25% videos of 4 s to 6.4 min, the rest receipts; ``plan.text_mix``:
 lognormal lengths, median 1,500, 1 to 32,768 tokens): an assumption, not a measured data set. The values go to
-``benchmarks/results/cp_per_sample.json``; the docs block ``dynamic-cp`` is rendered from it by :func:`render`
+``benchmarks/results/cp_per_sample.json``; the docs block ``cp-per-sample`` is rendered from it by :func:`render`
 (``scripts/readme_figures.py``).
 
     .venv/bin/python benchmarks/cp_per_sample_report.py [--json PATH]

@@ -49,7 +49,7 @@ MOE_ROUTING = dict(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 def ranks(tmp_path_factory):
     common = dict(train_iters=ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
                   seq_length=SEQ_LENGTH, eval_iters=1, eval_interval=ITERATIONS, checkpoint=False, count_tokens=False)
-    dynamic = dict(common, cp_per_sample=TOKENS_PER_RANK, run_name="dynamic-cp")
+    dynamic = dict(common, cp_per_sample=TOKENS_PER_RANK, run_name="cp-per-sample")
     runs = [
         # Stopped after iteration 1 (a checkpoint is saved), then resumed from it: the loader's sampler continues from
         # Megatron-Bridge's consumed_samples, so iteration 2 must be the uninterrupted reference's.
