@@ -503,3 +503,47 @@ def test_the_inner_import_checker_reads_the_comments():
               "    from . import checks\n"
               "    from megatron.bridge_thd_cpu.stack import cpu_stack\n")
     assert _unexplained_inner_imports(source) == [4, 11]
+
+
+# ---- module size and re-exports (docs/architecture.md) ----
+
+MAX_MODULE_LINES = 600
+
+
+def _runtime_files() -> list[pathlib.Path]:
+    return sorted((REPO / "src" / "megatron" / "bridge_thd").rglob("*.py"))
+
+
+def _over(limit: int, files) -> list[str]:
+    return [f"{path.name}: {n} lines" for path in files if (n := len(path.read_text().splitlines())) > limit]
+
+
+def test_no_module_of_the_package_passes_600_lines():
+    assert _over(MAX_MODULE_LINES, _runtime_files()) == []
+
+
+def test_the_size_check_reports_a_long_module(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert _over(MAX_MODULE_LINES, [long]) == [f"long.py: {MAX_MODULE_LINES + 1} lines"]
+
+
+def _re_exports(path: pathlib.Path) -> list[str]:
+    """The names a package ``__init__`` imports from the package's modules (an ``__init__`` is its docstring)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    return [alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("megatron.bridge_thd") for alias in node.names]
+
+
+def test_no_package_init_re_exports():
+    found = {str(path.relative_to(REPO)): names for path in _runtime_files()
+             if path.name == "__init__.py" and (names := _re_exports(path))}
+    assert found == {}
+
+
+def test_the_re_export_check_reports_an_import(tmp_path):
+    init = tmp_path / "__init__.py"
+    init.write_text('"""doc"""\nfrom megatron.bridge_thd.packing import pack_bshd_to_thd\n')
+    assert _re_exports(init) == ["pack_bshd_to_thd"]
