@@ -27,9 +27,8 @@ from _packing_helpers import (
     round_up,
     verl_keep,
 )
-from megatron.bridge_thd.lengths import cu_seqlens_from_sample_ids
+from megatron.bridge_thd.lengths import cu_seqlens_from_sample_ids, keep_mask_from_attention_mask
 from megatron.bridge_thd.packing import pack_bshd_to_thd, unpack_thd_to_bshd
-from megatron.bridge_thd.lengths import keep_mask_from_attention_mask
 
 
 # --------------------------------------------------------------------------------------------

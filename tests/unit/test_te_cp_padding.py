@@ -20,9 +20,8 @@ import torch
 
 import megatron.bridge_thd.upstream.te_compat as te_compat
 from _packing_helpers import round_up
-from megatron.bridge_thd.packing import pack_bshd_to_thd
+from megatron.bridge_thd.packing import pack_bshd_to_thd, required_alignment
 from megatron.bridge_thd.context_parallel import thd_local_positions, thd_padding_chunks
-from megatron.bridge_thd.packing import required_alignment
 from megatron.bridge_thd.upstream.te_compat import (
     TE_CP_PADDING_RULE,
     te_cp_padding_verdict,

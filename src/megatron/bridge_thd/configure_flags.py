@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from megatron.bridge_thd.rules.graphs import variable_lengths_set_by_bridge
-from megatron.bridge_thd.rules.setup import Setup
-from megatron.bridge_thd.rules.setup import HYBRIDEP_PADDING_FIELDS
+from megatron.bridge_thd.rules.setup import HYBRIDEP_PADDING_FIELDS, Setup
 from megatron.bridge_thd.settings import SETTINGS_ATTRIBUTE
 from megatron.bridge_thd.upstream.line import upstream_line
 
