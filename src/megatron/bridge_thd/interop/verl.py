@@ -250,6 +250,9 @@ def postprocess_packed_seqs(
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise ValueError(f"output: expected this rank's packed row (1, N / cp, ...), got {shape}")
     _check_mask(attention_mask, batch_size, seq_len)
+    if not isinstance(packed_seq_params, PackedSeqParams):
+        raise ValueError(f"packed_seq_params: expected the PackedSeqParams preprocess_packed_seqs returned, got "
+                         f"{type(packed_seq_params).__name__}")
     cu_real, cu_padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
     if cu_padded is None:
         cu_padded = cu_real
