@@ -6,7 +6,9 @@ module's figures (tests/README.md, "Shared runs"):
 
 * :func:`training_runs`, 2 ranks: tests/bridge/test_training.py's runs (the test bed's ``training_loop_runs``), its
   ``thd`` run and its global-batch packing run (each stopped and resumed) with a real TensorBoard writer and a run
-  log, which tests/bridge/test_packing_logs.py reads back;
+  log, which tests/bridge/test_packing_logs.py reads back; then tests/bridge/test_training_qwen35.py's runs (the
+  test bed's ``qwen35_training_runs``, their keys prefixed :data:`QWEN35`: the same DP=2 world, the Qwen3.5-VL 2B
+  recipe on its own tiny checkpoint, last because they collate in the rank's process);
 * :func:`cp_per_sample_runs`, 4 ranks: tests/bridge/test_cp_per_sample_training.py's runs, its CP-per-sample run
   (stopped and resumed) and its static CP = 1 reference with a TensorBoard writer, which test_packing_logs.py reads.
 """
@@ -37,11 +39,25 @@ GLOBAL_RESUME_AT, EVAL_INTERVAL, EVAL_ITERS = 4, 3, 2
 LOGGED = {"thd": ("thd_first", "thd_resumed"), "global": ("thd_static_global_first", "thd_static_global_resumed")}
 
 
+# test_training_qwen35.py's runs: their keys' prefix in the world, their sizes.
+QWEN35 = "qwen35_"
+QWEN35_ITERATIONS, QWEN35_RESUME_AT = 6, 3
+
+
 def training_runs(workdir) -> list:
-    """test_training.py's runs, the :data:`LOGGED` ones writing TensorBoard and a run log under ``workdir``."""
+    """test_training.py's runs, the :data:`LOGGED` ones writing TensorBoard and a run log under ``workdir``; then
+    test_training_qwen35.py's. A run after one that collates in the rank's process must not fork loader workers
+    (docs/megatron-bridge-on-cpu.md, limits): test_training.py's runs use the recipe's workers, the Qwen3.5 runs none,
+    so they come last."""
+    from megatron.bridge_thd_testbed.training import qwen35_training_runs
+
     logged = {run: key for key, halves in LOGGED.items() for run in halves}
-    return [(run, recipe, layout, dict(settings, tensorboard=True, run_log=str(workdir / f"{logged[run]}.jsonl"))
+    runs = [(run, recipe, layout, dict(settings, tensorboard=True, run_log=str(workdir / f"{logged[run]}.jsonl"))
              if run in logged else settings) for run, recipe, layout, settings in _training_loop_runs()]
+    qwen35 = qwen35_training_runs(iterations=QWEN35_ITERATIONS, resume_at=QWEN35_RESUME_AT,
+                                  micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH)
+    assert all(settings.get("num_workers") == 0 for *_, settings in qwen35)
+    return runs + [(QWEN35 + run, recipe, layout, settings) for run, recipe, layout, settings in qwen35]
 
 
 def logged_run_names() -> dict:

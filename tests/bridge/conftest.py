@@ -6,14 +6,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def training_world(tmp_path_factory):
-    """2 ranks: test_training.py's runs, two of them also read by test_packing_logs.py."""
+    """2 ranks: test_training.py's runs, two of them also read by test_packing_logs.py, and test_training_qwen35.py's."""
     pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
     from _bridge_worlds import World, training_runs
 
     from megatron.bridge_thd_testbed.training import run_on_cpu
 
     workdir = tmp_path_factory.mktemp("cord_v2_run")
-    return World(run_on_cpu(training_runs(workdir), workdir=workdir, world_size=2, timeout=540), workdir)
+    return World(run_on_cpu(training_runs(workdir), workdir=workdir, world_size=2, timeout=900), workdir)
 
 
 @pytest.fixture(scope="session")
