@@ -33,42 +33,17 @@ import pytest
 
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 
-from megatron.bridge_thd_testbed.training import run_on_cpu  # noqa: E402
+from _bridge_worlds import CP_ITERATIONS as ITERATIONS  # noqa: E402
+from _bridge_worlds import GLOBAL_BATCH  # noqa: E402
 
-RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
-MOE_RECIPE = "qwen3_vl_30b_a3b_sft_8gpu_h100_bf16_config"
-ITERATIONS, MICRO_BATCH, GLOBAL_BATCH, SEQ_LENGTH = 2, 2, 8, 512
-# The receipts are 367-512 tokens once cut at 512: at 240 tokens per rank those up to 480 need 2 ranks, longer ones 4.
-TOKENS_PER_RANK = 240
 RELATIVE = 1e-5
-# The MoE routers' load-balancing statistics in the loss (the recipe's provider has aux loss 1e-3 and no z-loss).
-MOE_ROUTING = dict(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    common = dict(train_iters=ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
-                  seq_length=SEQ_LENGTH, eval_iters=1, eval_interval=ITERATIONS, checkpoint=False, count_tokens=False)
-    dynamic = dict(common, cp_per_sample=TOKENS_PER_RANK, run_name="cp-per-sample")
-    runs = [
-        # Stopped after iteration 1 (a checkpoint is saved), then resumed from it: the loader's sampler continues from
-        # Megatron-Bridge's consumed_samples, so iteration 2 must be the uninterrupted reference's.
-        ("dynamic_first", RECIPE, "thd", dict(dynamic, exit_interval=1, checkpoint=True)),
-        ("dynamic_resumed", RECIPE, "thd", dict(dynamic, checkpoint="load")),
-        ("static_cp1", RECIPE, "thd", dict(common, per_token_loss=True)),
-        *moe_runs(common),
-    ]
-    return run_on_cpu(runs, workdir=tmp_path_factory.mktemp("cp_per_sample_run"), world_size=4, timeout=900)
-
-
-def moe_runs(common: dict) -> list:
-    """The MoE model with a CP size per sample and at static CP = 1, one sample per micro-batch (the module's
-    docstring says why), the loader in the rank's process and no evaluation (the dense runs prove both). Last in the
-    world: a run after one that collates in the rank's process must not fork loader workers
-    (docs/megatron-bridge-on-cpu.md, limits)."""
-    moe = dict(common, micro_batch_size=1, eval_iters=0, num_workers=0, model_settings=MOE_ROUTING, moe_padding=True)
-    return [("moe_dynamic", MOE_RECIPE, "thd", dict(moe, cp_per_sample=TOKENS_PER_RANK)),
-            ("moe_static_cp1", MOE_RECIPE, "thd", dict(moe, per_token_loss=True))]
+def ranks(cp_per_sample_world):
+    """The runs (tests/_bridge_worlds.py: ``cp_per_sample_runs``; the MoE runs last), run once per session:
+    test_packing_logs.py reads the dense runs' packing figures."""
+    return cp_per_sample_world.ranks
 
 
 def _rows(rank: dict, key: str) -> list[dict]:

@@ -2,8 +2,11 @@
 
 Megatron-Bridge's ``finetune()`` on the CPU at DP=2 over gloo (its Qwen3-VL recipe with the tiny model,
 ``bridge_thd_testbed.training``), with a real TensorBoard ``SummaryWriter`` (``logger.tensorboard_dir``; the last
-rank writes, as Megatron-Bridge does) and ``logger.log_interval=1``. Two runs: ``thd``, and ``thd_static`` with
-global-batch packing; and, on 4 ranks, a CP size per sample against static CP = 1 on the same samples. The event file is read back with TensorBoard's own reader, and every figure is checked
+rank writes, as Megatron-Bridge does) and ``logger.log_interval=1``. The runs are test_training.py's (one world for
+both modules, tests/_bridge_worlds.py): ``thd`` (20 iterations, stopped at 10 and resumed) and ``thd_static`` with
+global-batch packing (10 iterations, stopped at 4 and resumed, evaluated every 3), each writing TensorBoard and a run
+log across its stop and resume; and, on 4 ranks, test_cp_per_sample_training.py's CP size per sample against static
+CP = 1 on the same samples. The event files are read back with TensorBoard's own reader, and every figure is checked
 against what the test computes independently from each rank's micro-batches (the collate's 2D attention mask, the
 batch's ``loss_mask``, the slots the step processed), summed over the two ranks; the run log against the same.
 """
@@ -18,36 +21,51 @@ import pytest
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 pytest.importorskip("tensorboard", reason="TensorBoard is not installed: no event file to read back")
 
+from _bridge_worlds import (  # noqa: E402
+    CP_ITERATIONS, CP_RUN_NAMES, GLOBAL, GLOBAL_BATCH, GLOBAL_RESUME_AT, ITERATIONS, LOGGED, MICRO_BATCH, RESUME_AT,
+    SEQ_LENGTH, logged_run_names,
+)
 from megatron.bridge_thd.run_log import read_run_log  # noqa: E402
-from megatron.bridge_thd_testbed.training import run_on_cpu  # noqa: E402
 
-RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
-ITERATIONS, MICRO_BATCH, GLOBAL_BATCH, SEQ_LENGTH = 3, 2, 8, 512
 PER_ITERATION = GLOBAL_BATCH // (MICRO_BATCH * 2)  # micro-batches per rank per iteration at DP=2
-RUNS = {"thd": ("thd", None), "global": ("thd_static", dict(cost_model="qwen3-vl-8b"))}
+# Per key: the layout, the iterations, the iteration its first half stopped at (its checkpoint).
+RUNS = {"thd": ("thd", ITERATIONS, RESUME_AT), "global": ("thd_static", GLOBAL, GLOBAL_RESUME_AT)}
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("packing_logs")
+def workdir(training_world):
+    return training_world.workdir
 
 
 @pytest.fixture(scope="module")
-def ranks(workdir):
-    common = dict(train_iters=ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
-                  seq_length=SEQ_LENGTH, eval_iters=0, checkpoint=False, tensorboard=True, num_workers=0)
-    runs = [(key, RECIPE, layout, dict(common, run_name=f"packing-{key}", run_log=str(workdir / f"{key}.jsonl"),
-                                       **({} if placement is None else dict(global_batch_packing=placement))))
-            for key, (layout, placement) in RUNS.items()]
-    return run_on_cpu(runs, workdir=workdir, world_size=2, timeout=540)
+def ranks(training_world):
+    """Per rank, per key of :data:`RUNS`: the stopped and the resumed halves' iterations and micro-batches joined."""
+    return [{key: {part: rank[first][part] + rank[resumed][part] for part in ("iterations", "micro_batches")}
+             for key, (first, resumed) in LOGGED.items()} for rank in training_world.ranks]
 
 
-def _scalars(workdir, key) -> dict:
-    """``{tag: {step: value}}`` of the run's TensorBoard event files."""
+# Global-batch packing's per-step log line (global rank 0), with the placement's per-rank cost.
+COST_LINE = r"\(train\): step (\d+): .* per-rank cost max/mean ([\d.]+)"
+
+
+def _train_steps(run: dict, first: int, last: int, pattern: str) -> dict:
+    """``{step: its first log line matching pattern}`` (group 1: the step) of a run's loader log, for the steps
+    ``first`` to ``last``, each of them there."""
+    steps = {}
+    for line in run["placements"]:
+        match = re.search(pattern, line)
+        if match and first <= int(match.group(1)) <= last:
+            steps.setdefault(int(match.group(1)), line)
+    assert sorted(steps) == list(range(first, last + 1)), sorted(steps)
+    return steps
+
+
+def _scalars(workdir, run_name: str) -> dict:
+    """``{tag: {step: value}}`` of a run's TensorBoard event files (a resumed run's after its stopped half's: both
+    write to ``tensorboard/<run name>``)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    folder = os.path.join(workdir, "tensorboard", f"packing-{key}")
-    accumulator = EventAccumulator(folder, size_guidance={"scalars": 0})
+    accumulator = EventAccumulator(os.path.join(workdir, "tensorboard", run_name), size_guidance={"scalars": 0})
     accumulator.Reload()
     return {tag: {event.step: event.value for event in accumulator.Scalars(tag)}
             for tag in accumulator.Tags()["scalars"]}
@@ -55,11 +73,11 @@ def _scalars(workdir, key) -> dict:
 
 def _expected(ranks, key) -> list[dict]:
     """Per iteration, the figures summed over both ranks' training micro-batches, from the batches themselves."""
-    expected = []
+    expected, iterations = [], RUNS[key][1]
     per_rank = [[batch for batch in rank[key]["micro_batches"] if batch["training"]] for rank in ranks]
     for rank_batches in per_rank:
-        assert len(rank_batches) == ITERATIONS * PER_ITERATION
-    for iteration in range(ITERATIONS):
+        assert len(rank_batches) == iterations * PER_ITERATION
+    for iteration in range(iterations):
         batches = [b for rank_batches in per_rank
                    for b in rank_batches[iteration * PER_ITERATION:(iteration + 1) * PER_ITERATION]]
         expected.append({name: sum(b[name] for b in batches)
@@ -69,7 +87,8 @@ def _expected(ranks, key) -> list[dict]:
 
 @pytest.mark.parametrize("key", list(RUNS))
 def test_tensorboard_holds_the_packing_figures_the_ranks_ran(ranks, workdir, key):
-    scalars = _scalars(workdir, key)
+    """Every iteration's figures, the stopped half's and the resumed half's."""
+    scalars = _scalars(workdir, logged_run_names()[key])
     assert "throughput/tokens_per_sec" in scalars or "lm loss" in scalars, sorted(scalars)  # Megatron-Bridge's own
     for iteration, figures in enumerate(_expected(ranks, key), start=1):
         real, slots = figures["real_tokens"], figures["token_slots"]
@@ -89,23 +108,25 @@ def test_tensorboard_holds_the_packing_figures_the_ranks_ran(ranks, workdir, key
     assert any(padded[i] > slots[i] for i in slots)
 
 
-def test_global_batch_packing_logs_the_placements_per_rank_cost(ranks, workdir):
-    scalars = _scalars(workdir, "global")
-    logged = {}
-    for line in ranks[0]["global"]["placements"]:
-        match = re.search(r"\(train\): step (\d+): .* per-rank cost max/mean ([\d.]+)", line)
-        if match:
-            logged.setdefault(int(match.group(1)), float(match.group(2)))
-    for iteration in range(1, ITERATIONS + 1):
-        assert scalars["packing/rank_cost_max_over_mean"][iteration] == pytest.approx(logged[iteration], abs=6e-4)
-    assert "packing/rank_cost_max_over_mean" not in _scalars(workdir, "thd")
+def test_global_batch_packing_logs_the_placements_per_rank_cost(training_world, workdir):
+    """Each iteration's figure is the per-rank cost global-batch packing logged (global rank 0) for the step, from the
+    half that trained it (a stopped half's loader logs steps past its stop: its prefetch)."""
+    scalars = _scalars(workdir, logged_run_names()["global"])
+    _, iterations, stop = RUNS["global"]
+    first, resumed = (training_world.ranks[0][half] for half in LOGGED["global"])
+    steps = {**_train_steps(first, 1, stop, COST_LINE), **_train_steps(resumed, stop + 1, iterations, COST_LINE)}
+    for iteration, line in steps.items():
+        logged = float(re.search(COST_LINE, line).group(2))
+        assert scalars["packing/rank_cost_max_over_mean"][iteration] == pytest.approx(logged, abs=6e-4)
+    assert "packing/rank_cost_max_over_mean" not in _scalars(workdir, logged_run_names()["thd"])
 
 
 @pytest.mark.parametrize("key", list(RUNS))
 def test_the_run_log_holds_one_line_per_iteration(ranks, workdir, key):
+    """One line per iteration, the resumed half appending to the stopped half's file."""
     records = read_run_log(workdir / f"{key}.jsonl")
-    assert [r.iteration for r in records] == list(range(1, ITERATIONS + 1))
-    layout = RUNS[key][0]
+    layout, iterations, _ = RUNS[key]
+    assert [r.iteration for r in records] == list(range(1, iterations + 1))
     for record, figures in zip(records, _expected(ranks, key), strict=True):
         assert (record.layout, record.dp, record.tp, record.cp, record.pp, record.ep) == (layout, 2, 1, 1, 1, 1)
         assert (record.micro_batch_size, record.micro_batches_per_step, record.global_batch_size,
@@ -142,27 +163,18 @@ def test_the_planner_fits_its_fixed_costs_on_the_cpu_runs_log(ranks, workdir):
 
 
 # A CP size per sample (docs/cp-per-sample.md) on 4 ranks against the same samples at static CP = 1 (DP = 4): the
-# recipe's loader draws a step's samples per DP rank, so both runs train the same samples (as
-# tests/bridge/test_cp_per_sample_training.py uses it).
-CP_TOKENS_PER_RANK, CP_ITERATIONS = 240, 2
+# recipe's loader draws a step's samples per DP rank, so both runs train the same samples. The runs are
+# test_cp_per_sample_training.py's (one world for both modules): the CP-per-sample run stopped after iteration 1 and
+# resumed, both halves writing one TensorBoard folder, and evaluated (the figures count training micro-batches only).
 
 
-@pytest.fixture(scope="module")
-def cp_ranks(workdir):
-    common = dict(train_iters=CP_ITERATIONS, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
-                  seq_length=SEQ_LENGTH, eval_iters=0, checkpoint=False, count_tokens=False, tensorboard=True)
-    runs = [("dynamic", RECIPE, "thd", dict(common, cp_per_sample=CP_TOKENS_PER_RANK, run_name="packing-dynamic")),
-            ("static_cp1", RECIPE, "thd", dict(common, per_token_loss=True, run_name="packing-static_cp1"))]
-    return run_on_cpu(runs, workdir=workdir, world_size=4, timeout=540)
-
-
-def test_cp_per_sample_logs_its_rows_per_cp_size_and_each_rows_tokens_once(cp_ranks, workdir):
-    dynamic, static = _scalars(workdir, "dynamic"), _scalars(workdir, "static_cp1")
-    rows_logged = {}
-    for line in cp_ranks[0]["dynamic"]["placements"]:
-        match = re.search(r"\(train\): step (\d+): (\d+) samples in (\d+) rows", line)
-        if match:
-            rows_logged.setdefault(int(match.group(1)), int(match.group(3)))
+def test_cp_per_sample_logs_its_rows_per_cp_size_and_each_rows_tokens_once(cp_per_sample_world):
+    ranks, workdir = cp_per_sample_world
+    dynamic, static = (_scalars(workdir, CP_RUN_NAMES[key]) for key in ("dynamic", "static_cp1"))
+    pattern = r"\(train\): step (\d+): \d+ samples in (\d+) rows"
+    lines = {**_train_steps(ranks[0]["dynamic_first"], 1, 1, pattern),
+             **_train_steps(ranks[0]["dynamic_resumed"], 2, CP_ITERATIONS, pattern)}
+    rows_logged = {step: int(re.search(pattern, line).group(2)) for step, line in lines.items()}
     sizes = [tag for tag in dynamic if tag.startswith("packing/cp_per_sample_rows_")]
     assert sizes and all(int(tag.rsplit("_", 1)[1]) in (1, 2, 4) for tag in sizes)
     for iteration in range(1, CP_ITERATIONS + 1):

@@ -20,26 +20,20 @@ import pytest
 
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 
+from _bridge_worlds import (  # noqa: E402
+    EVAL_INTERVAL, EVAL_ITERS, GLOBAL, GLOBAL_BATCH, GLOBAL_RESUME_AT, ITERATIONS, MICRO_BATCH, RESUME_AT, SEQ_LENGTH,
+    SHORT,
+)
 from _training_runs import run_losses, thd_losses  # noqa: E402
-from megatron.bridge_thd_testbed.training import run_on_cpu, training_loop_runs  # noqa: E402
 
-RECIPE = "qwen3_vl_8b_sft_2gpu_h100_bf16_config"
-ITERATIONS, RESUME_AT = 20, 10
-MICRO_BATCH, GLOBAL_BATCH, SEQ_LENGTH = 2, 8, 512
-SHORT = 5  # iterations of the PP=2 and CP=2 runs
-GLOBAL = 10  # iterations of the two per-token-loss runs: Megatron-Bridge's placement and global-batch packing
-GLOBAL_RESUME_AT, EVAL_INTERVAL, EVAL_ITERS = 4, 3, 2
 RELATIVE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return run_on_cpu(training_loop_runs(RECIPE, iterations=ITERATIONS, resume_at=RESUME_AT, short=SHORT,
-                                         micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
-                                         seq_length=SEQ_LENGTH, global_iterations=GLOBAL,
-                                         global_resume_at=GLOBAL_RESUME_AT, eval_interval=EVAL_INTERVAL,
-                                         eval_iters=EVAL_ITERS),
-                      workdir=tmp_path_factory.mktemp("cord_v2_run"), world_size=2, timeout=540)
+def ranks(training_world):
+    """The runs (tests/_bridge_worlds.py: ``training_runs``), run once per session: test_packing_logs.py reads the
+    packing figures of two of them."""
+    return training_world.ranks
 
 
 def _close(a, b):

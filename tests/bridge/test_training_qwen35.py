@@ -18,19 +18,20 @@ import pytest
 
 pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
 
+from _bridge_worlds import GLOBAL_BATCH, MICRO_BATCH, QWEN35, SEQ_LENGTH  # noqa: E402
+from _bridge_worlds import QWEN35_ITERATIONS as ITERATIONS  # noqa: E402
+from _bridge_worlds import QWEN35_RESUME_AT as RESUME_AT  # noqa: E402
 from _training_runs import run_losses, thd_losses  # noqa: E402
-from megatron.bridge_thd_testbed.training import qwen35_training_runs, run_on_cpu  # noqa: E402
 
-ITERATIONS, RESUME_AT = 6, 3
-MICRO_BATCH, GLOBAL_BATCH, SEQ_LENGTH = 2, 8, 512
 RELATIVE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return run_on_cpu(qwen35_training_runs(iterations=ITERATIONS, resume_at=RESUME_AT, micro_batch_size=MICRO_BATCH,
-                                           global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH),
-                      workdir=tmp_path_factory.mktemp("qwen35_cord_v2_run"), world_size=2, timeout=300)
+def ranks(training_world):
+    """The runs (``qwen35_training_runs``), run once per session in test_training.py's DP=2 world, after its runs
+    (tests/_bridge_worlds.py): per rank, by their own keys."""
+    return [{key.removeprefix(QWEN35): run for key, run in rank.items() if key.startswith(QWEN35)}
+            for rank in training_world.ranks]
 
 
 def _relative(a, b):

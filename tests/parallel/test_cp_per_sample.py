@@ -61,8 +61,32 @@ def test_the_time_placement_runs_several_cp_sizes_in_one_group():
         assert [row.cp_size for row in placement.rows_of(rank)] == [4, 2, 1], rank
 
 
-def hybrid_worker(state_dict, samples, placement="megatron"):
-    """Every rank: the step's rows through Megatron-Core's hybrid-CP schedule, then the sums over the world."""
+def test_the_two_placements_differ_only_in_their_groups_and_which_rank_runs_each_cp1_row():
+    """Why the time placement runs on the dense model only (here), not also on Qwen3.5-VL and the MoE model
+    (test_cp_per_sample_qwen35.py, test_cp_per_sample_moe.py): on this step both placements make the same rows
+    (the same samples, CP sizes and slots; the CP > 1 rows on the same ranks) and give every rank CP 4, 2, 1 in that
+    order, so a GDN layer or a router meets the same rows in the same order under either; what differs, one group
+    instead of three and the ranks of the CP = 1 rows, is the schedule's, which the dense model's run covers. If this
+    fails, the time placement needs its run on those models again."""
+    megatron, by_time = (place(_samples(), placement) for placement in ("megatron", "time"))
+
+    def rows(placement):
+        return sorted((row.samples, row.cp_size, row.slots, row.ranks if row.cp_size > 1 else ())
+                      for row in placement.rows)
+
+    assert rows(megatron) == rows(by_time)
+    assert (megatron.groups, by_time.groups) == (3, 1)
+    for rank in range(WORLD):
+        assert [row.cp_size for row in megatron.rows_of(rank)] == [row.cp_size for row in by_time.rows_of(rank)], rank
+
+
+def hybrid_worker(state_dict, samples, placements=PLACEMENTS):
+    """Every rank, per placement (one world for both: the same groups, weights and samples): a fresh model, the
+    step's rows through Megatron-Core's hybrid-CP schedule, then the sums over the world."""
+    return {placement: _hybrid_step(state_dict, samples, placement) for placement in placements}
+
+
+def _hybrid_step(state_dict, samples, placement):
     model = build_qwen3_vl(_hybrid_config(), seed=0)
     model.load_state_dict(state_dict)
     result = run_hybrid_step(model, samples, placement)
@@ -81,13 +105,19 @@ def cp1_reference():
     return _cp1_reference(lambda: build_qwen3_vl(_config(), seed=0))
 
 
+@pytest.fixture(scope="module")
+def hybrid_runs(cp1_reference):
+    """Per rank, per placement: the step on the 4-rank hybrid-CP world (:func:`hybrid_worker`; one world runs both)."""
+    return run_on_gloo(hybrid_worker, cp1_reference[0], _samples(), PLACEMENTS, dp=WORLD, hybrid_cp=True,
+                       timeout=600)
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_cp_per_sample_equals_cp1_on_the_real_model(cp1_reference, placement):
-    state_dict, expected = cp1_reference
+def test_cp_per_sample_equals_cp1_on_the_real_model(cp1_reference, hybrid_runs, placement):
+    _, expected = cp1_reference
     placed = place(_samples(), placement)
-    ranks = run_on_gloo(hybrid_worker, state_dict, _samples(), placement, dp=WORLD, hybrid_cp=True, timeout=600)
     assert expected["num_tokens"] > 0
-    for rank, got in enumerate(ranks):
+    for rank, got in enumerate(by_placement[placement] for by_placement in hybrid_runs):
         # Each rank ran its rows with their CP sizes and Megatron-Core's groups, one forward per row, in order.
         mine = placed.rows_of(rank)
         assert got["row_cp_sizes"] == [row.cp_size for row in mine], rank

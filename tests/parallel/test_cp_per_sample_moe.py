@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cp_per_sample import MAX_TOKENS_PER_RANK, PLACEMENTS, SEQ_LENGTH, WORLD, bridge_batch, place, run_hybrid_step, samples
+from _cp_per_sample import MAX_TOKENS_PER_RANK, SEQ_LENGTH, WORLD, bridge_batch, place, run_hybrid_step, samples
 
 from megatron.bridge_thd.moe_padding.hook import with_padding_mask
 from megatron.bridge_thd_cpu.model import build_qwen3_vl, tiny_qwen3_vl_config
@@ -59,15 +59,10 @@ def moe_worker(state_dict, step_samples, placement="megatron"):
 
 
 @pytest.fixture(scope="module")
-def per_row_references():
-    """By placement, computed once each: :func:`_per_row_reference`."""
-    return {}
-
-
-@pytest.fixture
-def per_row_reference(per_row_references):
-    """Megatron-Core's placement's reference (the aux-loss tests read its weights)."""
-    return per_row_references.setdefault("megatron", _per_row_reference("megatron"))
+def per_row_reference():
+    """Megatron-Core's placement's reference, computed once (the aux-loss tests read its weights):
+    :func:`_per_row_reference`."""
+    return _per_row_reference("megatron")
 
 
 def _per_row_reference(placed_by: str):
@@ -89,17 +84,16 @@ def _per_row_reference(placed_by: str):
                                 rows=len(placement.rows), placement=placement, placed_by=placed_by)
 
 
-@pytest.mark.parametrize("placed_by", PLACEMENTS)
-def test_cp_per_sample_moe_equals_each_row_at_cp1(per_row_references, placed_by):
-    if placed_by not in per_row_references:
-        per_row_references[placed_by] = _per_row_reference(placed_by)
-    state_dict, expected = per_row_references[placed_by]
+def test_cp_per_sample_moe_equals_each_row_at_cp1(per_row_reference):
+    """Megatron-Core's placement. Ours on the time model makes the same rows (the same samples, so the same per-row
+    reference) in the same order per rank (test_cp_per_sample.py checks it and runs both placements on the dense
+    model), so it runs there only."""
+    state_dict, expected = per_row_reference
     assert expected["rows"] == 7 and expected["num_tokens"] > 0
     ranks = run_on_gloo(moe_worker, state_dict, samples(), expected["placed_by"], dp=WORLD, hybrid_cp=True,
                         timeout=600)
     for rank, got in enumerate(ranks):
-        # The routers reduced over the row's ranks: 4, then 2, then 1 (both placements give every rank these sizes,
-        # in this order); and were given back their own group.
+        # The routers reduced over the row's ranks: 4, then 2, then 1; and were given back their own group.
         assert got["group_sizes"] == [row.cp_size for row in expected["placement"].rows_of(rank)] == [4, 2, 1], rank
         assert got["restored"], rank
         assert torch.equal(got["counts"], expected["counts"]), rank
@@ -134,28 +128,43 @@ def aux_gradient_worker(state_dict, cp, coeff, wrapped, balancing="aux_loss"):
     return grad
 
 
-def _aux_part(state_dict, cp, wrapped, balancing):
-    """The load-balancing loss's share of the router weight's gradient: with the loss minus without it."""
-    if cp == 1:
-        return (aux_gradient_worker(state_dict, 1, 1e-2, wrapped, balancing)
-                - aux_gradient_worker(state_dict, 1, 0.0, wrapped, balancing))
-    on, off = (run_on_gloo(aux_gradient_worker, state_dict, cp, coeff, wrapped, balancing, cp=cp, timeout=300)[0]
-               for coeff in (1e-2, 0.0))
-    return on - off
+BALANCINGS = ("aux_loss", "global_aux_loss")
+# Each balancing with the load-balancing loss on and off (its share of the gradient is the difference).
+AUX_CASES = tuple((balancing, coeff) for balancing in BALANCINGS for coeff in (1e-2, 0.0))
 
 
-@pytest.mark.parametrize("balancing", ["aux_loss", "global_aux_loss"])
-def test_the_aux_loss_gradient_under_static_cp_equals_cp1(per_row_reference, balancing):
+def aux_gradients_worker(state_dict, cp, wrapped):
+    """:func:`aux_gradient_worker` for every case of :data:`AUX_CASES`, in order, in one process (one world)."""
+    from megatron.core.transformer.moe import moe_logging
+
+    grads = []
+    for balancing, coeff in AUX_CASES:
+        moe_logging.destroy_moe_metrics_tracker()  # each case a fresh run (tests/conftest.py says why)
+        grads.append(aux_gradient_worker(state_dict, cp, coeff, wrapped, balancing))
+    return grads
+
+
+@pytest.fixture(scope="module")
+def aux_parts(per_row_reference):
+    """By balancing: the load-balancing loss's share of the first router weight's gradient (with the loss minus
+    without it) at CP = 1 on one process and at static CP = 2 (one world runs every case of :data:`AUX_CASES`)."""
+    state_dict, _ = per_row_reference
+    with cpu_stack():
+        cp1 = aux_gradients_worker(state_dict, 1, True)
+    cp2 = run_on_gloo(aux_gradients_worker, state_dict, 2, True, cp=2, timeout=300)[0]
+    return {balancing: (cp1[2 * i] - cp1[2 * i + 1], cp2[2 * i] - cp2[2 * i + 1])
+            for i, balancing in enumerate(BALANCINGS)}
+
+
+@pytest.mark.parametrize("balancing", BALANCINGS)
+def test_the_aux_loss_gradient_under_static_cp_equals_cp1(aux_parts, balancing):
     """Megatron-Core's ``get_tokens_per_expert_and_token_count`` all-reduces the per-expert counts in place and then
     reads the rank's token count from them: with a padding mask under CP its aux-loss gradient is ``CP`` times too
     large (measured with Megatron-Core's method: exactly 2x at CP = 2, for ``aux_loss`` and for ``global_aux_loss``,
     whose group, TP x DP x CP, is the CP group here). The padding-aware router counts from a copy; at CP = 1 it is
     Megatron-Core's method on the same numbers. (``global_aux_loss`` at DP = 2 too, over rows of unequal real
     tokens: tests/parallel/test_moe_global_aux_loss.py.)"""
-    state_dict, _ = per_row_reference
-    with cpu_stack():
-        reference = _aux_part(state_dict, 1, True, balancing)
-    wrapped = _aux_part(state_dict, 2, True, balancing)
+    reference, wrapped = aux_parts[balancing]
     assert reference.norm() > 0
     # A difference of two gradients: compared as a whole (Megatron-Core's count gave exactly 2x here).
     assert float((wrapped - reference).norm() / reference.norm()) <= 1e-5
