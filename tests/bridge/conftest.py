@@ -6,7 +6,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def training_world(tmp_path_factory):
-    """2 ranks: test_training.py's runs, two of them also read by test_packing_logs.py, and test_training_qwen35.py's."""
+    """2 ranks: test_training.py's runs (two of them also read by test_packing_logs.py), test_training_qwen35.py's."""
     pytest.importorskip("omegaconf", reason="Megatron-Bridge's dependencies (the bridge-cpu extra) are not installed")
     from _bridge_worlds import World, training_runs
 

@@ -9,7 +9,9 @@ Three steps drive the same recipe on the same data order: Megatron-Bridge's own
 ``qwen3_vl_step`` (the padded baseline), ours with ``thd`` and with ``thd_static``; and ``thd_static``
 with global-batch packing (``configure(..., global_batch_packing=...)``), which places the same
 steps' samples differently across the two ranks and their micro-batches, evaluated every
-``EVAL_INTERVAL`` iterations, stopped at ``GLOBAL_RESUME_AT`` and resumed.
+``EVAL_INTERVAL`` iterations, stopped at ``GLOBAL_RESUME_AT`` and resumed. The ``thd`` run and the global-batch
+packing run also write TensorBoard and a run log, which test_packing_logs.py reads (the runs:
+tests/_bridge_worlds.py, one world per session for the modules that read them).
 """
 
 from __future__ import annotations
