@@ -5,7 +5,7 @@ The command's options (:func:`build_parser`) and what it prints for them (:func:
 
 Examples::
 
-    bridge-thd plan --model qwen3-vl-8b --seq-length 8192 --micro-batch-size 4 --tp 2 --png /tmp/plan.png
+    bridge-thd plan --model qwen3-vl-8b --seq-length 8192 --micro-batch-size 4 --tp 2 --png plan.png
     bridge-thd plan --model qwen3-vl-8b --global-batch-size 64     # with / without global-batch packing
     bridge-thd plan --model qwen3-vl-8b --global-batch-size 64 --row-buckets 1   # one thd_static row
     bridge-thd plan --hf-config config.json --lengths lengths.csv --seq-length 4096 --tp 4 --pp 2
