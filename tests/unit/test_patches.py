@@ -147,3 +147,36 @@ def test_cpu_stack_gives_each_te_class_upstream_tests_with_isinstance_a_type():
                 with pytest.raises(TypeError, match="Transformer Engine"):
                     getattr(inference_layers, name)()
     assert all(getattr(owner, name, None) is value for (owner, name), value in zip(names, before))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the stance is set only where there is no CUDA")
+def test_cpu_stack_runs_compiled_functions_eagerly_and_restores_the_stance():
+    """Inside ``cpu_stack`` a ``torch.compile`` function (Megatron's ``@jit_fuser``) runs its original: the compiler
+    backend is never called, for a function compiled before the block or one of Megatron's own; outside the block
+    (before and after it) the same function is compiled again (docs/patches.md)."""
+    import torch
+    from megatron.core.jit import jit_fuser
+
+    from megatron.bridge_thd_cpu.stack import cpu_stack
+
+    compiled = []
+
+    def counting_backend(graph_module, example_inputs):
+        compiled.append(graph_module)
+        return graph_module.forward
+
+    @torch.compile(backend=counting_backend)
+    def scaled(x):
+        return x * 2 + 1
+
+    x = torch.arange(4.0)
+    torch._dynamo.reset()
+    with cpu_stack():
+        assert torch.equal(scaled(x), x * 2 + 1)
+        with cpu_stack():  # re-entrant: the inner block leaves the outer one's stance
+            scaled(x + 1)
+        scaled(x + 2)
+        assert hasattr(jit_fuser(lambda y: y + 1), "_torchdynamo_orig_callable")  # Megatron's @jit_fuser compiles
+    assert compiled == []
+    assert torch.equal(scaled(x), x * 2 + 1)
+    assert len(compiled) == 1

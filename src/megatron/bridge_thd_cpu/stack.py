@@ -127,22 +127,6 @@ def _cpu_rng_tracker():
     return _CpuRngTracker()
 
 
-def _uncompiled(method):
-    """The undecorated original of a ``@jit_fuser`` (``torch.compile``) method, or None for any other."""
-    return getattr(method, "_torchdynamo_orig_callable", None)
-
-
-def _jit_fused_method_patches(classes) -> list[Patch]:
-    """Each ``@jit_fuser`` method the classes define, back to its original (no Inductor on the CPU)."""
-    return [
-        Patch(cls, name, _uncompiled(method),
-              "@jit_fuser (torch.compile) method: its undecorated original, no Inductor on the CPU")
-        for cls in classes
-        for name, method in vars(cls).items()
-        if _uncompiled(method) is not None
-    ]
-
-
 def _gdn_patches() -> list[Patch]:
     """Megatron-Core's Gated DeltaNet on the CPU without flash-linear-attention (docs/patches.md)."""
     patches: list[Patch] = []
@@ -167,7 +151,6 @@ def _gdn_patches() -> list[Patch]:
     if not torch.cuda.is_available():
         patches.append(Patch(gdn_common, "get_cuda_rng_tracker", _cpu_rng_tracker,
                              "reset_parameters forks the CUDA RNG tracker; on the CPU fork is the CPU generator"))
-        patches += _jit_fused_method_patches((gdn_common._GDNBase, gdn_module.GatedDeltaNet))
     return patches
 
 
@@ -304,5 +287,16 @@ def cpu_stack():
     ``modelling_qwen3_vl/model.py`` are swapped (the THD attention is still the CPU one).
     ``GatedDeltaNet`` binds ``self.gated_delta_rule`` at construction: build it inside the block.
     """
-    with applied(cpu_patches()):
+    with applied(cpu_patches()), _compiled_functions_run_eagerly():
         yield
+
+
+def _compiled_functions_run_eagerly():
+    """Without CUDA, every ``torch.compile`` function called in the block runs its undecorated original
+    (``torch.compiler.set_stance("force_eager")``): Megatron's ``@jit_fuser`` functions and methods (the training
+    loop's bias-GeLU / SwiGLU / bias-dropout-add warm-up, the fused cross entropy's helpers, Gated DeltaNet's gate and
+    norm methods) would otherwise be traced by Dynamo and compiled by Inductor to C++ on every new shape: seconds of
+    a CPU run per ``finetune()`` and nothing any test asserts on. docs/patches.md."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")

@@ -18,9 +18,8 @@ The patches (targets, where they are built and applied, why; one line each in do
   split sizes); ``torch`` as ``modelling_qwen3_vl/utils.py`` sees it (an uneven ``all_gather`` on gloo);
   Gated DeltaNet without fla: ``gated_delta_net.common`` ``HAVE_FLA``, ``causal_conv1d``,
   ``l2norm``, ``chunk_gated_delta_rule``, ``get_cuda_rng_tracker``, ``gated_delta_net.gdn``
-  ``causal_conv1d``, ``chunk_gated_delta_rule``, and the ``torch.compile`` methods of ``_GDNBase``
-  (``_apply_gated_norm``, ``_prepare_input_for_gated_delta_rule``, ``_compute_g_and_beta``) and
-  ``GatedDeltaNet`` (``_compute_gates``); the TE classes upstream tests with ``isinstance``, which
+  ``causal_conv1d``, ``chunk_gated_delta_rule`` (every ``torch.compile`` function, Gated DeltaNet's methods
+  among them, runs eagerly in the block: torch's ``set_stance("force_eager")``, not a record); the TE classes upstream tests with ``isinstance``, which
   are ``MagicMock`` objects without TE: the Qwen3-VL attention's ``attention.TEDotProductAttention``
   (the CPU THD core attention) and ``inference_layers`` ``InferenceColumnParallelLinear``,
   ``InferenceLayerNormColumnParallelLinear`` (classes no object is an instance of).
