@@ -32,15 +32,21 @@ def wait_for_a_message_from_rank_1():
     return torch.distributed.get_rank()
 
 
-def test_a_hanging_world_fails_at_the_deadline():
+@pytest.mark.parametrize("whole_bridge", [False, True], ids=["forkserver", "bridge-zygote"])
+def test_a_hanging_world_fails_at_the_deadline(whole_bridge):
+    if whole_bridge:
+        run_on_gloo(rank_and_zygote, whole_bridge=True, initialize=False)  # the zygote's start is not the world's
     running_before = set(multiprocessing.active_children())
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="did not finish within timeout") as info:
-        run_on_gloo(wait_for_a_message_from_rank_1, cp=2, timeout=TIMEOUT)
+        run_on_gloo(wait_for_a_message_from_rank_1, cp=2, timeout=TIMEOUT, whole_bridge=whole_bridge)
     elapsed = time.monotonic() - start
-    # Every rank of the world is reported as hung, and killed: none is left running.
+    # Every rank of the world is reported as hung, and killed: none is left running (a zygote's ranks are its
+    # children, and it answers the next world).
     assert str(info.value).count("did not finish within timeout") == 2
     assert set(multiprocessing.active_children()) <= running_before
+    if whole_bridge:
+        assert run_on_gloo(rank_and_zygote, whole_bridge=True, initialize=False)[0]["rank"] == 0
     # It waited for the deadline, and only one deadline for the world, not one per process.
     assert TIMEOUT <= elapsed < 2 * TIMEOUT
 
@@ -93,3 +99,65 @@ def test_rendezvous_ports_are_outside_the_range_outgoing_connections_take():
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def rank_and_zygote():
+    import os
+    import sys
+
+    import huggingface_hub.constants
+
+    return {"rank": int(os.environ["RANK"]), "parent": os.getppid(), "pid": os.getpid(),
+            # Megatron-Bridge's __init__ ran before the rank's first line: its models are registered.
+            "whole": "megatron.bridge.diffusion.models" in sys.modules and hasattr(sys.modules["megatron.bridge"],
+                                                                                   "AutoBridge"),
+            "per_test": os.environ.get("PYTEST_CURRENT_TEST"), "hub_cache": huggingface_hub.constants.HF_HUB_CACHE,
+            "bad_fork": torch._C._cuda_isInBadFork()}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a rank meets on a machine without CUDA")
+def test_whole_bridge_worlds_of_one_environment_are_forked_from_one_zygote(monkeypatch):
+    """Two whole-bridge worlds whose import environment is the same are forked from one process that imported
+    Megatron-Bridge whole (not the caller): each rank is a fresh process with the package, no "bad fork", Hugging
+    Face's hub settings as the caller has them, and the caller's current environment, here a per-test variable
+    changed after the zygote started."""
+    import os
+
+    from megatron.bridge_thd_testbed.launcher import import_environment
+
+    first = run_on_gloo(rank_and_zygote, dp=2, whole_bridge=True, initialize=False)
+    key = import_environment()
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "changed after the zygote started")
+    assert import_environment() == key  # the per-test variable is no part of what imports read
+    second = run_on_gloo(rank_and_zygote, dp=1, whole_bridge=True, initialize=False)
+    ranks = first + second
+    assert [rank["rank"] for rank in ranks] == [0, 1, 0]
+    assert len({rank["parent"] for rank in ranks}) == 1 and ranks[0]["parent"] != os.getpid()
+    assert len({rank["pid"] for rank in ranks}) == 3
+    assert all(rank["whole"] and not rank["bad_fork"] for rank in ranks)
+    assert second[0]["per_test"] == "changed after the zygote started"
+    import huggingface_hub.constants
+
+    assert {rank["hub_cache"] for rank in ranks} == {huggingface_hub.constants.HF_HUB_CACHE}
+
+
+def test_a_bridge_zygote_is_chosen_by_what_imports_read(monkeypatch, tmp_path):
+    """The key a zygote is kept under: the environment less pytest's per-test variable, and the import path. Hugging
+    Face's hub settings change it; two offline-hub blocks (the recipes' worlds) give the same one."""
+    from megatron.bridge_thd_cpu.hf_hub import offline_hub
+    from megatron.bridge_thd_testbed.launcher import import_environment
+
+    key = import_environment()
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")
+    assert import_environment() == key
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert import_environment() != key
+    monkeypatch.undo()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_environment() != key
+    monkeypatch.undo()
+    with offline_hub():
+        offline = import_environment()
+    assert offline != key and import_environment() == key
+    with offline_hub():
+        assert import_environment() == offline

@@ -297,24 +297,40 @@ def write_hub_cache(cache: Path, configs: dict[str, dict] | None = None) -> Path
     return cache
 
 
+# One hub folder per process and configs, kept until the interpreter exits (TemporaryDirectory's finalizer).
+_HUB_FOLDERS: dict[str, tempfile.TemporaryDirectory] = {}
+
+
+def _hub_folder(configs: dict[str, dict] | None) -> Path:
+    """The process's hub folder holding ``configs``, written the first time they are asked for."""
+    key = json.dumps(HUB_CONFIGS if configs is None else configs, sort_keys=True)
+    if key not in _HUB_FOLDERS:
+        folder = tempfile.TemporaryDirectory(prefix="bridge_thd_hub_")
+        write_hub_cache(Path(folder.name) / "hub", configs)
+        _HUB_FOLDERS[key] = folder
+    return Path(_HUB_FOLDERS[key].name)
+
+
 @contextlib.contextmanager
 def offline_hub(configs: dict[str, dict] | None = None):
     """Within the block, ``AutoConfig.from_pretrained("Qwen/...")`` reads the configs written here, offline.
 
+    Every block of a process with the same ``configs`` uses one folder (written once, removed when the interpreter
+    exits), so the variables it sets are the same each time: what the gloo launcher's bridge zygote is chosen by
+    (``bridge_thd_testbed.launcher``, module docstring).
+
     Yields:
-        The hub cache folder (removed, and the environment restored, when the block ends).
+        The hub cache folder (the environment is restored when the block ends).
     """
     saved = {name: os.environ.get(name) for name in _ENV}
-    with tempfile.TemporaryDirectory(prefix="bridge_thd_hub_") as folder:
-        root = Path(folder)
-        cache = write_hub_cache(root / "hub", configs)
-        os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_CACHE=str(cache),
-                          HF_HOME=str(root), MEGATRON_CONFIG_LOCK_DIR=str(root))
-        try:
-            yield cache
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    root = _hub_folder(configs)
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_CACHE=str(root / "hub"),
+                      HF_HOME=str(root), MEGATRON_CONFIG_LOCK_DIR=str(root))
+    try:
+        yield root / "hub"
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-__all__ = ["PRELOADED_MODULES"]
+__all__ = ["PRELOADED_MODULES", "device_count_without_the_runtime"]
 
 PRELOADED_MODULES = (
     "torch.distributed",
@@ -49,7 +49,9 @@ PRELOADED_MODULES = (
 
 
 @contextlib.contextmanager
-def _device_count_without_the_runtime():
+def device_count_without_the_runtime():
+    """While the block imports, torch's device-count query answers 0 without asking the CUDA runtime (module
+    docstring); also what the launcher's bridge zygote imports Megatron-Bridge under."""
     has_driver = os.path.exists("/proc/driver/nvidia/version")
     if has_driver or not hasattr(torch._C, "_cuda_getDeviceCount"):
         yield
@@ -62,6 +64,6 @@ def _device_count_without_the_runtime():
         torch._C._cuda_getDeviceCount = original
 
 
-with _device_count_without_the_runtime():
+with device_count_without_the_runtime():
     for _name in PRELOADED_MODULES:
         importlib.import_module(_name)

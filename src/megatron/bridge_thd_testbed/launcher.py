@@ -16,6 +16,18 @@ imports the test's function, Megatron-Bridge and Megatron's training package its
 patches, and creates its own process groups. The forkserver holds no
 process group and starts no thread.
 
+A rank that needs Megatron-Bridge whole (``whole_bridge=True``: recipes, ``ConfigContainer``, ``finetune()``) is forked
+instead from a *bridge zygote*: one process, forked from that forkserver, that took the caller's environment and
+import path, imported Megatron-Bridge whole inside
+:func:`~megatron.bridge_thd_cpu.bridge_package.bridge_package` (held for its life) and then only forks worlds. The
+import is ~7 CPU seconds a process; every whole-bridge world of a session paid it once per rank, and now pays it once
+per zygote. A zygote is kept for each import environment (the caller's environment less pytest's per-test variable,
+and its import path: what the imports may read, Hugging Face's hub settings among them); a world whose environment
+differs gets a zygote of its own, started then. Each rank is still a fresh process that has imported Megatron-Bridge
+and nothing else: it takes the caller's current environment, creates its own process groups and runs ``fn``. The
+zygote starts its world's ranks with the ``fork`` method, keeps the world's one deadline and kills what hangs, as the
+caller does for the other ranks; it is stopped when the caller's interpreter exits.
+
 Before ``fn`` runs, a rank moves every object its imports made into the collector's permanent generation
 (``gc.freeze()``, what Python's documentation advises for a process that forks): Megatron-Bridge's training loop
 calls ``gc.collect()`` at the end of every ``train()``, and with Megatron-Bridge imported whole each call walked
@@ -25,6 +37,7 @@ Objects made by ``fn`` are collected as before.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
@@ -40,7 +53,7 @@ import torch.multiprocessing as mp
 from megatron.bridge_thd.upstream.patches import Patch, applied
 from megatron.bridge_thd_cpu.standalone import free_port
 
-__all__ = ["run_on_gloo", "without_modelopt"]
+__all__ = ["run_on_gloo", "without_modelopt", "import_environment"]
 
 
 def without_modelopt() -> Patch:
@@ -76,16 +89,11 @@ def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initia
                           LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
         torch.set_num_threads(1)
         with contextlib.ExitStack() as stack:
-            if not whole_bridge:
+            if not whole_bridge:  # a whole-bridge rank's zygote imported Megatron-Bridge whole already
                 stack.enter_context(applied([without_modelopt()]))
             # Unpickled here, not by multiprocessing: the function's module (and what it imports) loads
             # after the patch above.
             fn, args = pickle.loads(payload)
-            if whole_bridge:
-                from megatron.bridge_thd_cpu.bridge_package import bridge_package
-
-                stack.enter_context(bridge_package())
-                import megatron.bridge  # noqa: F401 - the whole package, before any bare load
             if initialize:
                 torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
                 from megatron.core import parallel_state
@@ -110,6 +118,130 @@ def _worker(rank, world_size, port, sizes, payload, folder, whole_bridge, initia
             torch.distributed.destroy_process_group()
 
 
+# pytest's variable naming the running test: set anew for each test, read by no import.
+_PER_TEST_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
+# Seconds a zygote may take to import Megatron-Bridge whole, and beyond a world's deadline to report it.
+_ZYGOTE_START_TIMEOUT, _ZYGOTE_GRACE = 600.0, 60.0
+
+
+def _run_world(context, ranks: list, timeout: float) -> list[int]:
+    """Start one process per rank (``_worker(*rank_args)``), join them all by one deadline ``timeout`` seconds from
+    now, kill any still alive; the ranks that were."""
+    processes = [context.Process(target=_worker, args=rank_args, daemon=False) for rank_args in ranks]
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return hung
+
+
+def import_environment() -> tuple:
+    """What the imports of a process started now may read: the caller's environment, less pytest's per-test
+    variable, and its import path. Two worlds with the same share a bridge zygote."""
+    variables = tuple(sorted((name, value) for name, value in os.environ.items() if name not in _PER_TEST_VARIABLES))
+    return variables, tuple(sys.path)
+
+
+def _zygote_main(connection, environment: dict, path_entries: list) -> None:
+    """The bridge zygote: import Megatron-Bridge whole under the given environment, then run each world it is sent
+    (``(ranks, timeout)``; ``None`` stops it), answering ``("hung", [ranks])``."""
+    try:
+        os.environ.clear()
+        os.environ.update(environment)
+        sys.path[:] = path_entries
+        from megatron.bridge_thd_cpu.bridge_package import bridge_package
+        from megatron.bridge_thd_testbed.forkserver_preload import device_count_without_the_runtime
+
+        stand_ins = contextlib.ExitStack()  # held for the zygote's life (this frame's): its ranks run inside it
+        stand_ins.enter_context(bridge_package())
+        with device_count_without_the_runtime():  # no "bad fork" for the ranks (forkserver_preload's docstring)
+            import megatron.bridge  # noqa: F401 - the whole package, before any bare load
+        gc.freeze()  # shared, never walked by a rank's collector (module docstring)
+    except BaseException:  # noqa: BLE001 - reported to the caller with the traceback
+        connection.send(("failed", traceback.format_exc()))
+        return
+    connection.send(("ready", os.getpid()))
+    fork = mp.get_context("fork")
+    while (request := connection.recv()) is not None:
+        ranks, timeout = request
+        connection.send(("hung", _run_world(fork, ranks, timeout)))
+
+
+class _BridgeZygote:
+    """The caller's handle on one bridge zygote (:func:`_zygote_main`)."""
+
+    def __init__(self, key: tuple):
+        self.key = key
+        self.connection, theirs = mp.Pipe()
+        self.process = _context().Process(target=_zygote_main, args=(theirs, dict(os.environ), list(sys.path)),
+                                          daemon=False)  # a daemonic process may not start the ranks
+        self.process.start()
+        theirs.close()
+        kind, detail = self._answer(_ZYGOTE_START_TIMEOUT, "import Megatron-Bridge whole")
+        if kind != "ready":
+            self.stop()
+            raise RuntimeError(f"the bridge zygote could not import Megatron-Bridge whole:\n{detail}")
+        self.pid = detail
+
+    def _answer(self, seconds: float, doing: str):
+        if not self.connection.poll(seconds):
+            self.stop()
+            raise RuntimeError(f"the bridge zygote did not {doing} within {seconds:.0f} s")
+        try:
+            return self.connection.recv()
+        except EOFError:
+            self.stop()
+            raise RuntimeError(f"the bridge zygote exited while it was to {doing}") from None
+
+    def run_world(self, ranks: list, timeout: float) -> list[int]:
+        """The ranks forked from the zygote, run to the world's one deadline; the ranks that hung (killed)."""
+        self.connection.send((ranks, timeout))
+        _, hung = self._answer(timeout + _ZYGOTE_GRACE, "run its world")
+        return hung
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.connection.send(None)
+            self.process.join(10.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        if _ZYGOTES.get(self.key) is self:
+            del _ZYGOTES[self.key]
+
+
+# One zygote per import environment (the suite meets two: the offline hub's and the plain one), oldest stopped first.
+_ZYGOTES: dict = {}
+_MAX_ZYGOTES = 2
+
+
+def _bridge_zygote() -> _BridgeZygote:
+    """The live zygote for the caller's import environment, started if there is none."""
+    key = import_environment()
+    zygote = _ZYGOTES.get(key)
+    if zygote is not None and zygote.process.is_alive():
+        return zygote
+    if zygote is not None:
+        zygote.stop()
+    while len(_ZYGOTES) >= _MAX_ZYGOTES:
+        next(iter(_ZYGOTES.values())).stop()
+    _ZYGOTES[key] = zygote = _BridgeZygote(key)
+    return zygote
+
+
+@atexit.register
+def _stop_zygotes() -> None:
+    for zygote in list(_ZYGOTES.values()):
+        zygote.stop()
+
+
 def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1,
                 timeout: float = 300.0, whole_bridge: bool = False, initialize: bool = True,
                 hybrid_cp: bool = False) -> list:
@@ -123,9 +255,10 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
             the data-parallel x context-parallel ranks, so ``ep`` must divide ``dp * cp``).
         timeout: seconds for the whole world (one deadline, not per process) before every
             process still alive is killed and an error is raised.
-        whole_bridge: import Megatron-Bridge whole first, inside
-            :func:`~megatron.bridge_thd_cpu.bridge_package.bridge_package` (kept for the call),
-            for recipes, ``ConfigContainer`` and the training loop.
+        whole_bridge: ranks with Megatron-Bridge imported whole, inside
+            :func:`~megatron.bridge_thd_cpu.bridge_package.bridge_package` (kept for the call), for recipes,
+            ``ConfigContainer`` and the training loop: forked from the bridge zygote of the caller's import
+            environment (module docstring), started for the first such world.
         initialize: create the gloo process group and Megatron-Core's groups; False leaves that to
             ``fn`` (Megatron-Bridge's own ``initialize_megatron``), with torchrun's ``RANK`` /
             ``WORLD_SIZE`` / ``MASTER_*`` / ``LOCAL_RANK`` set.
@@ -145,29 +278,15 @@ def run_on_gloo(fn, *args, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, d
         raise ValueError(f"ep: {ep} must divide dp * cp = {dp * cp} (Megatron-Core carves expert parallelism out of them)")
     world_size = tp * cp * pp * dp
     sizes = dict(tp=tp, cp=cp, pp=pp, ep=ep)
-    context = _context()
     payload = pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory(prefix="bridge_thd_gloo_") as folder:
         port = free_port()
-        processes = [
-            context.Process(target=_worker, daemon=False,
-                            args=(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize,
-                                  dict(os.environ), list(sys.path), hybrid_cp))
-            for rank in range(world_size)
-        ]
+        ranks = [(rank, world_size, port, sizes, payload, folder, whole_bridge, initialize, dict(os.environ),
+                  list(sys.path), hybrid_cp) for rank in range(world_size)]
         # One deadline for the whole world, its start included: a hang anywhere (a stage waiting on a
         # peer's p2p, a collective a rank never joins) becomes a failure after `timeout` seconds, never
         # a stuck suite.
-        deadline = time.monotonic() + timeout
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+        hung = _bridge_zygote().run_world(ranks, timeout) if whole_bridge else _run_world(_context(), ranks, timeout)
         results, errors = [], []
         for rank in range(world_size):
             path = os.path.join(folder, f"rank{rank}.pt")
