@@ -23,7 +23,8 @@ import path, imported Megatron-Bridge whole inside
 import is ~7 CPU seconds a process; every whole-bridge world of a session paid it once per rank, and now pays it once
 per zygote. A zygote is kept for each import environment (the caller's environment less pytest's per-test variable,
 and its import path: what the imports may read, Hugging Face's hub settings among them); a world whose environment
-differs gets a zygote of its own, started then. Each rank is still a fresh process that has imported Megatron-Bridge
+differs gets a zygote of its own, started then (two are kept, the suite meets two; the oldest is stopped for a
+third). Each rank is still a fresh process that has imported Megatron-Bridge
 and nothing else: it takes the caller's current environment, creates its own process groups and runs ``fn``. The
 zygote starts its world's ranks with the ``fork`` method, keeps the world's one deadline and kills what hangs, as the
 caller does for the other ranks; it is stopped when the caller's interpreter exits.
