@@ -167,7 +167,7 @@ def _zygote_main(connection, environment: dict, path_entries: list) -> None:
     except BaseException:  # noqa: BLE001 - reported to the caller with the traceback
         connection.send(("failed", traceback.format_exc()))
         return
-    connection.send(("ready", os.getpid()))
+    connection.send(("ready", None))
     fork = mp.get_context("fork")
     while (request := connection.recv()) is not None:
         ranks, timeout = request
@@ -188,7 +188,6 @@ class _BridgeZygote:
         if kind != "ready":
             self.stop()
             raise RuntimeError(f"the bridge zygote could not import Megatron-Bridge whole:\n{detail}")
-        self.pid = detail
 
     def _answer(self, seconds: float, doing: str):
         if not self.connection.poll(seconds):
